@@ -1,0 +1,51 @@
+"""GPTQ: Hessian-based weight rewrite (Frantar et al., ICLR 2023), as a graph pass.
+
+Per linear, choose ``Q`` minimising ``‖WX − QX‖²`` with ``H = 2/n Σ x xᵀ`` from calibration inputs
+that already pass through the quantized earlier blocks. The algorithm is the pure function
+``qcompiler.gptq.gptq_quantize``; this pass only walks the blocks and rewrites nodes.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+from torch.fx import GraphModule
+
+from qcompiler.errors import QuantizationError
+from qcompiler.gptq import check_spec, gptq_quantize
+from qcompiler.pass_base import GraphProperty, Pass, PassContext
+from qcompiler.weight_only import quantize_block_linears
+
+__all__ = ["GPTQ"]
+
+
+@dataclass(frozen=True)
+class GPTQ(Pass):
+    """Replaces each linear inside a transformer block with ``qc.quant_linear`` holding its GPTQ weight."""
+
+    bits: int = 4
+    group_size: int = 128
+    sym: bool = False
+    act_order: bool = False       # process columns by decreasing diag(H)
+    static_groups: bool = False   # with act_order: grids fixed up front, groups contiguous
+    damp: float = 0.01            # λ = damp · mean(diag H), raised ×10 while H is not PD
+    block_size: int = 128         # lazy-batch width
+    true_sequential: bool = True  # q/k/v, then o, then gate/up, then down, re-running inputs between
+
+    provides: ClassVar = frozenset({GraphProperty.QUANTIZED_WEIGHTS})
+    needs_calibration: ClassVar = True
+
+    def __post_init__(self):
+        check_spec(self.bits, self.group_size)
+        if not 0 < self.damp < 1:
+            raise QuantizationError(f"damp must be in (0, 1), got {self.damp}")
+        if self.block_size < 1:
+            raise QuantizationError(f"block_size must be positive, got {self.block_size}")
+
+    def run(self, gm: GraphModule, ctx: PassContext) -> bool:
+        def quantize(layer, W, H):
+            return gptq_quantize(W, H, bits=self.bits, group_size=self.group_size, sym=self.sym,
+                                 act_order=self.act_order, static_groups=self.static_groups,
+                                 damp=self.damp, block_size=self.block_size)
+        return quantize_block_linears(gm, ctx, bits=self.bits, quantize=quantize,
+                                      true_sequential=self.true_sequential, needs_hessian=True)

@@ -1,0 +1,37 @@
+"""Round-to-nearest weight quantization: the baseline every quality claim is measured against.
+
+Each weight group is put on its min-max grid (``qcompiler.quant_grid``) independently, with no
+error feedback. Same grid, groups and storage as GPTQ, so the two differ only in the rounding.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+from torch.fx import GraphModule
+
+from qcompiler.gptq import check_spec, rtn_quantize
+from qcompiler.pass_base import GraphProperty, Pass, PassContext
+from qcompiler.weight_only import quantize_block_linears
+
+__all__ = ["RTN"]
+
+
+@dataclass(frozen=True)
+class RTN(Pass):
+    """Replaces each linear inside a transformer block with ``qc.quant_linear`` holding its RTN weight."""
+
+    bits: int = 4
+    group_size: int = 128
+    sym: bool = False
+
+    provides: ClassVar = frozenset({GraphProperty.QUANTIZED_WEIGHTS})
+
+    def __post_init__(self):
+        check_spec(self.bits, self.group_size)
+
+    def run(self, gm: GraphModule, ctx: PassContext) -> bool:
+        # With calibration data the report gets each layer's output error on it; without, none.
+        return quantize_block_linears(
+            gm, ctx, bits=self.bits, true_sequential=False, needs_hessian=False,
+            quantize=lambda layer, W, H: rtn_quantize(W, bits=self.bits, group_size=self.group_size, sym=self.sym))

@@ -1,0 +1,21 @@
+"""qcompiler: post-training quantization of transformer models as torch.fx graph passes."""
+from __future__ import annotations
+
+from . import ops  # registers the qc:: operator library
+from .capture import capture
+from .compiler import CompiledModel, compile
+from .errors import (BackendError, CalibrationError, CaptureError, GraphLintError, PassError,
+                     PipelineError, QCompilerError, QuantizationError, RecipeError)
+from .pass_base import GraphProperty, Pass, PassContext, PassRecord
+from .pass_manager import PassManager
+from .recipes import Recipe, get_recipe, list_recipes, register_recipe
+from .report import Report
+
+from . import passes  # noqa: E402  (qcompiler.passes, mapped from the top-level passes/ folder)
+
+__version__ = "0.1.0"
+
+__all__ = ["capture", "compile", "CompiledModel", "Pass", "PassContext", "PassRecord", "GraphProperty",
+           "PassManager", "Recipe", "get_recipe", "list_recipes", "register_recipe", "Report", "passes",
+           "ops", "QCompilerError", "CaptureError", "PipelineError", "PassError", "GraphLintError",
+           "RecipeError", "BackendError", "CalibrationError", "QuantizationError"]

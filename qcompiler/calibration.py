@@ -1,0 +1,183 @@
+"""The shared calibration engine: runs a captured graph block by block over calibration batches.
+
+The graph is cut into segments at the first node of each transformer block (blocks found from
+module paths). Only the values live across the current cut — the block's inputs: hidden states,
+masks, rotary tables — are cached, one set per batch, so peak memory is one block's activations
+and statistics plus the model, whatever the depth. A pass quantizes a block, then ``advance()``
+re-runs that block with its quantized weights to produce the next block's inputs (sequential
+calibration, as the GPTQ reference does).
+
+Statistics are streamed: a Hessian ``H = 2/n Σ x xᵀ`` (fp32) and per-input-channel ``max|x|`` per
+observed linear. Rows whose attention-mask entry is 0 (padding) never enter them.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Iterator, Optional
+
+import torch
+import torch.fx._pytree as fx_pytree
+from torch.fx import GraphModule, Interpreter, Node
+
+from .errors import CalibrationError
+from .graph import LinearLayer, block_of, find_linears, module_path, source_of
+
+__all__ = ["LayerStats", "Segment", "CalibrationEngine"]
+
+
+@dataclass
+class LayerStats:
+    """Streaming statistics of one linear's input rows."""
+
+    in_features: int
+    want_hessian: bool = True
+    hessian: Optional[torch.Tensor] = None      # [in, in] float32, 2/n Σ x xᵀ
+    absmax: Optional[torch.Tensor] = None       # [in] max |x| per input channel
+    rows: int = 0
+
+    def add(self, x: torch.Tensor) -> None:
+        x = x.reshape(-1, self.in_features).float()
+        m = x.shape[0]
+        if m == 0:
+            return
+        amax = x.abs().amax(dim=0)
+        self.absmax = amax if self.absmax is None else torch.maximum(self.absmax, amax)
+        if self.want_hessian:
+            if self.hessian is None:
+                self.hessian = torch.zeros(self.in_features, self.in_features)
+            self.hessian.mul_(self.rows / (self.rows + m))
+            x = x * (2.0 / (self.rows + m)) ** 0.5
+            self.hessian.addmm_(x.t(), x)
+        self.rows += m
+
+
+@dataclass
+class Segment:
+    """The nodes from one block's first node up to the next block's first node."""
+
+    name: str
+    start: int
+    end: int
+    linears: list[LinearLayer] = field(default_factory=list)
+
+    def sibling_groups(self) -> list[list[LinearLayer]]:
+        """Linears grouped by the tensor they read, in graph order (q/k/v; o; gate/up; down)."""
+        groups: dict[Node, list[LinearLayer]] = {}
+        for layer in self.linears:
+            groups.setdefault(source_of(layer.input), []).append(layer)
+        return list(groups.values())
+
+
+class CalibrationEngine:
+    """Block-sequential execution of ``gm`` over calibration batches ``[(args, kwargs), ...]``."""
+
+    def __init__(self, gm: GraphModule, batches: list[tuple[tuple, dict]], *,
+                 log: Callable[[str], None] = lambda _m: None):
+        if not batches:
+            raise CalibrationError("the calibration set is empty: pass at least one batch of inputs")
+        self.gm = gm
+        self.log = log
+        self.nodes = list(gm.graph.nodes)
+        self._index = {n: i for i, n in enumerate(self.nodes)}
+        self.segments = self._cut()
+        self._interp = Interpreter(gm, garbage_collect_values=False)
+        self._masks: list[Optional[torch.Tensor]] = []
+        self._states: list[dict[Node, object]] = []
+        for args, kwargs in batches:
+            flat = fx_pytree.tree_flatten_spec((args, kwargs), gm._in_spec)
+            placeholders = [n for n in self.nodes if n.op == "placeholder"]
+            if len(flat) != len(placeholders):
+                raise CalibrationError(f"a calibration batch has {len(flat)} inputs, the graph takes {len(placeholders)}")
+            self._states.append(dict(zip(placeholders, flat)))
+            mask = kwargs.get("attention_mask")
+            self._masks.append(mask.reshape(-1).bool() if isinstance(mask, torch.Tensor) else None)
+        first = self.segments[0].start if self.segments else len(self.nodes)
+        self._run_range(0, first, {}, advance_to=first)
+        self.position = first
+
+    # -- structure -------------------------------------------------------------------------
+    def _cut(self) -> list[Segment]:
+        starts: list[tuple[int, str]] = []
+        seen = set()
+        for i, node in enumerate(self.nodes):
+            if node.op in ("placeholder", "get_attr", "output"):
+                continue
+            block = block_of(module_path(node))
+            if block is not None and block not in seen:
+                seen.add(block)
+                starts.append((i, block))
+        segments = [Segment(name, s, starts[k + 1][0] if k + 1 < len(starts) else len(self.nodes))
+                    for k, (s, name) in enumerate(starts)]
+        for layer in find_linears(self.gm):
+            i = self._index[layer.node]
+            for seg in segments:
+                if seg.start <= i < seg.end and block_of(layer.path) == seg.name:
+                    seg.linears.append(layer)
+        return segments
+
+    def blocks(self) -> Iterator[Segment]:
+        """Segments in order; the caller must ``advance(seg)`` before moving to the next."""
+        for k, seg in enumerate(self.segments):
+            start = time.perf_counter()
+            yield seg
+            if self.position != seg.end:
+                self.advance(seg)
+            self.log(f"block {k + 1}/{len(self.segments)} {seg.name}: {len(seg.linears)} linears, "
+                     f"{time.perf_counter() - start:.1f}s")
+
+    # -- execution -------------------------------------------------------------------------
+    def _live_after(self, index: int) -> set[Node]:
+        """Non-attribute nodes defined before ``index`` and read at or after it."""
+        return {n for n in self.nodes[:index] if n.op != "get_attr"
+                and any(self._index[u] >= index for u in n.users)}
+
+    def _run_range(self, start: int, end: int, observers: dict[Node, Callable], *, advance_to: Optional[int]) -> None:
+        attrs = {n: self._interp.fetch_attr(n.target) for n in self.nodes if n.op == "get_attr"}
+        keep = self._live_after(advance_to) if advance_to is not None else None
+        for b, state in enumerate(self._states):
+            env = {**attrs, **state}
+            self._interp.env = env
+            for node in self.nodes[start:end]:
+                if node.op == "placeholder":
+                    continue
+                if node.op == "output":
+                    break
+                if node in observers:
+                    x = env[node.args[1] if node.target is torch.ops.aten.addmm.default else node.args[0]]
+                    observers[node](x, self._masks[b])
+                env[node] = self._interp.run_node(node)
+            if keep is not None:
+                self._states[b] = {n: env[n] for n in keep}
+            self._interp.env = {}
+
+    def collect(self, seg: Segment, layers: list[LinearLayer], *, hessian: bool = True) -> dict[str, LayerStats]:
+        """Run ``seg`` over every batch and return input statistics of ``layers`` (by module path)."""
+        if self.position != seg.start:
+            raise RuntimeError(f"engine is at node {self.position}, not at the start of block {seg.name}")
+        stats: dict[str, LayerStats] = {}
+        observers = {}
+        for layer in layers:
+            w = self._interp.fetch_attr(layer.weight_node.target)
+            in_features = w.shape[0] if layer.transposed else w.shape[1]
+            st = stats[layer.path] = LayerStats(in_features, want_hessian=hessian)
+            observers[layer.node] = self._observer(layer.path, st)
+        last = max(self._index[layer.node] for layer in layers) + 1 if layers else seg.start
+        self._run_range(seg.start, last, observers, advance_to=None)
+        return stats
+
+    @staticmethod
+    def _observer(path: str, st: LayerStats):
+        def observe(x: torch.Tensor, mask: Optional[torch.Tensor]) -> None:
+            rows = x.reshape(-1, st.in_features)
+            if mask is not None and mask.numel() == rows.shape[0]:
+                rows = rows[mask]
+            if not torch.isfinite(rows).all():
+                raise CalibrationError(f"calibration activations reaching {path} contain NaN or Inf")
+            st.add(rows)
+        return observe
+
+    def advance(self, seg: Segment) -> None:
+        """Run ``seg`` with the graph's current weights and cache the next block's inputs."""
+        self._run_range(seg.start, seg.end, {}, advance_to=seg.end)
+        self.position = seg.end

@@ -1,0 +1,192 @@
+"""GPTQ (Frantar et al., 2023) and round-to-nearest as pure tensor functions.
+
+GPTQ picks ``Q`` minimising ``‖WX − QX‖²`` column by column: after quantizing column ``j`` the
+error ``(w_j − q_j)/[H⁻¹]_jj`` is spread over the not-yet-quantized columns through the upper
+Cholesky factor of ``H⁻¹`` (``W[:, k] −= err · U[j, k]``). "Lazy batch" updates apply this inside
+a block of ``block_size`` columns and push the block's accumulated error to all later columns in
+one matmul. Groups get their grid when their first column is reached, from weights that already
+carry every earlier update (block sizes are rounded to whole groups so that is always true).
+"""
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import torch
+
+from .errors import QuantizationError
+from .packing import SUPPORTED_BITS
+from .quant_grid import Grid, dequantize_codes, fit_grid, quantize
+
+__all__ = ["QuantResult", "check_spec", "inverse_hessian_cholesky", "gptq_quantize", "gptq_quantize_reference",
+           "rtn_quantize", "group_index", "output_error"]
+
+
+class QuantResult(NamedTuple):
+    codes: torch.Tensor        # int32 [out, in], original column order
+    scales: torch.Tensor       # float32 [groups, out] (fp16-representable)
+    zeros: torch.Tensor        # float32 [groups, out] (integers)
+    g_idx: torch.Tensor        # int32 [in]: group of each input column
+    dequantized: torch.Tensor  # float32 [out, in]: what the stored tensors stand for
+    damp: float                # relative damping that made H positive definite (0 for RTN)
+    damp_steps: int            # how many times damping was raised (0: the default sufficed)
+
+
+def check_spec(bits: int, group_size: int) -> None:
+    if bits not in SUPPORTED_BITS:
+        raise QuantizationError(f"bits={bits} is not supported; choose one of {SUPPORTED_BITS}")
+    if group_size != -1 and group_size < 1:
+        raise QuantizationError(f"group_size={group_size} is not supported; use -1 (per channel) or a positive size")
+
+
+def group_index(in_features: int, group_size: int, perm: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Group of each original column. Contiguous groups of ``group_size`` (the last may be shorter)
+    along the processing order ``perm`` (identity unless act-order without static groups)."""
+    if group_size == -1:
+        return torch.zeros(in_features, dtype=torch.int32)
+    position = torch.arange(in_features)
+    g = (position // group_size).to(torch.int32)
+    if perm is None:
+        return g
+    g_idx = torch.empty(in_features, dtype=torch.int32)
+    g_idx[perm] = g
+    return g_idx
+
+
+def inverse_hessian_cholesky(H: torch.Tensor, damp: float, max_steps: int = 6) -> tuple[torch.Tensor, float, int]:
+    """Upper Cholesky factor of ``(H + λI)⁻¹`` with ``λ = damp·mean(diag H)``; damping ×10 until it works."""
+    mean_diag = torch.diagonal(H).mean().item()
+    eye = torch.eye(H.shape[0], dtype=H.dtype)
+    for step in range(max_steps + 1):
+        lam = damp * (10 ** step) * mean_diag
+        L, info = torch.linalg.cholesky_ex(H + lam * eye)
+        if info.item() == 0:
+            U, info = torch.linalg.cholesky_ex(torch.cholesky_inverse(L), upper=True)
+            if info.item() == 0 and torch.isfinite(U).all():
+                return U, damp * (10 ** step), step
+    raise QuantizationError(f"the Hessian is not positive definite even with damping {damp * 10 ** max_steps:g}")
+
+
+def _prepare(W: torch.Tensor, H: torch.Tensor, act_order: bool):
+    W = W.detach().clone().float()
+    H = H.detach().clone().float()
+    dead = torch.diagonal(H) == 0
+    H[dead, dead] = 1.0
+    W[:, dead] = 0.0
+    perm = torch.argsort(torch.diagonal(H), descending=True) if act_order else None
+    if perm is not None:
+        W, H = W[:, perm], H[perm][:, perm]
+    return W, H, perm
+
+
+class _Groups:
+    """Which grid column ``j`` (in processing order) uses, fitting it when a group starts."""
+
+    def __init__(self, W0: torch.Tensor, bits: int, group_size: int, sym: bool, static: bool,
+                 perm: Optional[torch.Tensor]):
+        self.bits, self.group_size, self.sym = bits, group_size, sym
+        n_in = W0.shape[1]
+        self.static = static and group_size != -1
+        order = perm if perm is not None else torch.arange(n_in)
+        self.g_idx = group_index(n_in, group_size, None if self.static else order)
+        self.col_group = self.g_idx[order].long()           # group of the j-th processed column
+        n_groups = int(self.g_idx.max().item()) + 1
+        self.scales = torch.zeros(n_groups, W0.shape[0])
+        self.zeros = torch.zeros(n_groups, W0.shape[0])
+        if self.static:  # every grid from the original weights, groups contiguous in original order
+            W_orig = W0 if perm is None else W0[:, torch.argsort(perm)]
+            for g in range(n_groups):
+                self._store(g, fit_grid(W_orig[:, g * group_size:(g + 1) * group_size], bits, sym))
+
+    def _store(self, g: int, grid: Grid) -> None:
+        self.scales[g], self.zeros[g] = grid.scale[:, 0], grid.zero[:, 0]
+
+    def grid_for(self, j: int, upcoming: torch.Tensor) -> Grid:
+        """``upcoming``: current weights of the processed columns ``j, j+1, …`` (at least one group)."""
+        g = int(self.col_group[j])
+        starts_group = j == 0 or int(self.col_group[j - 1]) != g
+        if not self.static and starts_group:
+            width = upcoming.shape[1] if self.group_size == -1 else min(self.group_size, upcoming.shape[1])
+            self._store(g, fit_grid(upcoming[:, :width], self.bits, self.sym))
+        return Grid(self.scales[g].unsqueeze(1), self.zeros[g].unsqueeze(1))
+
+
+def _finish(Q: torch.Tensor, codes: torch.Tensor, perm, groups: _Groups, damp: float, steps: int) -> QuantResult:
+    if perm is not None:
+        inv = torch.argsort(perm)
+        Q, codes = Q[:, inv], codes[:, inv]
+    return QuantResult(codes, groups.scales, groups.zeros, groups.g_idx, Q, damp, steps)
+
+
+def gptq_quantize(W: torch.Tensor, H: torch.Tensor, *, bits: int, group_size: int = 128, sym: bool = False,
+                  act_order: bool = False, static_groups: bool = False, damp: float = 0.01,
+                  block_size: int = 128) -> QuantResult:
+    """GPTQ with lazy batch updates. ``W`` ``[out, in]``, ``H`` ``[in, in]`` (undamped, fp32)."""
+    check_spec(bits, group_size)
+    W, H, perm = _prepare(W, H, act_order)
+    n_out, n_in = W.shape
+    groups = _Groups(W, bits, group_size, sym, static_groups, perm)
+    U, damp_used, steps = inverse_hessian_cholesky(H, damp)
+    if group_size != -1 and not groups.static:  # blocks hold whole groups
+        block_size = max(group_size, block_size // group_size * group_size)
+    Q = torch.zeros_like(W)
+    codes = torch.zeros(n_out, n_in, dtype=torch.int32)
+    for i1 in range(0, n_in, block_size):
+        i2 = min(i1 + block_size, n_in)
+        W1 = W[:, i1:i2].clone()
+        Err1 = torch.zeros_like(W1)
+        U1 = U[i1:i2, i1:i2]
+        for i in range(i2 - i1):
+            grid = groups.grid_for(i1 + i, W1[:, i:] if group_size != -1 else W[:, i1 + i:])
+            w = W1[:, i:i + 1]
+            q = quantize(w, grid, bits)
+            codes[:, i1 + i] = q[:, 0]
+            Q[:, i1 + i] = dequantize_codes(q, grid)[:, 0]
+            err = (w[:, 0] - Q[:, i1 + i]) / U1[i, i]
+            W1[:, i:] -= err.unsqueeze(1) * U1[i, i:].unsqueeze(0)
+            Err1[:, i] = err
+        W[:, i2:] -= Err1 @ U[i1:i2, i2:]
+    return _finish(Q, codes, perm, groups, damp_used, steps)
+
+
+def gptq_quantize_reference(W: torch.Tensor, H: torch.Tensor, *, bits: int, group_size: int = 128,
+                            sym: bool = False, act_order: bool = False, static_groups: bool = False,
+                            damp: float = 0.01) -> QuantResult:
+    """The same algorithm written straightforwardly: after each column, update every later column."""
+    check_spec(bits, group_size)
+    W, H, perm = _prepare(W, H, act_order)
+    n_out, n_in = W.shape
+    groups = _Groups(W, bits, group_size, sym, static_groups, perm)
+    U, damp_used, steps = inverse_hessian_cholesky(H, damp)
+    Q = torch.zeros_like(W)
+    codes = torch.zeros(n_out, n_in, dtype=torch.int32)
+    for j in range(n_in):
+        grid = groups.grid_for(j, W[:, j:])
+        q = quantize(W[:, j:j + 1], grid, bits)
+        codes[:, j] = q[:, 0]
+        Q[:, j] = dequantize_codes(q, grid)[:, 0]
+        err = (W[:, j] - Q[:, j]) / U[j, j]
+        W[:, j + 1:] -= err.unsqueeze(1) * U[j, j + 1:].unsqueeze(0)
+    return _finish(Q, codes, perm, groups, damp_used, steps)
+
+
+def rtn_quantize(W: torch.Tensor, *, bits: int, group_size: int = 128, sym: bool = False) -> QuantResult:
+    """Round-to-nearest on the same grid and groups: the baseline every method is measured against."""
+    check_spec(bits, group_size)
+    W = W.detach().float()
+    groups = _Groups(W, bits, group_size, sym, static=group_size != -1, perm=None)
+    if group_size == -1:
+        groups._store(0, fit_grid(W, bits, sym))
+    g = groups.g_idx.long()
+    scale, zero = groups.scales[g].t(), groups.zeros[g].t()       # [out, in]
+    codes = torch.clamp(torch.round(W / scale) + zero, 0, 2 ** bits - 1).to(torch.int32)
+    return QuantResult(codes, groups.scales, groups.zeros, groups.g_idx, scale * (codes.float() - zero), 0.0, 0)
+
+
+def output_error(W: torch.Tensor, W_hat: torch.Tensor, H: torch.Tensor) -> float:
+    """‖WX − ŴX‖ / ‖WX‖ over the calibration inputs, from their Hessian (no activations needed)."""
+    W = W.double()
+    D = W - W_hat.double()
+    Hd = H.double()
+    num = torch.einsum("oi,ij,oj->", D, Hd, D).clamp(min=0).item()
+    den = torch.einsum("oi,ij,oj->", W, Hd, W).item()
+    return (num / den) ** 0.5 if den > 0 else num ** 0.5

