@@ -15,15 +15,8 @@ import torch
 
 import qcompiler as qc
 from qcompiler import models
-from qcompiler.data import stdlib_sentences, stdlib_tokens
-from qcompiler.eval import bits_per_parameter, embedding_fidelity, mean_pooled_embeddings, perplexity
-
-
-def quality(loaded: models.LoadedModel, model, reference=None) -> tuple[str, float]:
-    if loaded.kind == "causal-lm":
-        return "held-out perplexity", perplexity(model, stdlib_tokens("heldout"), window=256, max_windows=256)
-    emb = mean_pooled_embeddings(model, loaded.tokenizer, stdlib_sentences("heldout", 256))
-    return "embedding cosine vs FP32", 1.0 if reference is None else embedding_fidelity(reference, emb)
+from qcompiler.eval import bits_per_parameter
+from qcompiler.quality import QualityJudge
 
 
 def main(argv=None) -> int:
@@ -39,22 +32,21 @@ def main(argv=None) -> int:
         return 0
     torch.manual_seed(0)
     loaded = models.load(args.model)
-    ref_emb = None
-    if loaded.kind == "encoder":
-        ref_emb = mean_pooled_embeddings(loaded.model, loaded.tokenizer, stdlib_sentences("heldout", 256))
-    metric, before = quality(loaded, loaded.model)
+    judge = QualityJudge(loaded, max_windows=256)
+    before = judge.score(loaded.model)
     start = time.perf_counter()
     cm = qc.compile(loaded.model, loaded.example_inputs(), recipe=args.recipe,
                     calibration=loaded.calibration(args.calib))
     seconds = time.perf_counter() - start
-    _, after = quality(loaded, cm, ref_emb)
+    after = judge.score(cm)
     print(cm.report)
     print(f"\nmodel {loaded.name}, recipe {args.recipe}: {seconds:.1f}s to quantize")
     try:
         print(f"bits per quantized weight: {bits_per_parameter(cm.graph_module):.3f}")
     except ValueError:
         print("no quantized linear layers in this recipe")
-    print(f"{metric}: FP32 {before:.4f} -> quantized {after:.4f}")
+    what = "held-out perplexity" if judge.metric == "perplexity" else "embedding cosine vs FP32"
+    print(f"{what}: FP32 {before:.4f} -> quantized {after:.4f}")
     return 0
 
 

@@ -40,3 +40,28 @@ def main_output(out) -> torch.Tensor:
 
 
 ARCHS = ["llama", "opt", "gpt2", "bert"]
+
+
+class Block(torch.nn.Module):
+    def __init__(self, d: int):
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(d)
+        self.fc1 = torch.nn.Linear(d, 2 * d)
+        self.fc2 = torch.nn.Linear(2 * d, d)
+
+    def forward(self, x):
+        return x + self.fc2(torch.relu(self.fc1(self.norm(x))))
+
+
+class Stack(torch.nn.Module):
+    """A plain (non-Hugging Face) model with transformer-style blocks at ``layers.N``."""
+
+    def __init__(self, d: int = 32, depth: int = 2):
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = torch.nn.ModuleList(Block(d) for _ in range(depth))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x

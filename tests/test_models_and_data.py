@@ -1,0 +1,63 @@
+"""Bundled models, local Hugging Face folders, and the offline text they are trained and judged on."""
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+import qcompiler as qc
+from qcompiler import models
+from qcompiler.data import ByteTokenizer, calibration_windows, stdlib_files, stdlib_sentences
+from qcompiler.eval import mean_pooled_embeddings
+
+
+def test_splits_are_disjoint_and_calibration_is_reproducible():
+    train = {p.name for p in stdlib_files("train")}
+    heldout = [p for p in stdlib_files("heldout")]
+    assert len(heldout) >= 10 and not any(p.parent.name == "test" for p in heldout)
+    assert "argparse.py" not in train and "difflib.py" not in train
+    a = calibration_windows(4, 64, seed=3)
+    assert a.shape == (4, 64) and torch.equal(a, calibration_windows(4, 64, seed=3))
+    assert not torch.equal(a, calibration_windows(4, 64, seed=4))
+    assert ByteTokenizer().decode(ByteTokenizer().encode("déjà vu")) == "déjà vu"
+
+
+def test_calibration_errors():
+    with pytest.raises(ValueError, match="exceed the model's context of 512"):
+        calibration_windows(2, 1024, max_length=512)
+    with pytest.raises(ValueError, match="count >= 1"):
+        calibration_windows(0, 16)
+
+
+def test_local_hf_folder_loads_through_the_same_entry_point(tmp_path):
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=2)).eval()
+    model.save_pretrained(tmp_path, safe_serialization=True)
+    loaded = models.load(tmp_path)
+    assert loaded.kind == "causal-lm" and isinstance(loaded.tokenizer, ByteTokenizer)
+    ids = torch.randint(0, 256, (2, 9))
+    assert torch.equal(loaded.model(input_ids=ids).logits, model(input_ids=ids).logits)
+    cm = qc.compile(loaded.model, loaded.example_inputs(), recipe="rtn-w4g128", progress=False)
+    assert cm(input_ids=ids).logits.shape == (2, 9, 256)
+
+
+def test_bad_model_folders(tmp_path):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        models.load(tmp_path / "nope")
+    with pytest.raises(FileNotFoundError, match="no config.json"):
+        models.load(tmp_path)
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "pytorch_model.bin").write_bytes(b"not really")
+    with pytest.raises(FileNotFoundError, match=r"no safetensors weights; it has pickle checkpoints \(pytorch_model.bin\)"):
+        models.load(tmp_path)
+
+
+def test_minilm_is_the_real_pretrained_encoder(minilm):
+    assert minilm.kind == "encoder" and type(minilm.model).__name__ == "BertModel"
+    sentences = stdlib_sentences("heldout", 8)
+    assert len(sentences) == 8 and all(s.endswith(".") for s in sentences)
+    emb = mean_pooled_embeddings(minilm.model, minilm.tokenizer,
+                                 ["A man is playing a guitar.", "Someone plays an instrument.", "Stock prices fell sharply."])
+    cos = torch.nn.functional.cosine_similarity
+    assert cos(emb[0], emb[1], dim=0) > cos(emb[0], emb[2], dim=0) + 0.2  # pretrained semantics, not random
+    with pytest.raises(ValueError, match="at least one sentence"):
+        mean_pooled_embeddings(minilm.model, minilm.tokenizer, [])
