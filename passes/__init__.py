@@ -1,5 +1,7 @@
 """Built-in passes, one per file. Each is a ``qc.Pass`` like any user-written pass."""
 from .gptq import GPTQ
+from .lower_int8 import LowerInt8
 from .rtn import RTN
+from .smoothquant import SmoothQuant
 
-__all__ = ["GPTQ", "RTN"]
+__all__ = ["GPTQ", "RTN", "SmoothQuant", "LowerInt8"]

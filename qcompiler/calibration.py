@@ -35,6 +35,8 @@ class LayerStats:
     hessian: Optional[torch.Tensor] = None      # [in, in] float32, 2/n Σ x xᵀ
     absmax: Optional[torch.Tensor] = None       # [in] max |x| per input channel
     rows: int = 0
+    keep: int = 0                                # keep up to this many input rows (first seen)
+    sample: Optional[torch.Tensor] = None        # [<= keep, in] the kept rows
 
     def add(self, x: torch.Tensor) -> None:
         x = x.reshape(-1, self.in_features).float()
@@ -43,6 +45,10 @@ class LayerStats:
             return
         amax = x.abs().amax(dim=0)
         self.absmax = amax if self.absmax is None else torch.maximum(self.absmax, amax)
+        have = 0 if self.sample is None else self.sample.shape[0]
+        if have < self.keep:
+            extra = x[:self.keep - have].clone()
+            self.sample = extra if self.sample is None else torch.cat([self.sample, extra])
         if self.want_hessian:
             if self.hessian is None:
                 self.hessian = torch.zeros(self.in_features, self.in_features)
@@ -151,8 +157,10 @@ class CalibrationEngine:
                 self._states[b] = {n: env[n] for n in keep}
             self._interp.env = {}
 
-    def collect(self, seg: Segment, layers: list[LinearLayer], *, hessian: bool = True) -> dict[str, LayerStats]:
-        """Run ``seg`` over every batch and return input statistics of ``layers`` (by module path)."""
+    def collect(self, seg: Segment, layers: list[LinearLayer], *, hessian: bool = True,
+                keep_rows: int = 0) -> dict[str, LayerStats]:
+        """Run ``seg`` over every batch and return input statistics of ``layers`` (by module path);
+        ``keep_rows`` input rows per layer are kept as a sample (for searches that need real rows)."""
         if self.position != seg.start:
             raise RuntimeError(f"engine is at node {self.position}, not at the start of block {seg.name}")
         stats: dict[str, LayerStats] = {}
@@ -160,7 +168,7 @@ class CalibrationEngine:
         for layer in layers:
             w = self._interp.fetch_attr(layer.weight_node.target)
             in_features = w.shape[0] if layer.transposed else w.shape[1]
-            st = stats[layer.path] = LayerStats(in_features, want_hessian=hessian)
+            st = stats[layer.path] = LayerStats(in_features, want_hessian=hessian, keep=keep_rows)
             observers[layer.node] = self._observer(layer.path, st)
         last = max(self._index[layer.node] for layer in layers) + 1 if layers else seg.start
         self._run_range(seg.start, last, observers, advance_to=None)

@@ -91,18 +91,27 @@ def relative_output_error(reference: torch.Tensor, candidate: torch.Tensor) -> f
 def bits_per_parameter(gm) -> float:
     """Average stored bits per weight over the quantized linears, counted from the stored tensors.
 
-    Counts codes, zero points and scales (the convention of the GPTQ and SpQR papers: 4-bit g128
-    is 4 + (16 + 4)/128 = 4.156); ``g_idx`` is a per-column index, not per weight, and is excluded.
+    ``qc.quant_linear``: codes, zero points and scales (the GPTQ and SpQR papers' convention:
+    4-bit g128 is 4 + (16 + 4)/128 = 4.156); ``g_idx`` is per input column, not per weight, and is
+    excluded. ``qc.int8_linear``: int8 codes and the per-channel scales.
     """
     import torch
 
+    def nbits(t) -> int:
+        return t.numel() * t.element_size() * 8
+
     bits = params = 0
     for node in gm.graph.nodes:
-        if node.op == "call_function" and node.target is torch.ops.qc.quant_linear.default:
-            qweight, qzeros, scales = (gm.get_buffer(a.target) for a in node.args[1:4])
-            bits += sum(t.numel() * t.element_size() * 8 for t in (qweight, qzeros, scales))
-            params += scales.shape[1] * node.args[4].meta["val"].numel() if "val" in node.args[4].meta \
-                else scales.shape[1] * gm.get_buffer(node.args[4].target).numel()
+        if node.op != "call_function":
+            continue
+        if node.target is torch.ops.qc.quant_linear.default:
+            qweight, qzeros, scales, g_idx = (gm.get_buffer(a.target) for a in node.args[1:5])
+            bits += nbits(qweight) + nbits(qzeros) + nbits(scales)
+            params += scales.shape[1] * g_idx.numel()
+        elif node.target is torch.ops.qc.int8_linear.default:
+            weight, scale = (gm.get_buffer(a.target) for a in node.args[1:3])
+            bits += nbits(weight) + nbits(scale)
+            params += weight.numel()
     if params == 0:
         raise ValueError("the graph has no quantized linear layers")
     return bits / params

@@ -17,7 +17,7 @@ from torch.fx import GraphModule, Node
 
 __all__ = ["module_path", "LinearLayer", "NormInfo", "find_linears", "source_of", "find_producing_norm",
            "find_siblings", "producer_groups", "ProducerGroup", "transformer_blocks", "block_of",
-           "to_networkx", "get_tensor", "set_tensor", "aten"]
+           "to_networkx", "get_tensor", "set_tensor", "drop_attr_if_unused", "aten"]
 
 aten = torch.ops.aten
 
@@ -59,6 +59,16 @@ def set_tensor(gm: GraphModule, target: str, tensor: torch.Tensor, *, parameter:
         mod.register_parameter(leaf, torch.nn.Parameter(tensor, requires_grad=False))
     else:
         mod.register_buffer(leaf, tensor)
+
+
+def drop_attr_if_unused(gm: GraphModule, attr_node: Node) -> None:
+    """Erase a ``get_attr`` node nobody reads any more, and the tensor it names."""
+    if attr_node.users:
+        return
+    target = attr_node.target
+    gm.graph.erase_node(attr_node)
+    *parent, leaf = target.split(".")
+    delattr(get_tensor(gm, ".".join(parent)) if parent else gm, leaf)
 
 
 @dataclass

@@ -19,7 +19,8 @@ from torch import Tensor
 
 from .packing import pack_cols, pack_rows, unpack_cols, unpack_rows
 
-__all__ = ["GPTQWeight", "pack_gptq", "dequantize_gptq", "quant_linear", "QC_OPS"]
+__all__ = ["GPTQWeight", "pack_gptq", "dequantize_gptq", "quant_linear", "quantize_per_token", "int8_matmul",
+           "int8_linear", "QC_OPS"]
 
 
 class GPTQWeight(NamedTuple):
@@ -76,3 +77,45 @@ def _quant_linear_fake(x, qweight, qzeros, scales, g_idx, bias, bits, group_size
 
 
 QC_OPS = {"quant_linear": torch.ops.qc.quant_linear.default}
+
+
+def quantize_per_token(x: Tensor) -> tuple[Tensor, Tensor]:
+    """Symmetric int8 per row of the last dim: ``x ≈ q · scale``, ``scale = max|x_row| / 127``."""
+    scale = (x.abs().amax(dim=-1, keepdim=True).float() / 127.0).clamp(min=1e-8)
+    return torch.clamp(torch.round(x.float() / scale), -127, 127).to(torch.int8), scale
+
+
+def int8_matmul(xq: Tensor, wq: Tensor) -> Tensor:
+    """Exact int8 × int8 → int32 product ``xq @ wq.T`` (int32 accumulation)."""
+    return xq.to(torch.int32) @ wq.to(torch.int32).t()
+
+
+@torch.library.custom_op("qc::int8_linear", mutates_args=())
+def int8_linear(x: Tensor, weight: Tensor, weight_scale: Tensor, bias: Optional[Tensor],
+                act_scale: Optional[Tensor], smooth_inv: Optional[Tensor]) -> Tensor:
+    """W8A8 linear: int8 weights (per output channel), int8 activations, int32 accumulation.
+
+    ``act_scale`` None: per-token dynamic activation scales; else one static per-tensor scale.
+    ``smooth_inv``: SmoothQuant's per-channel ``1/s`` for producers that could not absorb it,
+    applied inside the activation quantizer (one multiply, no extra pass over memory).
+    """
+    xs = x.float() if smooth_inv is None else x.float() * smooth_inv.float()
+    if act_scale is None:
+        xq, sx = quantize_per_token(xs)
+    else:
+        sx = act_scale.float().reshape(1)
+        xq = torch.clamp(torch.round(xs / sx), -127, 127).to(torch.int8)
+    shape = xq.shape
+    acc = int8_matmul(xq.reshape(-1, shape[-1]), weight).reshape(*shape[:-1], weight.shape[0])
+    y = acc.float() * (sx.reshape(*sx.shape[:-1], 1) if act_scale is None else sx) * weight_scale.float()
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype)
+
+
+@int8_linear.register_fake
+def _int8_linear_fake(x, weight, weight_scale, bias, act_scale, smooth_inv):
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+QC_OPS["int8_linear"] = torch.ops.qc.int8_linear.default

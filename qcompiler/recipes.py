@@ -73,6 +73,16 @@ def _register_builtins() -> None:
     for name, kw in _WEIGHT_ONLY.items():
         cls = P.GPTQ if name.startswith("gptq") else P.RTN
         register_recipe(name, _describe(name, kw), (lambda cls=cls, kw=kw: [cls(**kw)]))
+    register_recipe("w8a8", "int8 weights (per channel) and activations (per token, dynamic), no smoothing",
+                    lambda: [P.LowerInt8()])
+    register_recipe("w8a8-static", "int8 weights (per channel), static per-tensor int8 activations",
+                    lambda: [P.LowerInt8(activations="static_per_tensor")])
+    register_recipe("w8a8-smoothquant", "SmoothQuant alpha=0.5, then W8A8 (per-token dynamic activations)",
+                    lambda: [P.SmoothQuant(alpha=0.5), P.LowerInt8()])
+    register_recipe("w8a8-smoothquant-a0.8", "SmoothQuant alpha=0.8, then W8A8",
+                    lambda: [P.SmoothQuant(alpha=0.8), P.LowerInt8()])
+    register_recipe("w8a8-smoothquant-auto", "SmoothQuant with alpha searched per producer group, then W8A8",
+                    lambda: [P.SmoothQuant(alpha="auto"), P.LowerInt8()])
 
 
 def _describe(name: str, kw: dict) -> str:

@@ -14,7 +14,7 @@ from torch.fx import GraphModule
 
 from .calibration import CalibrationEngine
 from .errors import QuantizationError
-from .graph import LinearLayer, block_of, find_linears, get_tensor, set_tensor
+from .graph import LinearLayer, block_of, drop_attr_if_unused, find_linears, set_tensor
 from .gptq import QuantResult, output_error
 from .ops import GPTQWeight, pack_gptq
 from .packing import packed_length
@@ -105,9 +105,4 @@ def replace_with_quant_linear(gm: GraphModule, layer: LinearLayer, packed: GPTQW
     new.meta.update({k: v for k, v in layer.node.meta.items() if k in ("nn_module_stack", "val", "stack_trace")})
     layer.node.replace_all_uses_with(new)
     graph.erase_node(layer.node)
-    if not layer.weight_node.users:
-        target = layer.weight_node.target
-        graph.erase_node(layer.weight_node)
-        *parent, leaf = target.split(".")
-        holder = get_tensor(gm, ".".join(parent)) if parent else gm
-        delattr(holder, leaf)
+    drop_attr_if_unused(gm, layer.weight_node)

@@ -1,0 +1,89 @@
+"""Int8 lowering: each block linear becomes ``qc.int8_linear`` (W8A8, int32 accumulation).
+
+``Y = (s_x · X_q)(s_w · W_q)^T = s_x s_w^T ⊙ (X_q W_q^T)``: weights are int8 per output channel
+(``s_w = max|W_row|/127``), activations int8 per token at run time (``dynamic_per_token``, the
+paper's O1) or with one scale fixed from calibration (``static_per_tensor``, O3). An explicit
+SmoothQuant multiply in front of a linear is fused into the op's activation quantizer.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+from torch.fx import GraphModule
+
+from qcompiler.calibration import CalibrationEngine
+from qcompiler.errors import QuantizationError
+from qcompiler.graph import LinearLayer, block_of, drop_attr_if_unused, find_linears, set_tensor
+from qcompiler.pass_base import GraphProperty, Pass, PassContext
+
+from .smoothquant import SMOOTH_META
+
+__all__ = ["LowerInt8", "quantize_weight_per_channel"]
+
+ACTIVATIONS = ("dynamic_per_token", "static_per_tensor")
+
+
+def quantize_weight_per_channel(W: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 per output row: ``W ≈ W_q · scale``."""
+    scale = (W.abs().amax(dim=1) / 127.0).clamp(min=1e-8)
+    return torch.clamp(torch.round(W / scale.unsqueeze(1)), -127, 127).to(torch.int8), scale
+
+
+@dataclass(frozen=True)
+class LowerInt8(Pass):
+    """Replaces each block linear with ``qc.int8_linear`` (int8 weights and activations)."""
+
+    activations: str = "dynamic_per_token"
+    weights: str = "per_channel"
+
+    provides: ClassVar = frozenset({GraphProperty.INT8_LOWERED})
+
+    def __post_init__(self):
+        if self.activations not in ACTIVATIONS:
+            raise QuantizationError(f"activations must be one of {ACTIVATIONS}, got {self.activations!r}")
+        if self.weights != "per_channel":
+            raise QuantizationError(f"weights must be 'per_channel', got {self.weights!r}")
+
+    @property
+    def needs_calibration(self) -> bool:
+        return self.activations == "static_per_tensor"
+
+    def run(self, gm: GraphModule, ctx: PassContext) -> bool:
+        layers = [layer for layer in find_linears(gm) if block_of(layer.path) is not None]
+        act_scales: dict[str, float] = {}
+        if self.activations == "static_per_tensor":
+            engine = CalibrationEngine(gm, ctx.calibration, log=ctx.log)
+            for seg in engine.blocks():
+                if seg.linears:
+                    for path, st in engine.collect(seg, seg.linears, hessian=False).items():
+                        act_scales[path] = max(float(st.absmax.max()), 1e-8) / 127.0
+        for layer in layers:
+            self._lower(gm, layer, act_scales.get(layer.path))
+        gm.graph.eliminate_dead_code()
+        return bool(layers)
+
+    def _lower(self, gm: GraphModule, layer: LinearLayer, act_scale) -> None:
+        W = layer.weight(gm).detach().float()
+        wq, ws = quantize_weight_per_channel(W)
+        base = layer.path
+        set_tensor(gm, f"{base}.weight_int8", wq)
+        set_tensor(gm, f"{base}.weight_scale", ws)
+        x, smooth = layer.input, None
+        if SMOOTH_META in x.meta:  # fuse SmoothQuant's explicit 1/s into the quantizer
+            x, smooth = x.args[0], x.args[1]
+        graph = gm.graph
+        with graph.inserting_before(layer.node):
+            args = [x, graph.get_attr(f"{base}.weight_int8"), graph.get_attr(f"{base}.weight_scale"), layer.bias_node]
+            if act_scale is not None:
+                set_tensor(gm, f"{base}.act_scale", torch.tensor(act_scale))
+                args.append(graph.get_attr(f"{base}.act_scale"))
+            else:
+                args.append(None)
+            args.append(smooth)
+            new = graph.call_function(torch.ops.qc.int8_linear.default, tuple(args))
+        new.meta.update({k: v for k, v in layer.node.meta.items() if k in ("nn_module_stack", "val")})
+        layer.node.replace_all_uses_with(new)
+        graph.erase_node(layer.node)
+        drop_attr_if_unused(gm, layer.weight_node)

@@ -1,0 +1,131 @@
+"""SmoothQuant scale folding (Xiao et al., ICML 2023) as an exact graph rewrite.
+
+Per producer group (the linears that read one tensor): ``s_j = max|X_j|^α / max|W_j|^(1−α)`` from
+calibration maxima and the group's weights; ``diag(s)`` is folded into every consumer's weight
+columns and ``diag(s)^-1`` into the producer (norm weight/bias, or a linear's output rows), or,
+where the producer cannot absorb it, into an explicit per-channel multiply that int8 lowering
+fuses into activation quantization. The FP model's outputs do not change. See
+``qcompiler.smoothquant`` for which form each group gets.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar, Union
+
+import torch
+from torch.fx import GraphModule
+
+from qcompiler.calibration import CalibrationEngine
+from qcompiler.errors import QuantizationError
+from qcompiler.graph import LinearLayer, aten, find_linears, get_tensor, set_tensor
+from qcompiler.pass_base import GraphProperty, Pass, PassContext
+from qcompiler.smoothquant import ALPHA_GRID, SmoothingPlan, plan_smoothing, search_alpha, smoothing_scales
+
+__all__ = ["SmoothQuant"]
+
+SMOOTH_META = "qc_smooth_inv"  # marks an explicit 1/s multiply node; value: its buffer's target
+
+
+def _replace(gm: GraphModule, target: str, tensor: torch.Tensor) -> None:
+    old = get_tensor(gm, target)
+    set_tensor(gm, target, tensor.to(old.dtype).contiguous(), parameter=isinstance(old, torch.nn.Parameter))
+
+
+def _scale_input_columns(gm: GraphModule, layer: LinearLayer, s: torch.Tensor) -> None:
+    w = get_tensor(gm, layer.weight_node.target).detach()
+    _replace(gm, layer.weight_node.target, w * s.unsqueeze(1) if layer.transposed else w * s)
+
+
+def _scale_output_rows(gm: GraphModule, layer: LinearLayer, inv: torch.Tensor) -> None:
+    w = get_tensor(gm, layer.weight_node.target).detach()
+    _replace(gm, layer.weight_node.target, w * inv if layer.transposed else w * inv.unsqueeze(1))
+    if layer.bias_node is not None:
+        _replace(gm, layer.bias_node.target, get_tensor(gm, layer.bias_node.target).detach() * inv)
+
+
+def _insert_explicit(gm: GraphModule, consumers: list[LinearLayer], inv: torch.Tensor, label: str) -> None:
+    target = f"{label}.smooth_inv_scale" if label else "smooth_inv_scale"
+    set_tensor(gm, target, inv.float())
+    made = {}
+    for layer in consumers:
+        x = layer.input
+        if x not in made:
+            with gm.graph.inserting_after(x):
+                attr = gm.graph.get_attr(target)
+            with gm.graph.inserting_after(attr):
+                mul = gm.graph.call_function(aten.mul.Tensor, (x, attr))
+            mul.meta.update({k: v for k, v in x.meta.items() if k in ("nn_module_stack", "val")})
+            mul.meta[SMOOTH_META] = target
+            made[x] = mul
+        idx = 1 if layer.node.target is aten.addmm.default else 0
+        layer.node.update_arg(idx, made[x])
+
+
+@dataclass(frozen=True)
+class SmoothQuant(Pass):
+    """Folds per-channel smoothing scales into producers and consumer linears (outputs unchanged)."""
+
+    alpha: Union[float, str] = 0.5   # migration strength in [0, 1], or "auto" (per-group search)
+    sample_rows: int = 512           # calibration rows kept per group for the "auto" search
+
+    provides: ClassVar = frozenset({GraphProperty.SMOOTHED})
+    needs_calibration: ClassVar = True
+
+    def __post_init__(self):
+        if self.alpha != "auto" and not (isinstance(self.alpha, (int, float)) and 0.0 <= self.alpha <= 1.0):
+            raise QuantizationError(f"alpha must be in [0, 1] or 'auto', got {self.alpha!r}")
+
+    def run(self, gm: GraphModule, ctx: PassContext) -> bool:
+        record = ctx.record
+        all_layers = find_linears(gm)
+        engine = CalibrationEngine(gm, ctx.calibration, log=ctx.log)
+        changed = False
+        pending: list = []  # explicit multiplies go in after calibration (the engine walks a fixed node list)
+        for seg in engine.blocks():
+            groups = seg.sibling_groups()
+            if not groups:
+                continue
+            plans = [(group, plan_smoothing(group, all_layers)) for group in groups]
+            active = [layer for group, plan in plans if plan.form != "none" for layer in group]
+            stats = engine.collect(seg, active, hessian=False,
+                                   keep_rows=self.sample_rows if self.alpha == "auto" else 0) if active else {}
+            for group, plan in plans:
+                if plan.form == "none":
+                    record.notes.append(f"not smoothed: {', '.join(l.path for l in group)}: {plan.reason}")
+                    continue
+                self._apply(gm, group, plan, stats[group[0].path], record, pending)
+                changed = True
+        for group, inv, label in pending:
+            _insert_explicit(gm, group, inv, label)
+            for layer in group:
+                _scale_input_columns(gm, layer, 1.0 / inv)
+        if not changed:
+            record.notes.append("no producer group could be smoothed; the graph is unchanged")
+        return changed
+
+    def _apply(self, gm: GraphModule, group: list[LinearLayer], plan: SmoothingPlan, st, record, pending: list) -> None:
+        weights = [layer.weight(gm).detach().float() for layer in group]
+        act = st.absmax
+        if self.alpha == "auto":
+            alpha, err = search_alpha(st.sample, weights, act, ALPHA_GRID)
+        else:
+            alpha, err = float(self.alpha), None
+        wmax = torch.stack([W.abs().amax(dim=0) for W in weights]).amax(dim=0)
+        s = smoothing_scales(act, wmax, alpha)
+        inv = 1.0 / s
+        if plan.form == "norm":
+            _replace(gm, plan.norm.weight_node.target, get_tensor(gm, plan.norm.weight_node.target).detach() * inv)
+            if plan.norm.bias_node is not None:
+                _replace(gm, plan.norm.bias_node.target, get_tensor(gm, plan.norm.bias_node.target).detach() * inv)
+        elif plan.form == "linear":
+            _scale_output_rows(gm, plan.producer, inv)
+        else:
+            pending.append((group, inv, plan.label))
+        if plan.form != "explicit":
+            for layer in group:
+                _scale_input_columns(gm, layer, s)
+        figures = {"form": plan.form, "consumers": ",".join(l.path.rsplit(".", 1)[-1] for l in group),
+                   "alpha": alpha, "act_absmax": float(act.max()), "s_min": float(s.min()), "s_max": float(s.max())}
+        if err is not None:
+            figures["int8_error"] = err
+        record.layers[plan.label] = figures
