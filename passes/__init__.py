@@ -3,5 +3,6 @@ from .gptq import GPTQ
 from .lower_int8 import LowerInt8
 from .rtn import RTN
 from .smoothquant import SmoothQuant
+from .spqr import SpQR
 
-__all__ = ["GPTQ", "RTN", "SmoothQuant", "LowerInt8"]
+__all__ = ["GPTQ", "RTN", "SmoothQuant", "LowerInt8", "SpQR"]

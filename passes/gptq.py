@@ -14,7 +14,7 @@ from torch.fx import GraphModule
 from qcompiler.errors import QuantizationError
 from qcompiler.gptq import check_spec, gptq_quantize
 from qcompiler.pass_base import GraphProperty, Pass, PassContext
-from qcompiler.weight_only import quantize_block_linears
+from qcompiler.weight_only import gptq_layer_quant, quantize_block_linears
 
 __all__ = ["GPTQ"]
 
@@ -44,8 +44,9 @@ class GPTQ(Pass):
 
     def run(self, gm: GraphModule, ctx: PassContext) -> bool:
         def quantize(layer, W, H):
-            return gptq_quantize(W, H, bits=self.bits, group_size=self.group_size, sym=self.sym,
-                                 act_order=self.act_order, static_groups=self.static_groups,
-                                 damp=self.damp, block_size=self.block_size)
-        return quantize_block_linears(gm, ctx, bits=self.bits, quantize=quantize,
-                                      true_sequential=self.true_sequential, needs_hessian=True)
+            res = gptq_quantize(W, H, bits=self.bits, group_size=self.group_size, sym=self.sym,
+                                act_order=self.act_order, static_groups=self.static_groups,
+                                damp=self.damp, block_size=self.block_size)
+            return gptq_layer_quant(layer, W, res, self.bits)
+        return quantize_block_linears(gm, ctx, quantize=quantize, true_sequential=self.true_sequential,
+                                      needs_hessian=True)

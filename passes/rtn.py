@@ -12,7 +12,7 @@ from torch.fx import GraphModule
 
 from qcompiler.gptq import check_spec, rtn_quantize
 from qcompiler.pass_base import GraphProperty, Pass, PassContext
-from qcompiler.weight_only import quantize_block_linears
+from qcompiler.weight_only import gptq_layer_quant, quantize_block_linears
 
 __all__ = ["RTN"]
 
@@ -32,6 +32,7 @@ class RTN(Pass):
 
     def run(self, gm: GraphModule, ctx: PassContext) -> bool:
         # With calibration data the report gets each layer's output error on it; without, none.
-        return quantize_block_linears(
-            gm, ctx, bits=self.bits, true_sequential=False, needs_hessian=False,
-            quantize=lambda layer, W, H: rtn_quantize(W, bits=self.bits, group_size=self.group_size, sym=self.sym))
+        def quantize(layer, W, H):
+            res = rtn_quantize(W, bits=self.bits, group_size=self.group_size, sym=self.sym)
+            return gptq_layer_quant(layer, W, res, self.bits)
+        return quantize_block_linears(gm, ctx, quantize=quantize, true_sequential=False, needs_hessian=False)

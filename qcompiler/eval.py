@@ -92,26 +92,30 @@ def bits_per_parameter(gm) -> float:
     """Average stored bits per weight over the quantized linears, counted from the stored tensors.
 
     ``qc.quant_linear``: codes, zero points and scales (the GPTQ and SpQR papers' convention:
-    4-bit g128 is 4 + (16 + 4)/128 = 4.156); ``g_idx`` is per input column, not per weight, and is
-    excluded. ``qc.int8_linear``: int8 codes and the per-channel scales.
+    4-bit g128 is 4 + (16 + 4)/128 = 4.156); ``g_idx`` and SpQR's ``perm`` are per input column,
+    not per weight, and are excluded. ``qc.int8_linear``: int8 codes and per-channel scales.
+    SpQR: dense codes, first- and second-level statistics, and the CSR outliers with row pointers.
     """
     import torch
 
-    def nbits(t) -> int:
-        return t.numel() * t.element_size() * 8
-
+    ops = torch.ops.qc
+    counted = {  # op -> (indices of stored-tensor args, index of the arg whose numel x out = weights)
+        ops.quant_linear.default: ((1, 2, 3), 4),
+        ops.int8_linear.default: ((1, 2), None),
+        ops.spqr_dense_linear.default: ((1, 2, 3, 4, 5), 6),
+        ops.sparse_outlier_linear.default: ((1, 2, 3), -1),
+    }
     bits = params = 0
     for node in gm.graph.nodes:
-        if node.op != "call_function":
+        if node.op != "call_function" or node.target not in counted:
             continue
-        if node.target is torch.ops.qc.quant_linear.default:
-            qweight, qzeros, scales, g_idx = (gm.get_buffer(a.target) for a in node.args[1:5])
-            bits += nbits(qweight) + nbits(qzeros) + nbits(scales)
-            params += scales.shape[1] * g_idx.numel()
-        elif node.target is torch.ops.qc.int8_linear.default:
-            weight, scale = (gm.get_buffer(a.target) for a in node.args[1:3])
-            bits += nbits(weight) + nbits(scale)
-            params += weight.numel()
+        tensor_args, width_arg = counted[node.target]
+        tensors = [gm.get_buffer(node.args[i].target) for i in tensor_args]
+        bits += sum(t.numel() * t.element_size() * 8 for t in tensors)
+        if width_arg is None:
+            params += tensors[0].numel()
+        elif width_arg >= 0:
+            params += gm.get_buffer(node.args[width_arg].target).numel() * node.meta["val"].shape[-1]
     if params == 0:
         raise ValueError("the graph has no quantized linear layers")
     return bits / params

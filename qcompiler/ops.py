@@ -20,7 +20,8 @@ from torch import Tensor
 from .packing import pack_cols, pack_rows, unpack_cols, unpack_rows
 
 __all__ = ["GPTQWeight", "pack_gptq", "dequantize_gptq", "quant_linear", "quantize_per_token", "int8_matmul",
-           "int8_linear", "QC_OPS"]
+           "int8_linear", "dequantize_spqr_dense", "spqr_dense_linear", "sparse_outlier_linear", "to_csr",
+           "QC_OPS"]
 
 
 class GPTQWeight(NamedTuple):
@@ -119,3 +120,67 @@ def _int8_linear_fake(x, weight, weight_scale, bias, act_scale, smooth_inv):
 
 
 QC_OPS["int8_linear"] = torch.ops.qc.int8_linear.default
+
+
+def dequantize_spqr_dense(codes: Tensor, scale_codes: Tensor, zero_codes: Tensor, scale_stats: Tensor,
+                          zero_stats: Tensor, perm: Tensor, bits: int, group_size: int, stat_bits: int,
+                          stat_group_size: int) -> Tensor:
+    """The float32 dense SpQR weight ``[out, in]`` (original column order) from its packed tensors."""
+    n_in, n_out = perm.numel(), scale_stats.shape[1] * stat_group_size
+
+    def stats(packed: Tensor, table: Tensor) -> Tensor:  # [groups, out]: step · code + minimum per run
+        c = unpack_cols(packed, stat_bits, n_out).float().reshape(packed.shape[0], -1, stat_group_size)
+        return (table[..., :1].float() * c + table[..., 1:].float()).reshape(packed.shape[0], n_out)
+
+    scales = stats(scale_codes, scale_stats).clamp(min=1e-8)
+    zeros = stats(zero_codes, zero_stats)
+    q = unpack_rows(codes, bits, n_in).float()                      # [in (permuted order), out]
+    g = torch.arange(n_in) // group_size
+    w_perm = scales[g] * (q - zeros[g])                              # [in permuted, out]
+    w = torch.empty_like(w_perm)
+    w[perm.long()] = w_perm
+    return w.t()
+
+
+@torch.library.custom_op("qc::spqr_dense_linear", mutates_args=())
+def spqr_dense_linear(x: Tensor, codes: Tensor, scale_codes: Tensor, zero_codes: Tensor, scale_stats: Tensor,
+                      zero_stats: Tensor, perm: Tensor, bias: Optional[Tensor], bits: int, group_size: int,
+                      stat_bits: int, stat_group_size: int) -> Tensor:
+    """SpQR's dense low-bit branch: small groups, bi-level quantized statistics, act-order ``perm``."""
+    w = dequantize_spqr_dense(codes, scale_codes, zero_codes, scale_stats, zero_stats, perm, bits, group_size,
+                              stat_bits, stat_group_size).to(x.dtype)
+    return F.linear(x, w, None if bias is None else bias.to(x.dtype))
+
+
+@spqr_dense_linear.register_fake
+def _spqr_dense_fake(x, codes, scale_codes, zero_codes, scale_stats, zero_stats, perm, bias, bits, group_size,
+                     stat_bits, stat_group_size):
+    return x.new_empty((*x.shape[:-1], scale_stats.shape[1] * stat_group_size))
+
+
+@torch.library.custom_op("qc::sparse_outlier_linear", mutates_args=())
+def sparse_outlier_linear(x: Tensor, row_ptr: Tensor, col_idx: Tensor, values: Tensor, out_features: int) -> Tensor:
+    """``x @ Sᵀ`` for a CSR matrix S (int32 row pointers, int16 columns, fp16 values)."""
+    rows = torch.repeat_interleave(torch.arange(out_features), (row_ptr[1:] - row_ptr[:-1]).long())
+    contrib = x[..., col_idx.long()] * values.to(x.dtype)           # [..., nnz]
+    y = x.new_zeros((*x.shape[:-1], out_features))
+    return y.index_add_(-1, rows, contrib)
+
+
+@sparse_outlier_linear.register_fake
+def _sparse_outlier_fake(x, row_ptr, col_idx, values, out_features):
+    return x.new_empty((*x.shape[:-1], out_features))
+
+
+def to_csr(values: Tensor, mask: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """CSR of the masked entries of ``values`` [out, in], sorted by row then column."""
+    if mask.shape[1] > 32768:
+        raise ValueError(f"in_features={mask.shape[1]} does not fit 16-bit column indices")
+    rows, cols = mask.nonzero(as_tuple=True)
+    row_ptr = torch.zeros(mask.shape[0] + 1, dtype=torch.int32)
+    row_ptr[1:] = torch.cumsum(mask.sum(1), 0).to(torch.int32)
+    return row_ptr, cols.to(torch.int16), values[rows, cols].to(torch.float16)
+
+
+QC_OPS.update(spqr_dense_linear=torch.ops.qc.spqr_dense_linear.default,
+              sparse_outlier_linear=torch.ops.qc.sparse_outlier_linear.default)

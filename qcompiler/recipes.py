@@ -73,6 +73,10 @@ def _register_builtins() -> None:
     for name, kw in _WEIGHT_ONLY.items():
         cls = P.GPTQ if name.startswith("gptq") else P.RTN
         register_recipe(name, _describe(name, kw), (lambda cls=cls, kw=kw: [cls(**kw)]))
+    register_recipe("spqr-w3g16", "SpQR: 3-bit weights in groups of 16, 3-bit statistics (beta2=16), "
+                    "act-order, outliers (relative tau 1.0) in fp16 CSR", lambda: [P.SpQR()])
+    register_recipe("spqr-w4g16", "SpQR, higher quality: 4-bit weights in groups of 16, 3-bit statistics, "
+                    "outliers (relative tau 1.0)", lambda: [P.SpQR(bits=4)])
     register_recipe("w8a8", "int8 weights (per channel) and activations (per token, dynamic), no smoothing",
                     lambda: [P.LowerInt8()])
     register_recipe("w8a8-static", "int8 weights (per channel), static per-tensor int8 activations",

@@ -1,31 +1,40 @@
-"""Plumbing shared by the weight-only passes (RTN, GPTQ): walk blocks, quantize, rewrite nodes.
+"""Plumbing shared by the weight-rewriting passes (RTN, GPTQ, SpQR): walk blocks, quantize, rewrite.
 
 During calibration a quantized layer's weight is replaced by its dequantized value, so later
-blocks see exactly the outputs the final ``qc.quant_linear`` op produces; once every block is
-done, each linear node is swapped for that op with the packed GPTQ tensors.
+blocks see exactly the outputs the final quantized op produces (sequential calibration); once
+every block is done, each linear node is swapped for the method's op(s).
 """
 from __future__ import annotations
 
 import time
-from typing import Callable, Optional
+from typing import Callable, NamedTuple, Optional
 
 import torch
 from torch.fx import GraphModule
 
 from .calibration import CalibrationEngine
 from .errors import QuantizationError
-from .graph import LinearLayer, block_of, drop_attr_if_unused, find_linears, set_tensor
 from .gptq import QuantResult, output_error
+from .graph import LinearLayer, block_of, drop_attr_if_unused, find_linears, set_tensor
 from .ops import GPTQWeight, pack_gptq
 from .packing import packed_length
 from .pass_base import PassContext
 
-__all__ = ["quantize_block_linears", "replace_with_quant_linear"]
-
-QuantizeFn = Callable[[LinearLayer, torch.Tensor, Optional[torch.Tensor]], QuantResult]
+__all__ = ["LayerQuant", "quantize_block_linears", "gptq_layer_quant", "replace_linear", "check_packable"]
 
 
-def _check_packable(layer: LinearLayer, W: torch.Tensor, bits: int) -> None:
+class LayerQuant(NamedTuple):
+    """What a method made of one layer."""
+
+    dequantized: torch.Tensor                                 # [out, in]: what the stored tensors stand for
+    figures: dict                                             # per-layer report entries
+    rewrite: Callable[[GraphModule, LinearLayer], None]       # swaps the node for the method's op(s)
+
+
+QuantizeFn = Callable[[LinearLayer, torch.Tensor, Optional[torch.Tensor]], LayerQuant]
+
+
+def check_packable(layer: LinearLayer, W: torch.Tensor, bits: int) -> None:
     for dim, size in (("in_features", W.shape[1]), ("out_features", W.shape[0])):
         try:
             packed_length(size, bits)
@@ -38,28 +47,27 @@ def _store_dequantized(gm: GraphModule, layer: LinearLayer, W_hat: torch.Tensor)
     set_tensor(gm, layer.weight_node.target, (W_hat.t() if layer.transposed else W_hat).contiguous())
 
 
-def quantize_block_linears(gm: GraphModule, ctx: PassContext, *, bits: int, quantize: QuantizeFn,
+def quantize_block_linears(gm: GraphModule, ctx: PassContext, *, quantize: QuantizeFn,
                            true_sequential: bool, needs_hessian: bool) -> bool:
     """Quantize every linear inside a transformer block; returns True if any was quantized."""
     record = ctx.record
-    results: list[tuple[LinearLayer, QuantResult]] = []
+    done: list[tuple[LinearLayer, LayerQuant]] = []
 
     def finish(layer: LinearLayer, W: torch.Tensor, H: Optional[torch.Tensor], start: float) -> None:
-        _check_packable(layer, W, bits)
         try:
-            res = quantize(layer, W, H)
+            result = quantize(layer, W, H)
         except QuantizationError as exc:
-            raise QuantizationError(f"layer {layer.path}: {exc}") from None
-        _store_dequantized(gm, layer, res.dequantized)
-        figures = {"bits": bits, "seconds": round(time.perf_counter() - start, 4)}
+            raise QuantizationError(exc.args[0] if str(exc).startswith("layer ") else f"layer {layer.path}: {exc}") from None
+        _store_dequantized(gm, layer, result.dequantized)
+        figures = dict(result.figures)
         if H is not None:
-            figures["rel_error"] = output_error(W, res.dequantized, H)
-            figures["damp"] = res.damp
-            if res.damp_steps:
-                record.notes.append(f"{layer.path}: Hessian needed damping {res.damp:g} "
-                                    f"(raised {res.damp_steps}x from the default)")
+            figures["rel_error"] = output_error(W, result.dequantized, H)
+        figures["seconds"] = round(time.perf_counter() - start, 4)
+        if figures.get("damp_steps"):
+            record.notes.append(f"{layer.path}: Hessian needed damping {figures['damp']:g} "
+                                f"(raised {figures['damp_steps']}x from the default)")
         record.layers[layer.path] = figures
-        results.append((layer, res))
+        done.append((layer, result))
 
     if ctx.calibration is None:
         if needs_hessian:
@@ -77,32 +85,42 @@ def quantize_block_linears(gm: GraphModule, ctx: PassContext, *, bits: int, quan
                 stats = engine.collect(seg, group)
                 for layer in group:
                     finish(layer, layer.weight(gm).detach().float(), stats[layer.path].hessian, start)
-    for layer, res in results:
-        replace_with_quant_linear(gm, layer, pack_gptq(res.codes, res.scales, res.zeros, res.g_idx, bits,
-                                                       _group_size(res)))
+    for layer, result in done:
+        result.rewrite(gm, layer)
     gm.graph.eliminate_dead_code()
-    return bool(results)
+    return bool(done)
 
 
-def _group_size(res: QuantResult) -> int:
+def gptq_layer_quant(layer: LinearLayer, W: torch.Tensor, res: QuantResult, bits: int) -> LayerQuant:
+    """A GPTQ/RTN result as a layer rewrite to ``qc.quant_linear`` (GPTQ checkpoint layout)."""
+    check_packable(layer, W, bits)
     n_groups = res.scales.shape[0]
-    return -1 if n_groups == 1 else -(-res.g_idx.numel() // n_groups)
+    group_size = -1 if n_groups == 1 else -(-res.g_idx.numel() // n_groups)
+    packed = pack_gptq(res.codes, res.scales, res.zeros, res.g_idx, bits, group_size)
+    figures = {"bits": bits}
+    if res.damp:
+        figures.update(damp=res.damp, damp_steps=res.damp_steps)
+
+    def rewrite(gm: GraphModule, layer: LinearLayer) -> None:
+        replace_linear(gm, layer, torch.ops.qc.quant_linear.default,
+                       {f: getattr(packed, f) for f in ("qweight", "qzeros", "scales", "g_idx")},
+                       lambda x, a: (x, a["qweight"], a["qzeros"], a["scales"], a["g_idx"], layer.bias_node,
+                                     packed.bits, packed.group_size))
+    return LayerQuant(res.dequantized, figures, rewrite)
 
 
-def replace_with_quant_linear(gm: GraphModule, layer: LinearLayer, packed: GPTQWeight) -> None:
-    """Swap ``layer``'s node for ``qc.quant_linear`` reading the packed tensors (stored beside it)."""
+def replace_linear(gm: GraphModule, layer: LinearLayer, op, tensors: dict[str, torch.Tensor],
+                   make_args: Callable) -> torch.fx.Node:
+    """Store ``tensors`` beside the layer (``{path}.{name}``) and swap its node for ``op(*make_args(x, attrs))``."""
     graph = gm.graph
     base = layer.path or layer.node.name
-    names = {}
-    for field in ("qweight", "qzeros", "scales", "g_idx"):
-        names[field] = f"{base}.{field}"
-        set_tensor(gm, names[field], getattr(packed, field))
+    for name, tensor in tensors.items():
+        set_tensor(gm, f"{base}.{name}", tensor)
     with graph.inserting_before(layer.node):
-        attrs = {f: graph.get_attr(n) for f, n in names.items()}
-        new = graph.call_function(torch.ops.qc.quant_linear.default,
-                                  (layer.input, attrs["qweight"], attrs["qzeros"], attrs["scales"], attrs["g_idx"],
-                                   layer.bias_node, packed.bits, packed.group_size))
+        attrs = {name: graph.get_attr(f"{base}.{name}") for name in tensors}
+        new = graph.call_function(op, tuple(make_args(layer.input, attrs)))
     new.meta.update({k: v for k, v in layer.node.meta.items() if k in ("nn_module_stack", "val", "stack_trace")})
     layer.node.replace_all_uses_with(new)
     graph.erase_node(layer.node)
     drop_attr_if_unused(gm, layer.weight_node)
+    return new

@@ -1,0 +1,134 @@
+"""SpQR (Dettmers et al., ICLR 2024): each linear becomes a dense 3-bit branch plus a sparse fp16 one.
+
+``linear(x)`` → ``add(qc.spqr_dense_linear(x, …), qc.sparse_outlier_linear(x, …))``: both nodes stay
+visible to later passes and backends. The algorithm is ``qcompiler.spqr.spqr_quantize``; with an
+``outlier_fraction`` budget the relative threshold is bisected per layer (log scale) to the
+smallest τ whose outliers fit the budget.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import ClassVar, Optional
+
+import torch
+from torch.fx import GraphModule
+
+from qcompiler.errors import QuantizationError
+from qcompiler.graph import LinearLayer, aten, set_tensor
+from qcompiler.ops import to_csr
+from qcompiler.packing import pack_cols, pack_rows
+from qcompiler.pass_base import GraphProperty, Pass, PassContext
+from qcompiler.spqr import SpQRResult, check_spqr_spec, spqr_quantize
+from qcompiler.weight_only import LayerQuant, check_packable, quantize_block_linears, replace_linear
+
+__all__ = ["SpQR", "pack_spqr"]
+
+
+def pack_spqr(res: SpQRResult, bits: int, stat_bits: int) -> dict[str, torch.Tensor]:
+    """The stored tensors of one SpQR layer (layout in docs/methods/spqr.md)."""
+    row_ptr, col_idx, values = to_csr(res.outlier_values, res.outliers)
+    return {"codes": pack_rows(res.codes.t().contiguous(), bits),
+            "scale_codes": pack_cols(res.scale_codes, stat_bits), "zero_codes": pack_cols(res.zero_codes, stat_bits),
+            "scale_stats": res.scale_stats.contiguous(), "zero_stats": res.zero_stats.contiguous(),
+            "perm": res.perm.to(torch.int32), "row_ptr": row_ptr, "col_idx": col_idx, "values": values}
+
+
+def stored_bits(tensors: dict[str, torch.Tensor]) -> int:
+    """Bits of everything per weight, except ``perm`` (per column, like GPTQ's g_idx)."""
+    return sum(t.numel() * t.element_size() * 8 for name, t in tensors.items() if name != "perm")
+
+
+def _top_columns(mask: torch.Tensor, k: int = 3) -> str:
+    per_col = mask.sum(0)
+    total = int(per_col.sum())
+    if total == 0:
+        return ""
+    top = torch.topk(per_col, min(k, per_col.numel()))
+    return ",".join(f"{int(c)}:{int(n) / total:.0%}" for n, c in zip(top.values, top.indices) if n > 0)
+
+
+@dataclass(frozen=True)
+class SpQR(Pass):
+    """Replaces each block linear with a dense low-bit SpQR op plus a sparse fp16 outlier op, summed."""
+
+    bits: int = 3
+    group_size: int = 16
+    stat_bits: int = 3
+    stat_group_size: int = 16
+    outlier_threshold: float = 1.0             # relative τ (ignored when outlier_fraction is set)
+    outlier_fraction: Optional[float] = None   # target fraction of weights kept in fp16, per layer
+    act_order: bool = True
+    damp: float = 0.01
+    block_size: int = 128
+    true_sequential: bool = True
+
+    provides: ClassVar = frozenset({GraphProperty.QUANTIZED_WEIGHTS, GraphProperty.OUTLIERS_SPLIT})
+    needs_calibration: ClassVar = True
+
+    def __post_init__(self):
+        check_spqr_spec(self.bits, self.group_size, self.stat_bits, self.stat_group_size)
+        if self.outlier_fraction is not None and not 0 <= self.outlier_fraction < 1:
+            raise QuantizationError(f"outlier_fraction must be in [0, 1), got {self.outlier_fraction}")
+        if self.outlier_fraction is None and not self.outlier_threshold > 0:
+            raise QuantizationError(f"outlier_threshold={self.outlier_threshold} selects every weight as an "
+                                    f"outlier; use a positive relative threshold (0.1-1.0 is typical)")
+
+    def _quantize(self, W: torch.Tensor, H: torch.Tensor, tau: float) -> SpQRResult:
+        return spqr_quantize(W, H, bits=self.bits, group_size=self.group_size, stat_bits=self.stat_bits,
+                             stat_group_size=self.stat_group_size, outlier_threshold=tau,
+                             act_order=self.act_order, damp=self.damp, block_size=self.block_size)
+
+    def _within_budget(self, W: torch.Tensor, H: torch.Tensor) -> tuple[SpQRResult, float]:
+        """Bisect log τ in [1e-2, 1e3] for the smallest τ whose outlier fraction fits the budget."""
+        if self.outlier_fraction == 0:
+            return self._quantize(W, H, float("inf")), float("inf")
+        lo, hi = math.log(1e-2), math.log(1e3)
+        best = self._quantize(W, H, math.exp(hi)), math.exp(hi)
+        for _ in range(8):
+            mid = (lo + hi) / 2
+            res = self._quantize(W, H, math.exp(mid))
+            if res.outliers.float().mean().item() <= self.outlier_fraction:
+                best, hi = (res, math.exp(mid)), mid
+            else:
+                lo = mid
+        return best
+
+    def run(self, gm: GraphModule, ctx: PassContext) -> bool:
+        def quantize(layer: LinearLayer, W: torch.Tensor, H: torch.Tensor) -> LayerQuant:
+            check_packable(layer, W, self.bits)
+            if W.shape[1] < self.group_size or W.shape[0] < self.stat_group_size:
+                raise QuantizationError(f"layer {layer.path} ({W.shape[0]}x{W.shape[1]}) is narrower than one "
+                                        f"group ({self.group_size} columns, {self.stat_group_size} rows)")
+            if self.outlier_fraction is None:
+                res, tau = self._quantize(W, H, self.outlier_threshold), self.outlier_threshold
+            else:
+                res, tau = self._within_budget(W, H)
+            tensors = pack_spqr(res, self.bits, self.stat_bits)
+            figures = {"bits": self.bits, "bits_per_weight": stored_bits(tensors) / W.numel(),
+                       "outlier_fraction": res.outliers.float().mean().item(), "tau": tau,
+                       "top_outlier_columns": _top_columns(res.outliers), "damp": res.damp,
+                       "damp_steps": res.damp_steps}
+            return LayerQuant(res.dequantized, figures, lambda gm, layer: self._rewrite(gm, layer, tensors, W.shape[0]))
+        return quantize_block_linears(gm, ctx, quantize=quantize, true_sequential=self.true_sequential,
+                                      needs_hessian=True)
+
+    def _rewrite(self, gm: GraphModule, layer: LinearLayer, tensors: dict, out_features: int) -> None:
+        dense_names = ("codes", "scale_codes", "zero_codes", "scale_stats", "zero_stats", "perm")
+        dense = replace_linear(
+            gm, layer, torch.ops.qc.spqr_dense_linear.default, {n: tensors[n] for n in dense_names},
+            lambda x, a: (x, *(a[n] for n in dense_names), layer.bias_node, self.bits, self.group_size,
+                          self.stat_bits, self.stat_group_size))
+        graph = gm.graph
+        base = layer.path
+        for n in ("row_ptr", "col_idx", "values"):
+            set_tensor(gm, f"{base}.{n}", tensors[n])
+        users = list(dense.users)
+        with graph.inserting_before(dense.next):  # a fixed point keeps creation order
+            attrs = [graph.get_attr(f"{base}.{n}") for n in ("row_ptr", "col_idx", "values")]
+            sparse = graph.call_function(torch.ops.qc.sparse_outlier_linear.default, (dense.args[0], *attrs, out_features))
+            total = graph.call_function(aten.add.Tensor, (dense, sparse))
+        for node in (sparse, total):
+            node.meta.update({k: v for k, v in dense.meta.items() if k in ("nn_module_stack", "val")})
+        for user in users:
+            user.replace_input_with(dense, total)
