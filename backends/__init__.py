@@ -6,10 +6,12 @@ from typing import Callable
 from qcompiler.errors import BackendError
 
 from .eager import prepare_eager
+from .onnxruntime import prepare_onnxruntime
 
-__all__ = ["get_backend", "available_backends", "prepare_eager"]
+__all__ = ["get_backend", "available_backends", "prepare_eager", "prepare_onnxruntime"]
 
-_BACKENDS: dict[str, Callable] = {"eager": prepare_eager}
+# name -> prepare(gm, example_inputs, **options) -> callable like the original model
+_BACKENDS: dict[str, Callable] = {"eager": prepare_eager, "onnxruntime": prepare_onnxruntime}
 
 
 def available_backends() -> list[str]:
@@ -17,7 +19,7 @@ def available_backends() -> list[str]:
 
 
 def get_backend(name: str) -> Callable:
-    """The ``prepare(gm) -> callable`` function of backend ``name``."""
+    """The ``prepare(gm, example_inputs, **options) -> callable`` function of backend ``name``."""
     if name not in _BACKENDS:
         raise BackendError(f"unknown backend {name!r}; available: {', '.join(available_backends())}")
     return _BACKENDS[name]

@@ -6,6 +6,6 @@ from torch.fx import GraphModule
 __all__ = ["prepare_eager"]
 
 
-def prepare_eager(gm: GraphModule):
+def prepare_eager(gm: GraphModule, example_inputs=None):
     """The GraphModule is already callable like the original model."""
     return gm

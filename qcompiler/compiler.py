@@ -19,11 +19,13 @@ __all__ = ["compile", "CompiledModel", "normalize_calibration"]
 class CompiledModel:
     """A quantized model: call it like the original; inspect ``graph_module`` and ``report``."""
 
-    def __init__(self, graph_module: GraphModule, recipe: Recipe, report: Report, backend: str, runner):
+    def __init__(self, graph_module: GraphModule, recipe: Recipe, report: Report, backend: str, runner,
+                 example_inputs: tuple[tuple, dict]):
         self.graph_module = graph_module
         self.recipe = recipe
         self.report = report
         self.backend = backend
+        self.example_inputs = example_inputs
         self._runner = runner
 
     @property
@@ -35,6 +37,12 @@ class CompiledModel:
             kwargs.setdefault(name, value)
         with torch.no_grad():
             return self._runner(*args, **kwargs)
+
+    def export_onnx(self, path, *, accuracy_level: Optional[int] = None):
+        """Write the graph as an ONNX model that ONNX Runtime runs (see docs/backends/onnx.md)."""
+        from .backends.onnx_export import export_onnx
+        return export_onnx(self.graph_module, path, self.example_inputs, recipe=self.recipe.name,
+                           accuracy_level=accuracy_level)
 
     def __repr__(self) -> str:
         passes = ", ".join(repr(p) for p in self.recipe.passes) or "none"
@@ -60,11 +68,12 @@ def normalize_calibration(calibration: Optional[Iterable], info: CaptureInfo) ->
 
 
 def compile(model: torch.nn.Module, example_inputs, recipe="none", calibration: Optional[Iterable] = None,
-            backend: str = "eager", *, progress: bool = True) -> CompiledModel:
+            backend: str = "eager", *, backend_options: Optional[dict] = None, progress: bool = True) -> CompiledModel:
     """Capture ``model``, apply ``recipe``'s passes in order, and prepare ``backend`` to run it.
 
     ``recipe``: a built-in name (see ``qc.list_recipes()``), a ``qc.Recipe``, or a list of passes.
     ``calibration``: an iterable of inputs shaped like ``example_inputs`` (needed by data-driven passes).
+    ``backend_options``: passed to the backend (onnxruntime: ``path``, ``threads``, ``accuracy_level``).
     """
     from .backends import get_backend  # qcompiler.backends imports this module's package
 
@@ -77,4 +86,8 @@ def compile(model: torch.nn.Module, example_inputs, recipe="none", calibration: 
     ctx = PassContext(example_inputs=normalize_inputs(example_inputs),
                       calibration=normalize_calibration(calibration, info), progress=progress)
     report = manager.run(gm, ctx)
-    return CompiledModel(gm, resolved, report, backend, runner_factory(gm))
+    options = dict(backend_options or {})
+    if backend == "onnxruntime":
+        options.setdefault("recipe", resolved.name)
+    runner = runner_factory(gm, ctx.example_inputs, **options)
+    return CompiledModel(gm, resolved, report, backend, runner, ctx.example_inputs)

@@ -1,0 +1,127 @@
+"""ONNX export and the onnxruntime backend: ORT computes what eager computes, files are written safely."""
+from dataclasses import dataclass
+
+import onnx
+import pytest
+import torch
+
+import qcompiler as qc
+from qcompiler.backends import onnx_export
+from qcompiler.backends.onnx_layout import dequantize_matmul_nbits, lower_for_onnx, to_matmul_nbits_layout
+from tiny_models import example_inputs, main_output, make_model
+
+RECIPES = {  # recipe -> max |ORT − eager| relative to max |eager| (float reassociation only)
+    "gptq-w4g128": 1e-5, "gptq-w3g128": 1e-5, "spqr-w3g16": 1e-5, "w8a8": 1e-5, "w8a8-smoothquant": 1e-5,
+}
+EXTRA = {"gptq-act": [qc.passes.GPTQ(bits=4, group_size=32, act_order=True)],
+         "rtn-2bit": [qc.passes.RTN(bits=2, group_size=32)], "rtn-8bit-channel": [qc.passes.RTN(bits=8, group_size=-1)],
+         "w8a8-static": "w8a8-static"}
+
+
+def strip(inputs):
+    return {k: v for k, v in inputs.items() if k != "use_cache"}
+
+
+CASES = [("llama", name) for name in list(RECIPES) + list(EXTRA)] + \
+        [("bert", name) for name in ("gptq-w3g128", "w8a8-smoothquant", "spqr-w3g16")]
+
+
+@pytest.mark.parametrize("arch,name", CASES)
+def test_onnxruntime_matches_eager(arch, name):
+    model = make_model(arch)
+    recipe = EXTRA.get(name, name)
+    if name == "spqr-w3g16" and arch == "llama":
+        recipe = [qc.passes.SpQR(outlier_threshold=0.3)]  # enough outliers to exercise the sparse branch
+    calib = [example_inputs(arch, 4, 16, seed=s) for s in range(3)]
+    eager = qc.compile(model, example_inputs(arch), recipe=recipe, calibration=calib, progress=False)
+    ort_cm = qc.compile(model, example_inputs(arch), recipe=recipe, calibration=calib, backend="onnxruntime",
+                        backend_options={"threads": 1}, progress=False)
+    inputs = strip(example_inputs(arch, 3, 13, seed=11))
+    want, got = main_output(eager(**inputs)), main_output(ort_cm(**inputs))
+    assert got.shape == want.shape
+    assert ((got - want).abs().max() / want.abs().max()).item() <= RECIPES.get(name, 1e-5)
+
+
+def test_nbits_layout_roundtrip_and_ort_semantics():
+    gen = torch.Generator().manual_seed(0)
+    for bits in (2, 4, 8):
+        codes = torch.randint(0, 2 ** bits, (8, 64), generator=gen)
+        scales = torch.rand(8, 4, generator=gen) + 0.1
+        zeros = torch.randint(0, 2 ** bits, (8, 4), generator=gen).float()
+        t = to_matmul_nbits_layout(codes, scales, zeros, bits, 16, float_zeros=False)
+        assert t["B"].dtype == torch.uint8 and t["B"].shape == (8, 4, 16 * bits // 8)
+        W = dequantize_matmul_nbits(t["B"], t["scales"], t["zero_points"], 64, 8, bits, 16)
+        expected = (codes.float() - zeros.repeat_interleave(16, 1)) * scales.repeat_interleave(16, 1)
+        assert torch.equal(W, expected)
+    # ORT's documented 4-bit order: element 0 in the low nibble of byte 0
+    t = to_matmul_nbits_layout(torch.tensor([[1, 2] + [0] * 14]), torch.ones(1, 1), torch.zeros(1, 1), 4, 16, False)
+    assert t["B"][0, 0, 0].item() == 1 | (2 << 4)
+
+
+def test_export_records_metadata_and_passes_checker(tmp_path):
+    model = make_model("llama")
+    cm = qc.compile(model, example_inputs("llama"), recipe="gptq-w4g128",
+                    calibration=[example_inputs("llama", 4, 16)], progress=False)
+    path = cm.export_onnx(tmp_path / "m.onnx")
+    proto = onnx.load(str(path))
+    meta = {p.key: p.value for p in proto.metadata_props}
+    assert meta["qcompiler.recipe"] == "gptq-w4g128" and meta["qcompiler.onnx_opset"] == "18"
+    assert meta["qcompiler.matmul_nbits_accuracy_level"] == "0"
+    ops = {(n.domain, n.op_type) for n in proto.graph.node}
+    assert ("com.microsoft", "MatMulNBits") in ops
+    assert sum(n.op_type == "MatMulNBits" for n in proto.graph.node) == 14
+    onnx.checker.check_model(str(path), full_check=True)
+    assert [p.name for p in tmp_path.iterdir()] == ["m.onnx"]
+
+
+def test_failed_export_leaves_no_file(tmp_path, monkeypatch):
+    model = make_model("llama")
+    cm = qc.compile(model, example_inputs("llama"), recipe="w8a8", progress=False)
+    target = tmp_path / "out" / "m.onnx"
+
+    def broken(*a, **k):
+        raise onnx.checker.ValidationError("injected failure")
+    monkeypatch.setattr(onnx.checker, "check_model", broken)
+    with pytest.raises(qc.BackendError, match="failed the checker: injected failure"):
+        cm.export_onnx(target)
+    assert list((tmp_path / "out").iterdir()) == []
+
+
+@torch.library.custom_op("qc::test_unmapped", mutates_args=())
+def _unmapped(x: torch.Tensor) -> torch.Tensor:
+    return x.clone()
+
+
+@_unmapped.register_fake
+def _unmapped_fake(x):
+    return torch.empty_like(x)
+
+
+@dataclass(frozen=True)
+class InsertUnmapped(qc.Pass):
+    def run(self, gm, ctx):
+        node = next(n for n in gm.graph.nodes if n.target is torch.ops.aten.linear.default)
+        with gm.graph.inserting_after(node):
+            new = gm.graph.call_function(torch.ops.qc.test_unmapped.default, (node,))
+        node.replace_all_uses_with(new, delete_user_cb=lambda u: u is not new)
+        new.meta.update(node.meta)
+        return True
+
+
+def test_unmapped_op_is_named(tmp_path):
+    cm = qc.compile(make_model("llama"), example_inputs("llama"), recipe=[InsertUnmapped()], progress=False)
+    with pytest.raises(qc.BackendError, match=r"node test_unmapped_default \(model.layers.0.self_attn.q_proj\) uses op "
+                                              r"qc.test_unmapped, which has no ONNX mapping"):
+        cm.export_onnx(tmp_path / "m.onnx")
+    assert not (tmp_path / "m.onnx").exists()
+
+
+def test_minilm_quality_through_ort_matches_eager(minilm):
+    from qcompiler.quality import QualityJudge
+    judge = QualityJudge(minilm, sentences=64)
+    calib = minilm.calibration(16, 64)
+    eager = qc.compile(minilm.model, minilm.example_inputs(), recipe="gptq-w4g128", calibration=calib, progress=False)
+    ort_cm = qc.compile(minilm.model, minilm.example_inputs(), recipe="gptq-w4g128", calibration=calib,
+                        backend="onnxruntime", progress=False)
+    e, o = judge.score(eager), judge.score(ort_cm)
+    assert abs(e - o) / e < 0.01 and abs((1 - e) - (1 - o)) < 1e-4
