@@ -4,10 +4,12 @@ translation table for the ``qc`` ops, after re-packing them into ORT layouts (``
 Op mapping (ORT contrib ops live in the ``com.microsoft`` domain, version 1):
 
 - weight-only (GPTQ/RTN 2/3/4/8-bit, SpQR dense) → ``com.microsoft::MatMulNBits`` (3-bit widened
-  to 4-bit), act-order as a ``Gather`` of input columns;
+  to 4-bit) with uint8 zero points, act-order as a ``Gather`` of input columns; SpQR's fractional
+  zeros as the nearest integer plus a per-block correction ``(block sums of x) @ C``;
 - SpQR outliers → ``Gather`` of the outlier columns + ``MatMul`` with a small dense block;
-- W8A8 → standard ONNX ops with per-token scales: ``ReduceMax``/``Round``/``Clip``/``Cast`` to
-  int8, ``MatMulInteger`` (int32 accumulation), rescale — the same arithmetic as ``qc.int8_linear``.
+- W8A8 → standard ONNX ops with per-token scales: ``ReduceMax``/``Round``/``Clip``, codes shifted
+  to uint8 with zero point 128, ``MatMulInteger`` (int32 accumulation), rescale — the same
+  integers as ``qc.int8_linear``.
 
 The file is written atomically (temporary file, full ``onnx.checker`` check, an ORT session
 created, then renamed into place): a failed export leaves nothing behind.
@@ -74,27 +76,36 @@ def _translation_table(accuracy_level: int) -> dict:
 
     _register_contrib_schemas()
     msft = onnxscript.values.Opset("com.microsoft", MSFT_OPSET)
-    INT8, FLOAT = onnx.TensorProto.INT8, onnx.TensorProto.FLOAT
+    UINT8, FLOAT = onnx.TensorProto.UINT8, onnx.TensorProto.FLOAT
 
-    def matmul_nbits(x, B, scales, zero_points, perm=None, bias=None, K=0, N=0, bits=4, block_size=32):
+    def matmul_nbits(x, B, scales, zero_points, perm=None, group_corr=None, bias=None, K=0, N=0, bits=4,
+                     block_size=32):
         a = x if perm is None else op.Gather(x, perm, axis=-1)
         y = msft.MatMulNBits(a, B, scales, zero_points, K=K, N=N, bits=bits, block_size=block_size,
                              accuracy_level=accuracy_level)
+        if group_corr is not None:  # fractional zero points: + (per-block sums of x) @ corr
+            lead = op.Slice(op.Shape(a), op.Constant(value_ints=[0]), op.Constant(value_ints=[-1]))
+            shape = op.Concat(lead, op.Constant(value_ints=[K // block_size, block_size]), axis=0)
+            sums = op.ReduceSum(op.Reshape(a, shape), op.Constant(value_ints=[-1]), keepdims=0)
+            y = op.Add(y, op.MatMul(sums, group_corr))
         return y if bias is None else op.Add(y, bias)
 
     def gathered_outlier_linear(x, cols, block_t):
         return op.MatMul(op.Gather(x, cols, axis=-1), block_t)
 
     def int8_linear(x, weight, weight_scale, bias=None, act_scale=None, smooth_inv=None):
+        # int8 codes q in [-127, 127] travel as uint8 q + 128 with zero point 128: ORT's fast
+        # u8 x s8 MatMulInteger kernel computes exactly the same int32 sums (s8 x s8 is ~10x slower).
         xs = x if smooth_inv is None else op.Mul(x, smooth_inv)
         if act_scale is None:
             amax = op.ReduceMax(op.Abs(xs), op.Constant(value_ints=[-1]), keepdims=1)
             sx = op.Max(op.Div(amax, op.Constant(value_float=127.0)), op.Constant(value_float=1e-8))
         else:
             sx = act_scale
-        q = op.Cast(op.Clip(op.Round(op.Div(xs, sx)), op.Constant(value_float=-127.0),
-                            op.Constant(value_float=127.0)), to=INT8)
-        acc = op.MatMulInteger(q, op.Transpose(weight, perm=[1, 0]))
+        q = op.Clip(op.Round(op.Div(xs, sx)), op.Constant(value_float=-127.0), op.Constant(value_float=127.0))
+        qu = op.Cast(op.Add(q, op.Constant(value_float=128.0)), to=UINT8)
+        zero = op.Constant(value=onnx.helper.make_tensor("zp", UINT8, [], [128]))
+        acc = op.MatMulInteger(qu, op.Transpose(weight, perm=[1, 0]), zero)
         y = op.Mul(op.Mul(op.Cast(acc, to=FLOAT), sx), weight_scale)
         return y if bias is None else op.Add(y, bias)
 

@@ -20,7 +20,7 @@ from torch import Tensor
 from .packing import pack_cols, pack_rows, unpack_cols, unpack_rows
 
 __all__ = ["GPTQWeight", "pack_gptq", "dequantize_gptq", "quant_linear", "quantize_per_token", "int8_matmul",
-           "int8_linear", "dequantize_spqr_dense", "spqr_dense_linear", "sparse_outlier_linear", "to_csr",
+           "int8_linear", "dequantize_spqr_dense", "spqr_group_stats", "spqr_dense_linear", "sparse_outlier_linear", "to_csr",
            "QC_OPS"]
 
 
@@ -122,18 +122,20 @@ def _int8_linear_fake(x, weight, weight_scale, bias, act_scale, smooth_inv):
 QC_OPS["int8_linear"] = torch.ops.qc.int8_linear.default
 
 
+def spqr_group_stats(packed: Tensor, table: Tensor, stat_bits: int, stat_group_size: int) -> Tensor:
+    """First-level statistics ``[groups, out]`` from their codes and (step, minimum) table."""
+    n_out = table.shape[1] * stat_group_size
+    c = unpack_cols(packed, stat_bits, n_out).float().reshape(packed.shape[0], -1, stat_group_size)
+    return (table[..., :1].float() * c + table[..., 1:].float()).reshape(packed.shape[0], n_out)
+
+
 def dequantize_spqr_dense(codes: Tensor, scale_codes: Tensor, zero_codes: Tensor, scale_stats: Tensor,
                           zero_stats: Tensor, perm: Tensor, bits: int, group_size: int, stat_bits: int,
                           stat_group_size: int) -> Tensor:
     """The float32 dense SpQR weight ``[out, in]`` (original column order) from its packed tensors."""
-    n_in, n_out = perm.numel(), scale_stats.shape[1] * stat_group_size
-
-    def stats(packed: Tensor, table: Tensor) -> Tensor:  # [groups, out]: step · code + minimum per run
-        c = unpack_cols(packed, stat_bits, n_out).float().reshape(packed.shape[0], -1, stat_group_size)
-        return (table[..., :1].float() * c + table[..., 1:].float()).reshape(packed.shape[0], n_out)
-
-    scales = stats(scale_codes, scale_stats).clamp(min=1e-8)
-    zeros = stats(zero_codes, zero_stats)
+    n_in = perm.numel()
+    scales = spqr_group_stats(scale_codes, scale_stats, stat_bits, stat_group_size).clamp(min=1e-8)
+    zeros = spqr_group_stats(zero_codes, zero_stats, stat_bits, stat_group_size)
     q = unpack_rows(codes, bits, n_in).float()                      # [in (permuted order), out]
     g = torch.arange(n_in) // group_size
     w_perm = scales[g] * (q - zeros[g])                              # [in permuted, out]
