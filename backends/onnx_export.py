@@ -41,12 +41,13 @@ _TWO_GB = 2 * 1024 ** 3
 
 
 def default_accuracy_level() -> int:
-    """MatMulNBits ``accuracy_level``: 0 keeps activations in float (matches eager closely).
+    """MatMulNBits ``accuracy_level`` 4: activations quantized to int8 inside ORT's kernel.
 
-    Level 4 quantizes activations to int8 inside the kernel (~3x faster on CPU at M = 1) at a
-    measured cost in accuracy (docs/backends/onnx.md); pass ``accuracy_level=4`` to opt in.
+    Measured (docs/backends/onnx.md): ~5x faster than level 0 at M = 1 on CPU (level 0 is no
+    faster than fp32), while MiniLM's embedding cosine moves by <= 0.001 (gptq-w4g128 0.97315 ->
+    0.97260). Pass ``accuracy_level=0`` for outputs that match eager to float rounding.
     """
-    return 0
+    return 4
 
 
 def _register_contrib_schemas() -> None:

@@ -15,8 +15,9 @@ from torch.fx import GraphModule
 
 from qcompiler.calibration import CalibrationEngine
 from qcompiler.errors import QuantizationError
-from qcompiler.graph import LinearLayer, block_of, drop_attr_if_unused, find_linears, set_tensor
+from qcompiler.graph import LinearLayer, block_of, find_linears
 from qcompiler.pass_base import GraphProperty, Pass, PassContext
+from qcompiler.weight_only import replace_linear
 
 from .smoothquant import SMOOTH_META
 
@@ -65,25 +66,12 @@ class LowerInt8(Pass):
         return bool(layers)
 
     def _lower(self, gm: GraphModule, layer: LinearLayer, act_scale) -> None:
-        W = layer.weight(gm).detach().float()
-        wq, ws = quantize_weight_per_channel(W)
-        base = layer.path
-        set_tensor(gm, f"{base}.weight_int8", wq)
-        set_tensor(gm, f"{base}.weight_scale", ws)
+        wq, ws = quantize_weight_per_channel(layer.weight(gm).detach().float())
+        tensors = {"weight_int8": wq, "weight_scale": ws}
+        if act_scale is not None:
+            tensors["act_scale"] = torch.tensor(act_scale)
         x, smooth = layer.input, None
         if SMOOTH_META in x.meta:  # fuse SmoothQuant's explicit 1/s into the quantizer
             x, smooth = x.args[0], x.args[1]
-        graph = gm.graph
-        with graph.inserting_before(layer.node):
-            args = [x, graph.get_attr(f"{base}.weight_int8"), graph.get_attr(f"{base}.weight_scale"), layer.bias_node]
-            if act_scale is not None:
-                set_tensor(gm, f"{base}.act_scale", torch.tensor(act_scale))
-                args.append(graph.get_attr(f"{base}.act_scale"))
-            else:
-                args.append(None)
-            args.append(smooth)
-            new = graph.call_function(torch.ops.qc.int8_linear.default, tuple(args))
-        new.meta.update({k: v for k, v in layer.node.meta.items() if k in ("nn_module_stack", "val")})
-        layer.node.replace_all_uses_with(new)
-        graph.erase_node(layer.node)
-        drop_attr_if_unused(gm, layer.weight_node)
+        replace_linear(gm, layer, torch.ops.qc.int8_linear.default, tensors,
+                       lambda _x, a: (x, a["weight_int8"], a["weight_scale"], layer.bias_node, a.get("act_scale"), smooth))
