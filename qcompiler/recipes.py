@@ -106,6 +106,7 @@ _WEIGHT_ONLY = {
     "gptq-w3g128": dict(bits=3, group_size=128, sym=False),
     "gptq-w2g128": dict(bits=2, group_size=128, sym=False),
     "gptq-w3": dict(bits=3, group_size=-1, sym=False),
+    "gptq-w3-act": dict(bits=3, group_size=-1, sym=False, act_order=True),
     "gptq-w4g128-act": dict(bits=4, group_size=128, sym=False, act_order=True),
     "gptq-w3g128-act": dict(bits=3, group_size=128, sym=False, act_order=True),
     "gptq-w2g128-act": dict(bits=2, group_size=128, sym=False, act_order=True),

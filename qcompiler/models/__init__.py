@@ -89,7 +89,7 @@ def load(name_or_path: str | Path) -> LoadedModel:
     config = AutoConfig.from_pretrained(path)
     causal = any(a.endswith("ForCausalLM") for a in (config.architectures or []))
     cls = AutoModelForCausalLM if causal else AutoModel
-    model = cls.from_pretrained(path, use_safetensors=True, torch_dtype=torch.float32).eval()
+    model = cls.from_pretrained(path, use_safetensors=True, dtype=torch.float32).eval()
     tokenizer: Optional[Any]
     if (path / "tokenizer.json").is_file() or (path / "tokenizer_config.json").is_file():
         tokenizer = AutoTokenizer.from_pretrained(path)
