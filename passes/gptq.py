@@ -30,7 +30,7 @@ class GPTQ(Pass):
     static_groups: bool = False   # with act_order: grids fixed up front, groups contiguous
     damp: float = 0.01            # λ = damp · mean(diag H), raised ×10 while H is not PD
     block_size: int = 128         # lazy-batch width
-    true_sequential: bool = True  # q/k/v, then o, then gate/up, then down, re-running inputs between
+    true_sequential: bool = False  # True: q/k/v, then o, then gate/up, then down, re-running inputs between
 
     provides: ClassVar = frozenset({GraphProperty.QUANTIZED_WEIGHTS})
     needs_calibration: ClassVar = True
