@@ -18,6 +18,7 @@ import json
 import resource
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -90,14 +91,31 @@ def memory_probe(layers: int) -> dict:
                                          num_hidden_layers=layers, num_attention_heads=8, num_key_value_heads=8,
                                          max_position_embeddings=PROBE_SEQ)).eval()
     calib = [{"input_ids": torch.randint(0, 256, (8, PROBE_SEQ))} for _ in range(PROBE_WINDOWS // 8)]
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    qc.compile(model, {"input_ids": calib[0]["input_ids"][:2, :16], "use_cache": False}, recipe="gptq-w4g128",
-               calibration=calib, progress=False)
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    before = _rss_mb()
+    peak = [before]
+    done = threading.Event()
+
+    def sample():  # the high-water mark of *this* phase (ru_maxrss would include model creation)
+        while not done.is_set():
+            peak[0] = max(peak[0], _rss_mb())
+            time.sleep(0.005)
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    try:
+        qc.compile(model, {"input_ids": calib[0]["input_ids"][:2, :16], "use_cache": False}, recipe="gptq-w4g128",
+                   calibration=calib, progress=False)
+    finally:
+        done.set()
+        sampler.join()
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
-    return {"blocks": layers, "weight_mb": weights / 2**20, "rss_before_mb": before / 1024, "peak_rss_mb": peak / 1024,
-            "growth_mb": (peak - before) / 1024,
+    return {"blocks": layers, "weight_mb": weights / 2**20, "rss_before_mb": before, "peak_rss_mb": peak[0],
+            "growth_mb": peak[0] - before,
             "one_block_input_cache_mb": PROBE_WINDOWS * PROBE_SEQ * PROBE_HIDDEN * 4 / 2**20}
+
+
+def _rss_mb() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * resource.getpagesize() / 2**20
 
 
 def main() -> None:
@@ -122,7 +140,7 @@ def main() -> None:
           f"{layer['speedup']:.1f}x |")
     print(f"| tinylm end to end (GPTQ w4g128, 32x256 calibration) | {model['lazy_seconds']:.1f} | "
           f"{model['reference_seconds']:.1f} | {model['reference_seconds'] / model['lazy_seconds']:.1f}x |")
-    print("\n| blocks | weights MB | peak RSS growth MB | one block's input cache MB |\n|---|---|---|---|")
+    print("\n| blocks | weights MB | RSS growth during GPTQ, MB | one block's input cache MB |\n|---|---|---|---|")
     for m in memory:
         print(f"| {m['blocks']} | {m['weight_mb']:.0f} | {m['growth_mb']:.0f} | {m['one_block_input_cache_mb']:.0f} |")
 

@@ -97,6 +97,10 @@ def capture(model: torch.nn.Module, example_inputs) -> torch.fx.GraphModule:
     if not isinstance(model, torch.nn.Module):
         raise CaptureError(f"capture() needs a torch.nn.Module, got {type(model).__name__}")
     args, kwargs = normalize_inputs(example_inputs)
+    # Export guards on the example's strides; a sliced (non-contiguous) example would make the
+    # graph reject ordinary contiguous inputs later.
+    args = tuple(a.contiguous() if isinstance(a, torch.Tensor) else a for a in args)
+    kwargs = {k: v.contiguous() if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
     _check_signature(model, args, kwargs)
     model.eval()
     if kwargs:  # keyed by name: positional args by their parameter names, then the kwargs

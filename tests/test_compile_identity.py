@@ -39,3 +39,11 @@ def test_every_node_keeps_its_module_path():
     gm = qc.capture(make_model("llama"), example_inputs("llama"))
     paths = {qc.graph.module_path(n) for n in gm.graph.nodes if n.op == "call_function"}
     assert "model.layers.1.self_attn.q_proj" in paths and "model.layers.0.mlp.down_proj" in paths
+
+
+def test_sliced_example_inputs_still_accept_contiguous_calls():
+    model = make_model("llama")
+    big = torch.randint(0, 96, (8, 32))
+    cm = qc.compile(model, {"input_ids": big[:2, :8], "use_cache": False}, progress=False)  # a strided view
+    ids = torch.randint(0, 96, (3, 12))
+    assert torch.allclose(cm(input_ids=ids).logits, model(input_ids=ids).logits, atol=1e-5)
