@@ -28,6 +28,7 @@ import onnx
 import torch
 from torch.fx import GraphModule
 
+from qcompiler.capture import dynamic_shapes_for
 from qcompiler.errors import BackendError
 
 from .onnx_layout import lower_for_onnx
@@ -150,13 +151,9 @@ def export_onnx(gm: GraphModule, path, example_inputs: tuple[tuple, dict], *, re
     args, kwargs = example_inputs
     info = gm.meta["qcompiler"]
     kwargs = {**kwargs, **info.constant_kwargs}
-    auto = torch.export.Dim.AUTO
-
-    def spec(v):
-        return {d: auto for d in range(min(v.dim(), 2))} if isinstance(v, torch.Tensor) else None
-    shapes = ({k: spec(v) for k, v in kwargs.items()} if kwargs else tuple(spec(a) for a in args))
     if kwargs and args:
         raise BackendError("ONNX export takes either positional or keyword example inputs, not both")
+    shapes = dynamic_shapes_for(args, kwargs, [])
     try:
         with _quiet():
             program = torch.onnx.export(lowered, args, kwargs=kwargs or None, dynamo=True, opset_version=ONNX_OPSET,

@@ -18,7 +18,7 @@ import torch
 
 from .errors import CaptureError
 
-__all__ = ["capture", "CaptureInfo", "normalize_inputs"]
+__all__ = ["capture", "CaptureInfo", "normalize_inputs", "dynamic_shapes_for"]
 
 
 @dataclass
@@ -51,6 +51,14 @@ def _dynamic_spec(value):
     if isinstance(value, torch.Tensor):
         return {d: torch.export.Dim.AUTO for d in range(min(value.dim(), 2))} or None
     return None
+
+
+def dynamic_shapes_for(args: tuple, kwargs: dict, param_names: list[str]):
+    """torch.export ``dynamic_shapes``: by name when there are keyword inputs, else positional."""
+    if kwargs:
+        return {**{param_names[i]: _dynamic_spec(a) for i, a in enumerate(args)},
+                **{k: _dynamic_spec(v) for k, v in kwargs.items()}}
+    return tuple(_dynamic_spec(a) for a in args)
 
 
 def _check_signature(model: torch.nn.Module, args: tuple, kwargs: dict) -> None:
@@ -103,12 +111,7 @@ def capture(model: torch.nn.Module, example_inputs) -> torch.fx.GraphModule:
     kwargs = {k: v.contiguous() if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
     _check_signature(model, args, kwargs)
     model.eval()
-    if kwargs:  # keyed by name: positional args by their parameter names, then the kwargs
-        names = list(inspect.signature(model.forward).parameters)
-        shapes = {**{names[i]: _dynamic_spec(a) for i, a in enumerate(args)},
-                  **{k: _dynamic_spec(v) for k, v in kwargs.items()}}
-    else:
-        shapes = tuple(_dynamic_spec(a) for a in args)
+    shapes = dynamic_shapes_for(args, kwargs, list(inspect.signature(model.forward).parameters))
     try:
         with _quiet_export_logs(), torch.no_grad():
             exported = torch.export.export(model, args, kwargs, dynamic_shapes=shapes, strict=False)
