@@ -85,3 +85,13 @@ def test_pass_settings_are_validated_when_made():
         qc.passes.GPTQ(damp=0)
     with pytest.raises(qc.QuantizationError, match="group_size=-2"):
         qc.passes.RTN(group_size=-2)
+
+
+def test_a_second_quantization_pass_changes_nothing():
+    cm = qc.compile(make_model("llama"), example_inputs("llama"),
+                    recipe=[qc.passes.RTN(bits=4, group_size=32), qc.passes.GPTQ(bits=3, group_size=32),
+                            qc.passes.LowerInt8()], calibration=calib(), progress=False)
+    first, second, third = cm.report.passes
+    assert first.modified and len(first.layers) == 14
+    assert not second.modified and not second.layers and not third.modified
+    assert sum(n.target is QL for n in cm.graph_module.graph.nodes) == 14
