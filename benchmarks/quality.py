@@ -2,6 +2,7 @@
 
     python benchmarks/quality.py                 # all recipes, both models (~10 min on 2 cores)
     python benchmarks/quality.py --models minilm --recipes gptq-w4g128 rtn-w4g128
+    python benchmarks/quality.py --backend onnxruntime --recipes w8a8 gptq-w4g128   # scored through ORT
 
 Prints a table and writes benchmarks/results/quality.json (model, recipe, metric, value, loss vs
 FP32, bits per quantized weight counted from the stored tensors, quantization seconds). New
@@ -40,7 +41,7 @@ def write_atomically(path: Path, text: str) -> None:
         raise
 
 
-def run(model_names, recipe_names, calib: int, out: Path) -> list[dict]:
+def run(model_names, recipe_names, calib: int, out: Path, backend: str = "eager") -> list[dict]:
     rows = []
     for name in model_names:
         loaded = models.load(name)
@@ -54,18 +55,18 @@ def run(model_names, recipe_names, calib: int, out: Path) -> list[dict]:
             torch.manual_seed(0)
             start = time.perf_counter()
             cm = qc.compile(loaded.model, loaded.example_inputs(), recipe=recipe, calibration=calibration,
-                            progress=False)
+                            backend=backend, progress=False)
             seconds = time.perf_counter() - start
             value = judge.score(cm)
             try:
                 bits = bits_per_parameter(cm.graph_module)
             except ValueError:
                 bits = None
-            rows.append(dict(model=name, recipe=recipe, metric=judge.metric, value=value,
+            rows.append(dict(model=name, recipe=recipe, backend=backend, metric=judge.metric, value=value,
                              loss=judge.loss(fp32, value), bits_per_weight=bits, quant_seconds=seconds))
             print(f"{name:7s} {recipe:20s} {judge.metric} {value:.4f}  loss {judge.loss(fp32, value):+.4f}  "
                   f"{seconds:.1f}s", file=sys.stderr, flush=True)
-    meta = dict(calibration=calib, torch=torch.__version__, machine=platform.machine(),
+    meta = dict(calibration=calib, backend=backend, torch=torch.__version__, machine=platform.machine(),
                 threads=torch.get_num_threads(), date=time.strftime("%Y-%m-%d"))
     write_atomically(out, json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
     return rows
@@ -85,9 +86,12 @@ def main() -> None:
     ap.add_argument("--models", nargs="+", default=["tinylm", "minilm"])
     ap.add_argument("--recipes", nargs="+", default=[r.name for r in qc.list_recipes() if r.name != "none"])
     ap.add_argument("--calib", type=int, default=128, help="calibration windows (tinylm) / sentences (minilm)")
-    ap.add_argument("--out", type=Path, default=RESULTS)
+    ap.add_argument("--backend", default="eager", help="eager | onnxruntime (quantize seconds include export)")
+    ap.add_argument("--out", type=Path, default=None, help="default: results/quality.json (eager) or "
+                                                           "results/quality_<backend>.json")
     args = ap.parse_args()
-    print_table(run(args.models, args.recipes, args.calib, args.out))
+    out = args.out or (RESULTS if args.backend == "eager" else RESULTS.with_name(f"quality_{args.backend}.json"))
+    print_table(run(args.models, args.recipes, args.calib, out, args.backend))
 
 
 if __name__ == "__main__":
