@@ -18,7 +18,7 @@ from .packing import SUPPORTED_BITS
 from .quant_grid import Grid, dequantize_codes, fit_grid, quantize
 
 __all__ = ["QuantResult", "check_spec", "inverse_hessian_cholesky", "gptq_quantize", "gptq_quantize_reference",
-           "rtn_quantize", "group_index", "output_error"]
+           "rtn_quantize", "group_index", "output_error", "lazy_sweep"]
 
 
 class QuantResult(NamedTuple):
@@ -117,6 +117,26 @@ def _finish(Q: torch.Tensor, codes: torch.Tensor, perm, groups: _Groups, damp: f
     return QuantResult(codes, groups.scales, groups.zeros, groups.g_idx, Q, damp, steps)
 
 
+def lazy_sweep(W: torch.Tensor, U: torch.Tensor, block_size: int, step) -> None:
+    """GPTQ's lazy batch updates, in place on ``W`` (processing order).
+
+    ``step(j, i, W1, U1)`` quantizes column ``i`` of the current block ``W1`` (global column ``j``)
+    and returns its error ``(w − ŵ) / U_jj``; the error is spread over the rest of the block at
+    once, and over all later columns in one matmul per block.
+    """
+    n_in = W.shape[1]
+    for i1 in range(0, n_in, block_size):
+        i2 = min(i1 + block_size, n_in)
+        W1 = W[:, i1:i2].clone()
+        Err1 = torch.zeros_like(W1)
+        U1 = U[i1:i2, i1:i2]
+        for i in range(i2 - i1):
+            err = step(i1 + i, i, W1, U1)
+            W1[:, i:] -= err.unsqueeze(1) * U1[i, i:].unsqueeze(0)
+            Err1[:, i] = err
+        W[:, i2:] -= Err1 @ U[i1:i2, i2:]
+
+
 def gptq_quantize(W: torch.Tensor, H: torch.Tensor, *, bits: int, group_size: int = 128, sym: bool = False,
                   act_order: bool = False, static_groups: bool = False, damp: float = 0.01,
                   block_size: int = 128) -> QuantResult:
@@ -130,21 +150,15 @@ def gptq_quantize(W: torch.Tensor, H: torch.Tensor, *, bits: int, group_size: in
         block_size = max(group_size, block_size // group_size * group_size)
     Q = torch.zeros_like(W)
     codes = torch.zeros(n_out, n_in, dtype=torch.int32)
-    for i1 in range(0, n_in, block_size):
-        i2 = min(i1 + block_size, n_in)
-        W1 = W[:, i1:i2].clone()
-        Err1 = torch.zeros_like(W1)
-        U1 = U[i1:i2, i1:i2]
-        for i in range(i2 - i1):
-            grid = groups.grid_for(i1 + i, W1[:, i:] if group_size != -1 else W[:, i1 + i:])
-            w = W1[:, i:i + 1]
-            q = quantize(w, grid, bits)
-            codes[:, i1 + i] = q[:, 0]
-            Q[:, i1 + i] = dequantize_codes(q, grid)[:, 0]
-            err = (w[:, 0] - Q[:, i1 + i]) / U1[i, i]
-            W1[:, i:] -= err.unsqueeze(1) * U1[i, i:].unsqueeze(0)
-            Err1[:, i] = err
-        W[:, i2:] -= Err1 @ U[i1:i2, i2:]
+
+    def step(j: int, i: int, W1: torch.Tensor, U1: torch.Tensor) -> torch.Tensor:
+        grid = groups.grid_for(j, W1[:, i:] if group_size != -1 else W[:, j:])
+        q = quantize(W1[:, i:i + 1], grid, bits)
+        codes[:, j] = q[:, 0]
+        Q[:, j] = dequantize_codes(q, grid)[:, 0]
+        return (W1[:, i] - Q[:, j]) / U1[i, i]
+
+    lazy_sweep(W, U, block_size, step)
     return _finish(Q, codes, perm, groups, damp_used, steps)
 
 

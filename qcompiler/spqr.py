@@ -23,7 +23,7 @@ from typing import NamedTuple, Optional
 import torch
 
 from .errors import QuantizationError
-from .gptq import _prepare, inverse_hessian_cholesky
+from .gptq import _prepare, inverse_hessian_cholesky, lazy_sweep
 from .quant_grid import Grid, fit_grid
 
 __all__ = ["SpQRResult", "spqr_quantize", "spqr_quantize_reference", "leave_one_out_reduction",
@@ -178,21 +178,16 @@ def spqr_quantize(W: torch.Tensor, H: torch.Tensor, *, bits: int = 3, group_size
     dense = torch.zeros(n_out, n_in)
     residual = torch.zeros(n_out, n_in, dtype=torch.float16)
     outlier = torch.zeros(n_out, n_in, dtype=torch.bool)
-    for i1 in range(0, n_in, block_size):
-        i2 = min(i1 + block_size, n_in)
-        W1 = Wp[:, i1:i2].clone()
-        Err1 = torch.zeros_like(W1)
-        U1 = U[i1:i2, i1:i2]
-        for i in range(i2 - i1):
-            j = i1 + i
-            if j % group_size == 0:
-                grid = state.fit(j // group_size, W1[:, i:i + group_size], torch.diagonal(U1)[i:i + group_size])
-            w = W1[:, i]
-            dense[:, j], codes[:, j], outlier[:, j], residual[:, j] = _quantize_column(w, grid, bits, U1[i, i].item(), tau)
-            err = (w - (dense[:, j] + residual[:, j].float())) / U1[i, i]
-            W1[:, i:] -= err.unsqueeze(1) * U1[i, i:].unsqueeze(0)
-            Err1[:, i] = err
-        Wp[:, i2:] -= Err1 @ U[i1:i2, i2:]
+    grid: list[Grid] = []
+
+    def step(j: int, i: int, W1: torch.Tensor, U1: torch.Tensor) -> torch.Tensor:
+        if j % group_size == 0:
+            grid[:] = [state.fit(j // group_size, W1[:, i:i + group_size], torch.diagonal(U1)[i:i + group_size])]
+        w = W1[:, i]
+        dense[:, j], codes[:, j], outlier[:, j], residual[:, j] = _quantize_column(w, grid[0], bits, U1[i, i].item(), tau)
+        return (w - (dense[:, j] + residual[:, j].float())) / U1[i, i]
+
+    lazy_sweep(Wp, U, block_size, step)
     return _finish(codes, dense, residual, outlier, perm, state, tau, damp_used, steps)
 
 
