@@ -7,11 +7,13 @@ from qcompiler.errors import BackendError
 
 from .eager import prepare_eager
 from .onnxruntime import prepare_onnxruntime
+from .triton import prepare_triton
 
-__all__ = ["get_backend", "available_backends", "prepare_eager", "prepare_onnxruntime"]
+__all__ = ["get_backend", "available_backends", "prepare_eager", "prepare_onnxruntime", "prepare_triton"]
 
 # name -> prepare(gm, example_inputs, **options) -> callable like the original model
-_BACKENDS: dict[str, Callable] = {"eager": prepare_eager, "onnxruntime": prepare_onnxruntime}
+_BACKENDS: dict[str, Callable] = {"eager": prepare_eager, "onnxruntime": prepare_onnxruntime,
+                                 "triton": prepare_triton}
 
 
 def available_backends() -> list[str]:

@@ -12,10 +12,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import platform
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -23,22 +21,11 @@ import torch
 
 import qcompiler as qc
 from qcompiler import models
+from qcompiler.atomic import write_text_atomically as write_atomically
 from qcompiler.eval import bits_per_parameter
 from qcompiler.quality import QualityJudge
 
 RESULTS = Path(__file__).resolve().parent / "results" / "quality.json"
-
-
-def write_atomically(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
 
 
 def run(model_names, recipe_names, calib: int, out: Path, backend: str = "eager") -> list[dict]:

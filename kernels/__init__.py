@@ -1,1 +1,16 @@
-"""Triton kernels and their plain-torch reference twins (one op per file)."""
+"""Triton kernels for the ``qc`` ops, each checked against the op's plain-torch reference.
+
+One kernel per file; each file's host function has the same signature as the ``qc`` op it
+implements, so ``backends/triton.py`` can swap one for the other node by node. On a CUDA GPU the
+kernels are compiled and autotuned; on CPU they run under ``TRITON_INTERPRET=1`` (set before this
+package is imported), which is slow but exact enough to prove them correct in CI.
+"""
+from .tuning import INTERPRET, UnsupportedKernel, runtime_problem
+from .act_quant import quantize_rows
+from .int8_gemm import int8_linear
+from .gptq_gemm import gptq_linear
+from .spqr_gemm import spqr_dense_linear
+from .csr_spmm import csr_linear
+
+__all__ = ["INTERPRET", "UnsupportedKernel", "runtime_problem", "quantize_rows", "int8_linear", "gptq_linear",
+           "spqr_dense_linear", "csr_linear"]

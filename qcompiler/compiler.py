@@ -73,7 +73,8 @@ def compile(model: torch.nn.Module, example_inputs, recipe="none", calibration: 
 
     ``recipe``: a built-in name (see ``qc.list_recipes()``), a ``qc.Recipe``, or a list of passes.
     ``calibration``: an iterable of inputs shaped like ``example_inputs`` (needed by data-driven passes).
-    ``backend_options``: passed to the backend (onnxruntime: ``path``, ``threads``, ``accuracy_level``).
+    ``backend``: ``eager`` (reference ops), ``triton`` (GPU kernels; CPU only under TRITON_INTERPRET=1) or
+    ``onnxruntime``. ``backend_options``: passed to the backend (onnxruntime: ``path``, ``threads``, ``accuracy_level``).
     """
     from .backends import get_backend  # qcompiler.backends imports this module's package
 
@@ -90,4 +91,6 @@ def compile(model: torch.nn.Module, example_inputs, recipe="none", calibration: 
     if backend == "onnxruntime":
         options.setdefault("recipe", resolved.name)
     runner = runner_factory(gm, ctx.example_inputs, **options)
+    if getattr(runner, "record", None) is not None:  # the backend's plan (kernels, fallbacks) joins the report
+        report.passes.append(runner.record)
     return CompiledModel(gm, resolved, report, backend, runner, ctx.example_inputs)

@@ -1,0 +1,158 @@
+"""The ``triton`` backend: every ``qc`` op in the graph becomes a Triton kernel launch.
+
+The graph is copied (weights shared, not duplicated) and each quantized node's target is swapped
+for the kernel with the same signature (``qcompiler.kernels``); the kernel picks its decode or
+prefill variant from the number of rows at run time. SpQR's ``dense + sparse`` pair is fused: the
+CSR kernel adds the outliers' product into the dense kernel's output in place. A node no kernel
+handles keeps its reference op, and the plan — kernel or fallback with the reason, per node — goes
+into the compiled model's report.
+"""
+from __future__ import annotations
+
+import copy
+import warnings
+from typing import Callable, Optional
+
+import torch
+from torch.fx import GraphModule, Node
+
+from qcompiler.errors import BackendError
+from qcompiler.graph import get_tensor, module_path
+from qcompiler.pass_base import PassRecord
+
+__all__ = ["prepare_triton", "plan_triton"]
+
+aten = torch.ops.aten
+
+
+def _kernels():
+    # Imported on first use: importing Triton is slow, and TRITON_INTERPRET must be set before.
+    from qcompiler import kernels
+    qc = torch.ops.qc
+    return kernels, {qc.quant_linear.default: ("gptq_gemm", kernels.gptq_linear),
+                     qc.int8_linear.default: ("int8_gemm", kernels.int8_linear),
+                     qc.spqr_dense_linear.default: ("spqr_gemm", kernels.spqr_dense_linear),
+                     qc.sparse_outlier_linear.default: ("csr_spmm", kernels.csr_linear)}
+
+
+def _static_problem(kernels, node: Node) -> Optional[str]:
+    """Why no kernel applies to ``node``, judged from what the graph knows before running."""
+    x = node.args[0].meta.get("val") if isinstance(node.args[0], Node) else None
+    if x is not None and x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        return f"{x.dtype} activations are not supported (supported: float16, bfloat16, float32)"
+    bits = [a for a in node.args if isinstance(a, int) and not isinstance(a, bool)]
+    if node.target in (torch.ops.qc.quant_linear.default, torch.ops.qc.spqr_dense_linear.default):
+        widths = bits[:1] if node.target == torch.ops.qc.quant_linear.default else [bits[0], bits[2]]
+        bad = [b for b in widths if b not in (2, 3, 4, 8)]
+        if bad:
+            return f"{bad[0]}-bit codes are not supported (supported: 2, 3, 4, 8)"
+    return None
+
+
+def _guarded(name: str, node_name: str, kernel: Callable, reference, record: PassRecord) -> Callable:
+    """The kernel; if a call brings a combination it does not support, the reference op, once warned."""
+    from qcompiler.kernels import UnsupportedKernel
+
+    def launch(*args, **kwargs):
+        try:
+            return kernel(*args, **kwargs)
+        except UnsupportedKernel as err:
+            note = f"{node_name}: {err}; fell back to the reference {reference}"
+            if note not in record.notes:
+                record.notes.append(note)
+                warnings.warn(note, stacklevel=2)
+            return reference(*args, **kwargs)
+
+    launch.__name__ = f"triton_{name}"
+    return launch
+
+
+def _fused_spqr(dense_kernel: Callable, csr_kernel: Callable) -> Callable:
+    def triton_spqr_linear(x, codes, scale_codes, zero_codes, scale_stats, zero_stats, perm, bias, bits, group_size,
+                           stat_bits, stat_group_size, row_ptr, col_idx, values, out_features):
+        y = dense_kernel(x, codes, scale_codes, zero_codes, scale_stats, zero_stats, perm, bias, bits, group_size,
+                         stat_bits, stat_group_size)
+        return csr_kernel(x, row_ptr, col_idx, values, out_features, out=y)
+    return triton_spqr_linear
+
+
+def _layer_name(node: Node) -> str:
+    """The quantized layer's module path (from its first weight tensor), else the node's name."""
+    weight = node.args[1] if len(node.args) > 1 else None
+    return (module_path(weight) or node.name) if isinstance(weight, Node) and weight.op == "get_attr" else node.name
+
+
+def _spqr_pairs(graph) -> list[tuple[Node, Node, Node]]:
+    """``add(spqr_dense_linear(x, …), sparse_outlier_linear(x, …))`` triples that can be fused."""
+    pairs = []
+    for node in graph.nodes:
+        if node.op != "call_function" or node.target != aten.add.Tensor or len(node.args) != 2:
+            continue
+        dense, sparse = node.args
+        if not (isinstance(dense, Node) and isinstance(sparse, Node)):
+            continue
+        if (dense.target == torch.ops.qc.spqr_dense_linear.default
+                and sparse.target == torch.ops.qc.sparse_outlier_linear.default
+                and dense.args[0] is sparse.args[0] and len(dense.users) == 1 and len(sparse.users) == 1):
+            pairs.append((node, dense, sparse))
+    return pairs
+
+
+def plan_triton(gm: GraphModule) -> tuple[GraphModule, PassRecord]:
+    """A copy of ``gm`` whose ``qc`` nodes launch Triton kernels, and the per-node plan."""
+    kernels, table = _kernels()
+    record = PassRecord(name="backend:triton", config={"interpret": kernels.INTERPRET})
+    graph = torch.fx.Graph()
+    graph.set_codegen(copy.deepcopy(gm.graph._codegen))  # keeps the captured pytree in/out structure
+    graph.output(graph.graph_copy(gm.graph, {}))
+    fused = {}
+    for add, dense, sparse in _spqr_pairs(graph):
+        if _static_problem(kernels, dense):
+            continue
+        with graph.inserting_before(add):
+            call = graph.call_function(_fused_spqr(table[dense.target][1], table[sparse.target][1]),
+                                       (*dense.args, *sparse.args[1:]))
+        call.meta.update(add.meta)
+        add.replace_all_uses_with(call)
+        for n in (add, sparse, dense):
+            graph.erase_node(n)
+        fused[call] = _layer_name(dense)
+    for node in list(graph.nodes):
+        if node in fused:
+            record.layers[fused[node]] = {"kernel": "spqr_gemm+csr_spmm (fused add)"}
+            continue
+        if node.op != "call_function" or node.target not in table:
+            continue
+        name, kernel = table[node.target]
+        layer, problem = _layer_name(node), _static_problem(kernels, node)
+        if problem:
+            note = f"{layer}: {name}: {problem}; fell back to the reference {node.target}"
+            record.notes.append(note)
+            warnings.warn(note, stacklevel=2)
+            record.layers[layer] = {"kernel": f"reference ({problem})"}
+            continue
+        node.target = _guarded(name, layer, kernel, node.target, record)
+        record.layers[layer] = {"kernel": name}
+    new = GraphModule(gm, graph, class_name="TritonGraphModule")
+    new.meta.update(gm.meta)
+    return new, record
+
+
+def _weights_device(gm: GraphModule) -> torch.device:
+    for node in gm.graph.nodes:
+        if node.op == "get_attr":
+            value = get_tensor(gm, node.target)
+            if isinstance(value, torch.Tensor):
+                return value.device
+    return torch.device("cpu")
+
+
+def prepare_triton(gm: GraphModule, example_inputs=None):
+    """The graph with its ``qc`` ops launched as Triton kernels; ``runner.record`` holds the plan."""
+    kernels, _ = _kernels()
+    problem = kernels.runtime_problem(_weights_device(gm))
+    if problem:
+        raise BackendError(f"backend 'triton': {problem}")
+    runner, record = plan_triton(gm)
+    runner.record = record
+    return runner

@@ -1,0 +1,108 @@
+"""Dequantizing GEMM on the GPTQ layout (``qc.quant_linear``): W{2,3,4,8}A16/A32, groups, act-order.
+
+Each program dequantizes a ``BLOCK_K × BLOCK_N`` tile of the packed weight in registers —
+codes from the bit stream, zero and scale of each row's group through ``g_idx`` (so act-order and
+static groups need no special case) — and multiplies it with the activation tile; the weight is
+read once, at ``bits`` per weight. Two variants, chosen by the number of rows ``M``:
+
+* decode (M ≤ 16): split-K — ``SPLIT_K`` programs share the K dimension of one output tile and add
+  their partial sums atomically into an fp32 buffer, so a GEMV still fills the GPU;
+* prefill: an ordinary tiled GEMM.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from qcompiler.packing import SUPPORTED_BITS
+
+from .bitstream import bits_at
+from .tuning import Tunable, UnsupportedKernel, check_activation, dot_upcast
+
+__all__ = ["gptq_linear", "DECODE_MAX_M"]
+
+DECODE_MAX_M = 16
+
+
+@triton.jit
+def _gptq_gemm_kernel(x_ptr, qweight_ptr, qzeros_ptr, scales_ptr, g_idx_ptr, bias_ptr, out_ptr,
+                      M, N, K, stride_xm,
+                      BITS: tl.constexpr, HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr):
+    pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_m, mask_n = rm < M, rn < N
+    zero_word_n = (rn * BITS) // 32          # where output column n's zero point sits in a qzeros row
+    zero_shift_n = (rn * BITS) % 32
+    zero_row_words = (N * BITS) // 32
+    k_per_split = tl.cdiv(K, SPLIT_K * BLOCK_K) * BLOCK_K
+    k_lo = pid_k * k_per_split
+    k_hi = tl.minimum(k_lo + k_per_split, K)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        rk = k0 + tl.arange(0, BLOCK_K)
+        mask_k = rk < k_hi
+        x = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+        tile_mask = mask_k[:, None] & mask_n[None, :]
+        codes = bits_at(qweight_ptr, ((rk * BITS) // 32)[:, None] * N + rn[None, :], N,
+                        ((rk * BITS) % 32)[:, None], tile_mask, BITS)
+        g = tl.load(g_idx_ptr + rk, mask=mask_k, other=0)
+        zeros = bits_at(qzeros_ptr, g[:, None] * zero_row_words + zero_word_n[None, :], 1,
+                        zero_shift_n[None, :], tile_mask, BITS)
+        scales = tl.load(scales_ptr + g[:, None] * N + rn[None, :], mask=tile_mask, other=0.0).to(tl.float32)
+        w = ((codes - zeros).to(tl.float32) * scales).to(x.dtype)
+        if UPCAST:  # see tuning.dot_upcast
+            acc = tl.dot(x.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
+        elif IEEE:
+            acc = tl.dot(x, w, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(x, w, acc)
+    if HAS_BIAS:
+        if pid_k == 0:
+            acc += tl.load(bias_ptr + rn, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+    out_ptrs = out_ptr + rm[:, None] * N + rn[None, :]
+    out_mask = mask_m[:, None] & mask_n[None, :]
+    if SPLIT_K == 1:
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+    else:
+        tl.atomic_add(out_ptrs, acc, mask=out_mask)
+
+
+def _decode_configs():
+    return [triton.Config({"BLOCK_M": 16, "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": sk}, num_warps=4, num_stages=3)
+            for bn in (64, 128) for bk in (128, 256) for sk in (1, 4, 8)]
+
+
+def _prefill_configs():
+    shapes = [(64, 64, 32, 4, 4), (128, 64, 32, 4, 4), (64, 128, 32, 4, 4), (128, 128, 32, 8, 3), (64, 64, 64, 4, 3)]
+    return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": 1}, num_warps=w, num_stages=s)
+            for bm, bn, bk, w, s in shapes]
+
+
+_DECODE = Tunable(_gptq_gemm_kernel, _decode_configs(), key=["N", "K"], reset_to_zero=["out_ptr"],
+                  interpret_config={"BLOCK_M": 16, "BLOCK_N": 128, "BLOCK_K": 128, "SPLIT_K": 2})
+_PREFILL = Tunable(_gptq_gemm_kernel, _prefill_configs(), key=["N", "K"],
+                   interpret_config={"BLOCK_M": 32, "BLOCK_N": 128, "BLOCK_K": 128, "SPLIT_K": 1})
+
+
+def gptq_linear(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
+                g_idx: torch.Tensor, bias: Optional[torch.Tensor], bits: int, group_size: int) -> torch.Tensor:
+    """``qc.quant_linear`` as one kernel launch (same arguments, same result within fp rounding)."""
+    check_activation("gptq_gemm", x)
+    if bits not in SUPPORTED_BITS:
+        raise UnsupportedKernel(f"gptq_gemm: {bits}-bit weights are not supported (supported: {SUPPORTED_BITS})")
+    K, N = g_idx.numel(), scales.shape[1]
+    x2 = x.reshape(-1, K).contiguous()
+    M = x2.shape[0]
+    decode = M <= DECODE_MAX_M
+    out = torch.zeros((M, N), dtype=torch.float32, device=x.device) if decode else \
+        torch.empty((M, N), dtype=x.dtype, device=x.device)
+    grid = lambda meta: (triton.cdiv(M, meta["BLOCK_M"]), triton.cdiv(N, meta["BLOCK_N"]), meta["SPLIT_K"])  # noqa: E731
+    (_DECODE if decode else _PREFILL)[grid](
+        x2, qweight, qzeros, scales, g_idx, bias if bias is not None else scales, out, M, N, K, x2.stride(0),
+        BITS=bits, HAS_BIAS=bias is not None, IEEE=x.dtype == torch.float32, UPCAST=dot_upcast(x.dtype))
+    return out.to(x.dtype).reshape(*x.shape[:-1], N)

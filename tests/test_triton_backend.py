@@ -1,0 +1,76 @@
+"""``backend="triton"`` gives the eager backend's outputs on the bundled models; fallbacks are reported."""
+import warnings
+
+import pytest
+import torch
+
+import qcompiler as qc
+from qcompiler.backends import prepare_triton
+from qcompiler.errors import BackendError
+from qcompiler.models import load
+from tiny_models import example_inputs, main_output, make_model
+
+# fp32 activations: kernels and references differ only in summation order.
+TOLERANCE = 1e-4  # max |triton − eager| / max |eager|
+RECIPES = ["w8a8-smoothquant", "gptq-w4g128", "gptq-w3g128", "spqr-w3g16"]
+
+
+@pytest.fixture(scope="module")
+def tinylm():
+    return load("tinylm")
+
+
+def _relative_gap(cm, runner, inputs):
+    with torch.no_grad():
+        expected = main_output(cm(**inputs))
+        got = main_output(runner(**inputs))
+    return ((got - expected).abs().max() / expected.abs().max()).item()
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.parametrize("model_name", ["tinylm", "minilm"])
+def test_triton_backend_matches_eager_on_bundled_models(model_name, recipe, tinylm, minilm):
+    loaded = tinylm if model_name == "tinylm" else minilm
+    cm = qc.compile(loaded.model, loaded.example_inputs(), recipe=recipe, calibration=loaded.calibration(8),
+                    progress=False)
+    runner = prepare_triton(cm.graph_module)
+    kernels = {figures["kernel"] for figures in runner.record.layers.values()}
+    assert kernels and not any(k.startswith("reference") for k in kernels) and not runner.record.notes
+    decode = loaded.example_inputs(batch=1, seq=8)     # 8 rows: the split-K decode kernels
+    assert _relative_gap(cm, runner, decode) < TOLERANCE
+    if model_name == "tinylm":                          # 32 rows: the prefill kernels
+        assert _relative_gap(cm, runner, loaded.example_inputs()) < TOLERANCE
+
+
+def test_compile_with_triton_backend_reports_its_plan(tinylm):
+    cm = qc.compile(tinylm.model, tinylm.example_inputs(), recipe="gptq-w4g128", calibration=tinylm.calibration(4),
+                    backend="triton", progress=False)
+    plan = cm.report.passes[-1]
+    assert plan.name == "backend:triton"
+    assert plan.layers["model.layers.0.self_attn.q_proj"] == {"kernel": "gptq_gemm"}
+    assert len(plan.layers) == 4 * 7
+    eager = qc.compile(tinylm.model, tinylm.example_inputs(), recipe="rtn-w4g128", progress=False)
+    inputs = tinylm.example_inputs(batch=1, seq=5)
+    assert main_output(cm(**inputs)).shape == main_output(eager(**inputs)).shape
+
+
+def test_unsupported_combination_falls_back_with_a_named_warning():
+    model = make_model("llama").double()
+    inputs = example_inputs("llama")
+    cm = qc.compile(model, inputs, recipe="rtn-w4g128", progress=False)
+    with pytest.warns(UserWarning, match="torch.float64 activations are not supported.*fell back to the reference"):
+        runner = prepare_triton(cm.graph_module)
+    assert all(f["kernel"].startswith("reference (torch.float64") for f in runner.record.layers.values())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the fallback runs the reference ops, silently now
+        torch.testing.assert_close(main_output(runner(**inputs)), main_output(cm(**inputs)))
+
+
+def test_no_gpu_and_no_interpreter_is_a_clear_error(monkeypatch):
+    from qcompiler.kernels import tuning
+    monkeypatch.setattr(tuning, "INTERPRET", False)
+    cm = qc.compile(make_model("llama"), example_inputs("llama"), recipe="rtn-w4g128", progress=False)
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present")
+    with pytest.raises(BackendError, match="TRITON_INTERPRET=1"):
+        prepare_triton(cm.graph_module)
