@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from . import ops  # registers the qc:: operator library
+from .artifact import load
 from .capture import capture
 from .compiler import CompiledModel, compile
 from .errors import (BackendError, CalibrationError, CaptureError, GraphLintError, PassError,
@@ -15,7 +16,7 @@ from . import passes  # noqa: E402  (qcompiler.passes, mapped from the top-level
 
 __version__ = "0.1.0"
 
-__all__ = ["capture", "compile", "CompiledModel", "Pass", "PassContext", "PassRecord", "GraphProperty",
+__all__ = ["capture", "compile", "load", "CompiledModel", "Pass", "PassContext", "PassRecord", "GraphProperty",
            "PassManager", "Recipe", "get_recipe", "list_recipes", "register_recipe", "Report", "passes",
            "ops", "QCompilerError", "CaptureError", "PipelineError", "PassError", "GraphLintError",
            "RecipeError", "BackendError", "CalibrationError", "QuantizationError"]

@@ -44,6 +44,11 @@ class CompiledModel:
         return export_onnx(self.graph_module, path, self.example_inputs, recipe=self.recipe.name,
                            accuracy_level=accuracy_level)
 
+    def save(self, path):
+        """Write the quantized model to folder ``path`` (atomic; reload with ``qc.load(path)``)."""
+        from .artifact import save
+        return save(self, path)
+
     def __repr__(self) -> str:
         passes = ", ".join(repr(p) for p in self.recipe.passes) or "none"
         return (f"CompiledModel({self.capture_info.model_class}, recipe={self.recipe.name!r}, "

@@ -46,9 +46,12 @@ def list_recipes() -> list[Recipe]:
 
 
 def resolve_recipe(recipe) -> Recipe:
-    """A recipe name, a Recipe, or a list of passes, as a Recipe."""
+    """A recipe name, a recipe file (.yaml/.toml), a Recipe, or a list of passes, as a Recipe."""
     if isinstance(recipe, Recipe):
         return recipe
+    if isinstance(recipe, str) and recipe.endswith((".yaml", ".yml", ".toml")):
+        from .recipe_files import load_recipe_file
+        return load_recipe_file(recipe)
     if isinstance(recipe, str):
         return get_recipe(recipe)
     if isinstance(recipe, Pass):

@@ -1,0 +1,122 @@
+"""Recipes as YAML or TOML files, parsed into the same typed pass configs as the Python API.
+
+    name: w4-careful
+    description: GPTQ 4-bit with act-order
+    passes:
+      - pass: GPTQ
+        bits: 4
+        group_size: 128
+        act_order: true
+
+Each entry names a built-in pass (``qc.passes``) and sets its dataclass fields; the pass's own
+validation then checks the values. Unknown passes or keys are errors that name the entry and
+suggest the nearest valid name. TOML: the same structure, with ``[[passes]]`` tables.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import tomllib
+import typing
+from pathlib import Path
+from typing import Any
+
+from .errors import RecipeError
+from .recipes import Recipe
+
+__all__ = ["load_recipe_file", "recipe_from_dict", "recipe_to_dict", "pass_classes"]
+
+_TOP_KEYS = ("name", "description", "passes")
+
+
+def pass_classes() -> dict[str, type]:
+    from . import passes
+    return {name: getattr(passes, name) for name in passes.__all__}
+
+
+def _suggest(word: str, options) -> str:
+    close = difflib.get_close_matches(word, list(options), n=1)
+    return f"; did you mean {close[0]!r}?" if close else f"; valid: {', '.join(sorted(options))}"
+
+
+def _check_type(where: str, field: dataclasses.Field, value: Any, hints: dict) -> Any:
+    """Values from a file arrive as YAML/TOML scalars; catch the mismatches the pass would not."""
+    expected = hints.get(field.name, field.type)
+    allowed = typing.get_args(expected) or (expected,)
+    allowed = tuple(typing.get_origin(a) or a for a in allowed)
+    if isinstance(value, bool) and bool not in allowed:
+        raise RecipeError(f"{where}: {field.name}={value!r} must be {_type_names(allowed)}, not a boolean")
+    if isinstance(value, int) and not isinstance(value, bool) and int not in allowed and float in allowed:
+        return float(value)
+    if not isinstance(value, tuple(a for a in allowed if isinstance(a, type))):
+        raise RecipeError(f"{where}: {field.name}={value!r} must be {_type_names(allowed)}")
+    return value
+
+
+def _type_names(types) -> str:
+    return " or ".join("null" if t is type(None) else getattr(t, "__name__", str(t)) for t in types)
+
+
+def recipe_from_dict(data: Any, source: str = "recipe") -> Recipe:
+    """A :class:`Recipe` from parsed YAML/TOML (or a saved artifact's manifest)."""
+    if not isinstance(data, dict):
+        raise RecipeError(f"{source}: a recipe is a mapping with 'passes' (and optional 'name', 'description')")
+    for key in data:
+        if key not in _TOP_KEYS:
+            raise RecipeError(f"{source}: unknown key {key!r}{_suggest(key, _TOP_KEYS)}")
+    entries = data.get("passes")
+    if not isinstance(entries, list):
+        raise RecipeError(f"{source}: 'passes' must be a list of {{pass: Name, ...settings}} entries")
+    classes = pass_classes()
+    built = []
+    for i, entry in enumerate(entries):
+        where = f"{source}: passes[{i}]"
+        if not isinstance(entry, dict) or "pass" not in entry:
+            raise RecipeError(f"{where}: each entry needs 'pass: <name>' (one of {', '.join(classes)})")
+        name = entry["pass"]
+        if name not in classes:
+            raise RecipeError(f"{where}: unknown pass {name!r}{_suggest(str(name), classes)}")
+        cls = classes[name]
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        hints = typing.get_type_hints(cls)
+        settings = {}
+        for key, value in entry.items():
+            if key == "pass":
+                continue
+            if key not in fields:
+                raise RecipeError(f"{where} ({name}): unknown key {key!r}{_suggest(key, fields)}")
+            settings[key] = _check_type(f"{where} ({name})", fields[key], value, hints)
+        try:
+            built.append(cls(**settings))
+        except (ValueError, TypeError) as err:
+            raise RecipeError(f"{where} ({name}): {err}") from None
+    return Recipe(str(data.get("name", Path(source).stem)), tuple(built), str(data.get("description", "")))
+
+
+def recipe_to_dict(recipe: Recipe) -> dict:
+    """The inverse of :func:`recipe_from_dict` (built-in passes only)."""
+    return {"name": recipe.name, "description": recipe.description,
+            "passes": [{"pass": p.name, **p.config()} for p in recipe.passes]}
+
+
+def load_recipe_file(path) -> Recipe:
+    """Parse a ``.yaml``/``.yml`` or ``.toml`` recipe file."""
+    path = Path(path)
+    if not path.is_file():
+        raise RecipeError(f"recipe file {path} does not exist")
+    text = path.read_text()
+    try:
+        if path.suffix == ".toml":
+            data = tomllib.loads(text)
+        elif path.suffix in (".yaml", ".yml"):
+            import yaml
+            data = yaml.safe_load(text)
+        else:
+            raise RecipeError(f"recipe file {path}: use a .yaml, .yml or .toml file")
+    except RecipeError:
+        raise
+    except Exception as err:  # yaml.YAMLError / tomllib.TOMLDecodeError: say where
+        first = str(err).strip().splitlines()
+        raise RecipeError(f"recipe file {path} is not valid {path.suffix[1:].upper()}: "
+                          f"{' '.join(line.strip() for line in first[:3])}") from None
+    return recipe_from_dict(data, source=str(path))
