@@ -50,8 +50,11 @@ def _graph_summary(gm) -> dict:
             "tensors": sum(1 for n in gm.graph.nodes if n.op == "get_attr")}
 
 
-def save(cm, path) -> Path:
-    """Write ``cm`` (a CompiledModel) to the folder ``path``, replacing an existing artifact atomically."""
+def save(cm, path, *, metadata: Optional[dict] = None) -> Path:
+    """Write ``cm`` (a CompiledModel) to the folder ``path``, replacing an existing artifact atomically.
+
+    ``metadata``: extra JSON-safe facts to keep in the manifest (the CLI records the model source).
+    """
     path = Path(path)
     structure, tensors = graph_to_data(cm.graph_module)
     args, kwargs = cm.example_inputs
@@ -77,6 +80,7 @@ def save(cm, path) -> Path:
         "report": _json_safe(cm.report.to_dict()),
         "graph": _graph_summary(cm.graph_module),
         "example_inputs": example_layout,
+        "metadata": _json_safe(metadata or {}),
         "files": {"graph": "graph.json", "tensors": "tensors.safetensors", "example_inputs": "example_inputs.safetensors"},
     }
     with atomic_directory(path) as tmp:
@@ -117,7 +121,7 @@ def load(path, backend: str = "eager", *, backend_options: Optional[dict] = None
     gm = graph_from_data(json.loads((path / files["graph"]).read_text()), load_file(str(path / files["tensors"])))
     capture = manifest["capture"]
     gm.meta["qcompiler"] = CaptureInfo(capture["model_class"], capture["arg_count"], tuple(capture["kwarg_names"]),
-                                       capture.get("constant_kwargs", {}))
+                                       capture.get("constant_kwargs", {}), capture.get("model_config"))
     examples = load_file(str(path / files["example_inputs"]))
     layout = manifest["example_inputs"]
     example_inputs = (tuple(examples[k] for k in layout["args"]),

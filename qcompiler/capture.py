@@ -12,7 +12,7 @@ import contextlib
 import inspect
 import logging
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -29,6 +29,7 @@ class CaptureInfo:
     arg_count: int
     kwarg_names: tuple[str, ...]
     constant_kwargs: dict[str, Any] = field(default_factory=dict)  # non-tensor kwargs (use_cache=False)
+    model_config: Optional[dict] = None  # a transformers model's config (for checkpoint export)
 
 
 def normalize_inputs(example_inputs) -> tuple[tuple, dict]:
@@ -125,5 +126,14 @@ def capture(model: torch.nn.Module, example_inputs) -> torch.fx.GraphModule:
     gm = exported.module()
     gm.meta["qcompiler"] = CaptureInfo(
         model_class=type(model).__name__, arg_count=len(args), kwarg_names=tuple(kwargs),
-        constant_kwargs={k: v for k, v in kwargs.items() if not isinstance(v, torch.Tensor)})
+        constant_kwargs={k: v for k, v in kwargs.items() if not isinstance(v, torch.Tensor)},
+        model_config=_config_dict(model))
     return gm
+
+
+def _config_dict(model) -> Optional[dict]:
+    config = getattr(model, "config", None)
+    if config is None or not hasattr(config, "to_json_string"):
+        return None
+    import json
+    return json.loads(config.to_json_string(use_diff=False))

@@ -44,10 +44,10 @@ class CompiledModel:
         return export_onnx(self.graph_module, path, self.example_inputs, recipe=self.recipe.name,
                            accuracy_level=accuracy_level)
 
-    def save(self, path):
+    def save(self, path, *, metadata: Optional[dict] = None):
         """Write the quantized model to folder ``path`` (atomic; reload with ``qc.load(path)``)."""
         from .artifact import save
-        return save(self, path)
+        return save(self, path, metadata=metadata)
 
     def __repr__(self) -> str:
         passes = ", ".join(repr(p) for p in self.recipe.passes) or "none"

@@ -76,7 +76,7 @@ def _check_folder(path: Path) -> None:
 
 def load(name_or_path: str | Path) -> LoadedModel:
     """``"tinylm"``, ``"minilm"`` (also as ``bundled:NAME``) or a local Hugging Face model folder."""
-    from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig
 
     name = str(name_or_path).removeprefix("bundled:")
     if name == "tinylm":
@@ -87,9 +87,17 @@ def load(name_or_path: str | Path) -> LoadedModel:
         path, label = Path(name_or_path).expanduser(), str(name_or_path)
     _check_folder(path)
     config = AutoConfig.from_pretrained(path)
+    return loaded_from_model(label, config, path, weights=True)
+
+
+def loaded_from_model(label: str, config, path: Path, *, weights: bool = False) -> LoadedModel:
+    """A LoadedModel for ``config``: weights from the folder ``path``, or freshly initialized."""
+    from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer
+
     causal = any(a.endswith("ForCausalLM") for a in (config.architectures or []))
     cls = AutoModelForCausalLM if causal else AutoModel
-    model = cls.from_pretrained(path, use_safetensors=True, dtype=torch.float32).eval()
+    model = (cls.from_pretrained(path, use_safetensors=True, dtype=torch.float32) if weights
+             else cls.from_config(config, dtype=torch.float32)).eval()
     tokenizer: Optional[Any]
     if (path / "tokenizer.json").is_file() or (path / "tokenizer_config.json").is_file():
         tokenizer = AutoTokenizer.from_pretrained(path)

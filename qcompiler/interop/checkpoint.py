@@ -1,0 +1,87 @@
+"""What every checkpoint exporter needs: the quantized layers of a graph and its remaining FP tensors."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import torch
+from safetensors.torch import save_file
+from torch.fx import GraphModule, Node
+
+from ..atomic import atomic_directory
+from ..errors import QCompilerError
+from ..graph import get_tensor, module_path
+
+__all__ = ["ExportError", "QuantLayer", "quantized_layers", "fp_tensors", "write_checkpoint", "model_config_of"]
+
+
+class ExportError(QCompilerError):
+    """The graph holds something the chosen checkpoint format cannot express (the message names it)."""
+
+
+@dataclass
+class QuantLayer:
+    path: str                      # HF module path, e.g. "model.layers.0.self_attn.q_proj"
+    node: Node
+    tensors: dict[str, torch.Tensor]
+    bits: int
+    group_size: int
+
+
+_GPTQ_ARGS = ("qweight", "qzeros", "scales", "g_idx")
+
+
+def quantized_layers(gm: GraphModule, fmt: str) -> list[QuantLayer]:
+    """The ``qc.quant_linear`` layers; any other ``qc`` op is an error naming the layer and the format."""
+    layers = []
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or not str(node.target).startswith("qc."):
+            continue
+        path = module_path(node.args[1]) if isinstance(node.args[1], Node) else node.name
+        if node.target != torch.ops.qc.quant_linear.default:
+            raise ExportError(f"layer {path} is {node.target}: the {fmt} format holds only weight-only "
+                              f"GPTQ/RTN layers (qc.quant_linear); export this recipe to ONNX or save it with cm.save")
+        tensors = {name: get_tensor(gm, arg.target) for name, arg in zip(_GPTQ_ARGS, node.args[1:5])}
+        layers.append(QuantLayer(path, node, tensors, int(node.args[6]), int(node.args[7])))
+    if not layers:
+        raise ExportError(f"the graph has no quantized linear layers to write in the {fmt} format")
+    return layers
+
+
+def fp_tensors(gm: GraphModule, layers: list[QuantLayer]) -> dict[str, torch.Tensor]:
+    """Every other stored tensor under its state-dict name (export's lifted constants, named ``_…``, excluded)."""
+    packed = {arg.target for layer in layers for arg in layer.node.args[1:5]}
+    out, seen = {}, {}
+    for node in gm.graph.nodes:
+        if node.op != "get_attr" or node.target in packed or node.target.split(".")[-1].startswith("_") \
+                or node.target.startswith("_"):
+            continue
+        t = get_tensor(gm, node.target).detach()
+        key = (t.data_ptr(), t.shape)
+        out[node.target] = t.clone() if key in seen else t.contiguous()  # safetensors refuses shared storage
+        seen[key] = node.target
+    return out
+
+
+def model_config_of(gm: GraphModule) -> dict:
+    info = gm.meta.get("qcompiler")
+    config = getattr(info, "model_config", None)
+    if not config:
+        raise ExportError("the graph was not captured from a transformers model (no model config recorded), "
+                          "so there is no config.json to write; use cm.save or ONNX export instead")
+    return dict(config)
+
+
+def write_checkpoint(out_dir, tensors: dict[str, torch.Tensor], config: dict,
+                     extra_files: Optional[dict[str, dict]] = None) -> Path:
+    """``model.safetensors`` + ``config.json`` (+ extra JSON files), atomically."""
+    out_dir = Path(out_dir)
+    with atomic_directory(out_dir) as tmp:
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp / "model.safetensors"),
+                  metadata={"format": "pt"})
+        for name, data in (extra_files or {}).items():
+            (tmp / name).write_text(json.dumps(data, indent=2) + "\n")
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return out_dir

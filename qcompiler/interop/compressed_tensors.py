@@ -1,0 +1,114 @@
+"""The compressed-tensors checkpoint format (what vLLM's llm-compressor writes and vLLM loads).
+
+GPTQ/RTN layers → ``pack-quantized``: ``weight_packed`` int32 ``[out, in·bits/32]`` (codes offset by
+``2^(bits−1)`` to signed and back, which leaves the bits exactly ours: it is ``qweight`` transposed),
+``weight_scale`` ``[out, groups]``, ``weight_zero_point`` packed along the output dim (``qzeros``
+transposed), ``weight_shape``. W8A8 layers → ``int-quantized``: int8 ``weight``, per-channel
+``weight_scale``, dynamic per-token (or static per-tensor ``input_scale``) activations.
+
+Not expressible, and refused with the layer named: act-order with scattered groups (the format
+removed ``actorder: group``; static groups are fine), groups that do not divide ``in_features``,
+SmoothQuant scales that could not be folded into a producer (BERT's post-LN blocks), SpQR.
+"""
+from __future__ import annotations
+
+import torch
+from torch.fx import Node
+
+from ..graph import find_linears, get_tensor, module_path
+from ..packing import unpack_cols
+from .checkpoint import ExportError, model_config_of, write_checkpoint
+
+__all__ = ["export_compressed_tensors"]
+
+
+def _weights_scheme(bits, group_size, sym):
+    scheme = {"num_bits": bits, "type": "int", "symmetric": sym, "dynamic": False, "observer": "minmax"}
+    if group_size == -1:
+        scheme.update(strategy="channel", group_size=None)
+    else:
+        scheme.update(strategy="group", group_size=group_size)
+    return scheme
+
+
+def _gptq_layer(gm, node: Node, path: str) -> tuple[dict, dict]:
+    qweight, qzeros, scales, g_idx = (get_tensor(gm, a.target) for a in node.args[1:5])
+    bits, group_size = int(node.args[6]), int(node.args[7])
+    n_in, n_out = g_idx.numel(), scales.shape[1]
+    if group_size != -1:
+        if n_in % group_size:
+            raise ExportError(f"layer {path}: in_features={n_in} is not a multiple of group_size={group_size}, "
+                              f"which compressed-tensors requires")
+        if not torch.equal(g_idx.long(), torch.arange(n_in) // group_size):
+            raise ExportError(f"layer {path}: act-order with scattered groups (g_idx) has no compressed-tensors form "
+                              f"(actorder 'group' was removed); use static groups, e.g. recipe gptq-w4g128-static")
+    zeros = unpack_cols(qzeros, bits, n_out)
+    sym = bool((zeros == (1 << (bits - 1))).all())
+    tensors = {"weight_packed": qweight.t().contiguous(), "weight_scale": scales.t().contiguous(),
+               "weight_shape": torch.tensor([n_out, n_in], dtype=torch.int64)}
+    if not sym:
+        tensors["weight_zero_point"] = qzeros.t().contiguous()
+    return tensors, {"format": "pack-quantized", "weights": _weights_scheme(bits, group_size, sym),
+                     "input_activations": None}
+
+
+def _int8_layer(gm, node: Node, path: str) -> tuple[dict, dict]:
+    weight, weight_scale = get_tensor(gm, node.args[1].target), get_tensor(gm, node.args[2].target)
+    act_scale, smooth_inv = node.args[4], node.args[5]
+    if smooth_inv is not None:
+        raise ExportError(f"layer {path}: its SmoothQuant scales are applied inside the activation quantizer "
+                          f"(no producer could absorb them), which compressed-tensors cannot express")
+    tensors = {"weight": weight, "weight_scale": weight_scale.reshape(-1, 1).float()}
+    acts = {"num_bits": 8, "type": "int", "symmetric": True, "observer": None}
+    if act_scale is None:
+        acts.update(strategy="token", dynamic=True)
+    else:
+        acts.update(strategy="tensor", dynamic=False)
+        tensors["input_scale"] = get_tensor(gm, act_scale.target).float().reshape(1)
+    return tensors, {"format": "int-quantized", "weights": _weights_scheme(8, -1, True) | {"strategy": "channel"},
+                     "input_activations": acts}
+
+
+_WRITERS = {torch.ops.qc.quant_linear.default: _gptq_layer, torch.ops.qc.int8_linear.default: _int8_layer}
+
+
+def export_compressed_tensors(cm, out_dir, *, progress=print):
+    """Write ``cm`` as a compressed-tensors checkpoint folder (atomic)."""
+    gm = cm.graph_module if hasattr(cm, "graph_module") else cm
+    config = model_config_of(gm)
+    tensors, groups, consumed = {}, {}, set()
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or not str(node.target).startswith("qc."):
+            continue
+        path = module_path(node.args[1]) if isinstance(node.args[1], Node) else node.name
+        if node.target not in _WRITERS:
+            raise ExportError(f"layer {path} is {node.target}, which compressed-tensors cannot express "
+                              f"(supported: GPTQ/RTN weight-only and W8A8 layers)")
+        layer_tensors, scheme = _WRITERS[node.target](gm, node, path)
+        tensors.update({f"{path}.{k}": v for k, v in layer_tensors.items()})
+        consumed.update(a.target for a in node.args[1:] if isinstance(a, Node) and a.op == "get_attr"
+                        and not a.target.endswith(".bias"))
+        key = repr(sorted(scheme.items(), key=str))
+        groups.setdefault(key, (scheme, []))[1].append(path)
+    if not groups:
+        raise ExportError("the graph has no quantized layers to write in the compressed-tensors format")
+    for node in gm.graph.nodes:
+        if node.op == "get_attr" and node.target not in consumed and not node.target.startswith("_") \
+                and not node.target.split(".")[-1].startswith("_"):
+            tensors.setdefault(node.target, get_tensor(gm, node.target).detach())
+    formats = {scheme["format"] for scheme, _ in groups.values()}
+    config_groups = {f"group_{i}": {"targets": sorted(paths), **{k: v for k, v in scheme.items()}}
+                     for i, (scheme, paths) in enumerate(groups.values())}
+    config["quantization_config"] = {
+        "quant_method": "compressed-tensors", "format": formats.pop() if len(formats) == 1 else "mixed-precision",
+        "quantization_status": "compressed", "config_groups": config_groups,
+        "ignore": sorted(layer.path for layer in find_linears(gm)), "kv_cache_scheme": None,
+    }
+    progress(f"compressed-tensors checkpoint: {sum(len(p) for _, p in groups.values())} layers in "
+             f"{len(groups)} scheme group(s)")
+    seen, unique = {}, {}
+    for k, v in tensors.items():  # safetensors refuses shared storage (tied embeddings)
+        key = (v.data_ptr(), tuple(v.shape))
+        unique[k] = v.clone() if key in seen else v.contiguous()
+        seen[key] = k
+    return write_checkpoint(out_dir, unique, config)

@@ -1,0 +1,142 @@
+"""GPTQ-format Hugging Face checkpoints: export a quantized graph, import one back into a graph.
+
+Per quantized layer the checkpoint holds ``{path}.qweight`` (int32 ``[in·bits/32, out]``),
+``{path}.qzeros`` (int32 ``[groups, out·bits/32]``), ``{path}.scales`` (fp16 ``[groups, out]``) and
+``{path}.g_idx`` (int32 ``[in]``), the same layout as ``qc.quant_linear``, plus every other tensor
+under its usual name; ``config.json`` carries ``quantization_config`` (quant_method ``gptq``, bits,
+group_size, desc_act, sym, checkpoint_format).
+
+Zero points. ``checkpoint_format: "gptq"`` (v1, what AutoGPTQ, transformers and vLLM's GPTQ
+kernels read) stores ``zero − 1`` — the historical AutoGPTQ offset — wrapped to ``bits`` bits, and
+loaders add the 1 back; a real zero of 0 cannot survive that round trip. ``"gptq_v2"`` (GPTQModel)
+stores the real zero, as qcompiler does internally. ``zero_format="auto"`` writes v1 when every zero
+is ≥ 1 and v2 otherwise, and says which; ``"v1"`` refuses (naming the layer) rather than write a
+checkpoint that loads wrong.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from ..packing import pack_cols, unpack_cols
+from .checkpoint import ExportError, fp_tensors, model_config_of, quantized_layers, write_checkpoint
+
+__all__ = ["export_gptq", "import_gptq", "zeros_to_v1", "zeros_from_v1"]
+
+
+def zeros_to_v1(qzeros: torch.Tensor, bits: int, n_out: int) -> torch.Tensor:
+    z = unpack_cols(qzeros, bits, n_out)
+    return pack_cols((z - 1) & ((1 << bits) - 1), bits)
+
+
+def zeros_from_v1(qzeros: torch.Tensor, bits: int, n_out: int) -> torch.Tensor:
+    z = unpack_cols(qzeros, bits, n_out)
+    return pack_cols((z + 1) & ((1 << bits) - 1), bits)
+
+
+def _is_act_order(g_idx: torch.Tensor, group_size: int) -> bool:
+    if group_size == -1:
+        return False
+    return not torch.equal(g_idx.long(), torch.arange(g_idx.numel()) // group_size)
+
+
+def export_gptq(cm, out_dir, *, zero_format: str = "auto", progress=print) -> Path:
+    """Write ``cm``'s GPTQ/RTN layers as a GPTQ Hugging Face checkpoint folder (atomic)."""
+    if zero_format not in ("auto", "v1", "v2"):
+        raise ValueError(f"zero_format must be 'auto', 'v1' or 'v2', got {zero_format!r}")
+    gm = cm.graph_module if hasattr(cm, "graph_module") else cm
+    config = model_config_of(gm)
+    layers = quantized_layers(gm, "GPTQ")
+    settings = {(layer.bits, layer.group_size) for layer in layers}
+    if len(settings) > 1:
+        raise ExportError(f"a GPTQ checkpoint has one bits/group_size for all layers; this graph mixes {sorted(settings)}")
+    bits, group_size = settings.pop()
+    zero_layers = [layer.path for layer in layers
+                   if (unpack_cols(layer.tensors["qzeros"], bits, layer.tensors["scales"].shape[1]) == 0).any()]
+    if zero_format == "v1" and zero_layers:
+        raise ExportError(f"layer {zero_layers[0]} has zero points equal to 0, which the v1 format (stored zero − 1) "
+                          f"cannot hold; use zero_format='v2' (GPTQModel) or a symmetric recipe")
+    v1 = zero_format == "v1" or (zero_format == "auto" and not zero_layers)
+    tensors = fp_tensors(gm, layers)
+    for layer in layers:
+        t = dict(layer.tensors)
+        if v1:
+            t["qzeros"] = zeros_to_v1(t["qzeros"], bits, t["scales"].shape[1])
+        tensors.update({f"{layer.path}.{name}": value for name, value in t.items()})
+    desc_act = any(_is_act_order(layer.tensors["g_idx"], group_size) for layer in layers)
+    sym = all(bool((unpack_cols(layer.tensors["qzeros"], bits, layer.tensors["scales"].shape[1])
+                    == (1 << (bits - 1))).all()) for layer in layers)
+    quant = {"quant_method": "gptq", "bits": bits, "group_size": group_size, "desc_act": desc_act, "sym": sym,
+             "checkpoint_format": "gptq" if v1 else "gptq_v2", "pack_dtype": "int32",
+             "meta": {"quantizer": ["qcompiler"], "zero_points": "stored minus 1 (v1)" if v1 else "real (v2)"}}
+    config["quantization_config"] = quant
+    progress(f"GPTQ checkpoint: {len(layers)} layers, {bits}-bit, group {group_size}, "
+             f"{'v1' if v1 else 'v2'} zero points{'' if v1 else ' (some zeros are 0: v1 cannot hold them)'}")
+    return write_checkpoint(out_dir, tensors, config, {"quantize_config.json": quant})
+
+
+def import_gptq(folder):
+    """A CompiledModel (eager backend) whose quantized layers are the checkpoint's packed tensors, unchanged."""
+    from transformers import AutoConfig
+
+    from ..capture import capture
+    from ..compiler import CompiledModel
+    from ..graph import find_linears
+    from ..models import _check_folder, loaded_from_model
+    from ..pass_base import PassRecord
+    from ..recipes import Recipe
+    from ..report import Report
+    from ..weight_only import replace_linear
+
+    folder = Path(folder)
+    _check_folder(folder)
+    raw = json.loads((folder / "config.json").read_text())
+    quant = raw.pop("quantization_config", None)
+    if not quant or quant.get("quant_method") != "gptq":
+        raise ExportError(f"{folder}/config.json has no quantization_config with quant_method 'gptq'")
+    bits, group_size = int(quant["bits"]), int(quant["group_size"])
+    v1 = quant.get("checkpoint_format", "gptq") == "gptq"
+    state = {}
+    for file in sorted(folder.glob("*.safetensors")):
+        state.update(load_file(str(file)))
+    config = AutoConfig.for_model(raw.pop("model_type"), **raw)
+    loaded = loaded_from_model(folder.name, config, folder)
+    model = loaded.model
+    paths = sorted(k[: -len(".qweight")] for k in state if k.endswith(".qweight"))
+    if not paths:
+        raise ExportError(f"{folder} has no '*.qweight' tensors: not a GPTQ checkpoint")
+    fp = {k: v for k, v in state.items() if not k.endswith((".qweight", ".qzeros", ".scales", ".g_idx"))}
+    missing, _ = model.load_state_dict(fp, strict=False)
+    quantized_weights = {f"{p}.weight" for p in paths}
+    missing = [k for k in missing if k not in quantized_weights and not _tied(model, k)]
+    if missing:
+        raise ExportError(f"{folder}: tensors missing from the checkpoint: {', '.join(missing[:5])}")
+    if getattr(config, "tie_word_embeddings", False):
+        model.tie_weights()
+    example = loaded.example_inputs()
+    gm = capture(model, example)
+    layers = {layer.path: layer for layer in find_linears(gm)}
+    record = PassRecord("import:gptq", {"folder": str(folder), **quant}, modified=True)
+    for path in paths:
+        if path not in layers:
+            raise ExportError(f"checkpoint layer {path} is not a linear layer of {type(model).__name__}")
+        layer = layers[path]
+        t = {n: state[f"{path}.{n}"] for n in ("qweight", "qzeros", "scales", "g_idx")}
+        if v1:
+            t["qzeros"] = zeros_from_v1(t["qzeros"], bits, t["scales"].shape[1])
+        replace_linear(gm, layer, torch.ops.qc.quant_linear.default, t,
+                       lambda x, a, layer=layer: (x, a["qweight"], a["qzeros"], a["scales"], a["g_idx"],
+                                                  layer.bias_node, bits, group_size))
+        record.layers[path] = {"bits": bits}
+    gm.graph.lint()
+    gm.recompile()
+    recipe = Recipe("gptq-checkpoint", (), f"imported from {folder}")
+    from ..capture import normalize_inputs
+    return CompiledModel(gm, recipe, Report([record]), "eager", gm, normalize_inputs(example))
+
+
+def _tied(model, key: str) -> bool:
+    return key.endswith("lm_head.weight") and getattr(model.config, "tie_word_embeddings", False)
