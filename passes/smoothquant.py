@@ -128,4 +128,7 @@ class SmoothQuant(Pass):
                    "alpha": alpha, "act_absmax": float(act.max()), "s_min": float(s.min()), "s_max": float(s.max())}
         if err is not None:
             figures["int8_error"] = err
+        # per channel, for `qcompiler report`'s before/after plot (lists stay out of the text report)
+        figures["channel_absmax"] = [float(f"{v:.4g}") for v in act.tolist()]
+        figures["channel_scale"] = [float(f"{v:.4g}") for v in s.tolist()]
         record.layers[plan.label] = figures

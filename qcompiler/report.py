@@ -34,7 +34,7 @@ class Report:
         for p in self.passes:
             lines.append(f"{p.name}: {p.seconds:.2f}s, {'modified' if p.modified else 'unchanged'}, "
                          f"{len(p.layers)} layers")
-            keys = sorted({k for figures in p.layers.values() for k in figures})
+            keys = sorted({k for figures in p.layers.values() for k, v in figures.items() if not isinstance(v, list)})
             if keys:
                 lines.append("  " + " | ".join(["layer"] + keys))
                 for path, figures in p.layers.items():

@@ -71,7 +71,10 @@ def model_config_of(gm: GraphModule) -> dict:
     if not config:
         raise ExportError("the graph was not captured from a transformers model (no model config recorded), "
                           "so there is no config.json to write; use cm.save or ONNX export instead")
-    return dict(config)
+    config = dict(config)
+    if not config.get("architectures"):  # a model built in code, not loaded: name its class for loaders
+        config["architectures"] = [info.model_class]
+    return config
 
 
 def write_checkpoint(out_dir, tensors: dict[str, torch.Tensor], config: dict,

@@ -53,7 +53,25 @@ class LoadedModel:
         if self.kind == "causal-lm":
             windows = calibration_windows(count, length, seed=seed, max_length=self.max_length)
             return [{"input_ids": w, "use_cache": False} for w in windows.split(batch_size)]
-        sentences = stdlib_sentences("train", count)
+        return self._sentence_batches(stdlib_sentences("train", count), length, batch_size)
+
+    def calibration_from_text(self, text: str, count: int = 32, length: int = 128, *,
+                              batch_size: int = 8) -> list[dict]:
+        """Calibration batches from the user's own text: token windows, or one sentence per line."""
+        if not text.strip():
+            raise ValueError("the calibration text is empty")
+        if self.kind != "causal-lm":
+            lines = [line.strip() for line in text.splitlines() if line.strip()]
+            return self._sentence_batches(lines[:count], length, batch_size)
+        if self.tokenizer is None:
+            raise ValueError(f"model {self.name} has no tokenizer to turn calibration text into tokens")
+        ids = self.tokenizer.encode(text)
+        ids = torch.as_tensor(ids, dtype=torch.long).reshape(-1)
+        length = min(length, self.max_length, ids.numel())
+        windows = ids[: (ids.numel() // length) * length].reshape(-1, length)[:count]
+        return [{"input_ids": w, "use_cache": False} for w in windows.split(batch_size)]
+
+    def _sentence_batches(self, sentences: list[str], length: int, batch_size: int) -> list[dict]:
         batches = []
         for b in range(0, len(sentences), batch_size):
             enc = self.tokenizer(sentences[b:b + batch_size], padding=True, truncation=True,

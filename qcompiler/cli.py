@@ -1,0 +1,231 @@
+"""The ``qcompiler`` command line: quantize, save, evaluate, inspect, export and report.
+
+    qcompiler quantize bundled:tinylm --recipe gptq-w4g128 --out out/tinylm-w4
+    qcompiler eval out/tinylm-w4
+    qcompiler export out/tinylm-w4 --format onnx --out tinylm.onnx
+    qcompiler inspect out/tinylm-w4
+    qcompiler report out/tinylm-w4 --out out/report
+    qcompiler recipes
+
+Errors are one line on stderr and exit code 2; ``--debug`` shows the traceback.
+"""
+from __future__ import annotations
+
+import json
+import sys
+import time
+from enum import Enum
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__.splitlines()[0])
+out = Console()
+err = Console(stderr=True)
+_state = {"debug": False}
+
+
+class ExportFormat(str, Enum):
+    onnx = "onnx"
+    gptq = "gptq"
+    compressed_tensors = "compressed-tensors"
+
+
+class Backend(str, Enum):
+    eager = "eager"
+    triton = "triton"
+    onnxruntime = "onnxruntime"
+
+
+@app.callback()
+def _options(debug: bool = typer.Option(False, "--debug", help="show tracebacks")):
+    _state["debug"] = debug
+
+
+def _calibration(loaded, calib: str, count: int):
+    if calib == "bundled":
+        return loaded.calibration(count)
+    path = Path(calib)
+    if not path.is_file():
+        raise ValueError(f"calibration file {path} does not exist")
+    raw = path.read_bytes()
+    if b"\0" in raw:
+        raise ValueError(f"calibration file {path} is not text (it contains NUL bytes)")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"calibration file {path} is not UTF-8 text (byte {e.start})") from None
+    if not text.strip():
+        raise ValueError(f"calibration file {path} is empty")
+    return loaded.calibration_from_text(text, count)
+
+
+def _layer_table(report, title: str) -> Table:
+    table = Table(title=title)
+    rows = report.layer_table()
+    keys = [k for k in ("bits", "bits_per_weight", "rel_error", "outlier_fraction", "kernel", "seconds")
+            if any(k in r for r in rows)]
+    for column in ["pass", "layer", *keys]:
+        table.add_column(column)
+    for r in rows:
+        table.add_row(r["pass"], r["layer"], *[_fmt(r.get(k, "")) for k in keys])
+    return table
+
+
+def _fmt(value) -> str:
+    return f"{value:.4g}" if isinstance(value, float) else str(value)
+
+
+@app.command()
+def quantize(model: str = typer.Argument(..., help="bundled:tinylm, bundled:minilm or a Hugging Face model folder"),
+             recipe: str = typer.Option("gptq-w4g128", help="built-in recipe name or a .yaml/.toml recipe file"),
+             calib: str = typer.Option("bundled", help="'bundled' (the model's own calibration set) or a text file"),
+             samples: int = typer.Option(32, help="calibration windows / sentences"),
+             out_dir: Path = typer.Option(..., "--out", help="artifact folder to write (replaced atomically)")):
+    """Quantize MODEL with RECIPE and save the result to --out."""
+    import qcompiler as qc
+    from qcompiler.eval import bits_per_parameter
+    from qcompiler.models import load
+
+    resolved = qc.recipes.resolve_recipe(recipe)  # a bad recipe fails before any loading
+    loaded = load(model)
+    calibration = _calibration(loaded, calib, samples) if any(p.needs_calibration for p in resolved.passes) else None
+    start = time.perf_counter()
+    cm = qc.compile(loaded.model, loaded.example_inputs(), recipe=resolved, calibration=calibration)
+    seconds = time.perf_counter() - start
+    cm.save(out_dir, metadata={"source": model, "calibration": calib, "samples": samples})
+    out.print(_layer_table(cm.report, f"{model} · {resolved.name}"))
+    try:
+        bits = f"{bits_per_parameter(cm.graph_module):.3f} bits per quantized weight"
+    except ValueError:
+        bits = "no quantized linear layers"
+    out.print(f"{len(cm.report.layer_table())} layer records, {bits}, {seconds:.1f}s; saved to {out_dir}")
+
+
+@app.command(name="eval")
+def evaluate(target: str = typer.Argument(..., help="an artifact folder, or a model (bundled:NAME / folder)"),
+             backend: Backend = typer.Option(Backend.eager, help="backend to run the quantized model on"),
+             windows: int = typer.Option(64, help="held-out windows (causal LMs) / sentences (encoders)"),
+             json_out: Optional[Path] = typer.Option(None, "--json", help="also write the figures as JSON")):
+    """Perplexity (causal LMs) or embedding cosine vs FP32 (encoders), FP32 beside quantized."""
+    import qcompiler as qc
+    from qcompiler.artifact import read_manifest
+    from qcompiler.models import load
+    from qcompiler.quality import QualityJudge
+
+    path = Path(target)
+    is_artifact = (path / "manifest.json").is_file()
+    source = read_manifest(path)["metadata"].get("source") if is_artifact else target
+    if not source:
+        raise ValueError(f"artifact {path} does not record its source model; evaluate needs the FP32 model")
+    loaded = load(source)
+    judge = QualityJudge(loaded, max_windows=windows, sentences=windows)
+    figures = {"model": source, "metric": judge.metric, "fp32": judge.score(loaded.model)}
+    if is_artifact:
+        cm = qc.load(path, backend=backend.value)
+        figures.update(artifact=str(path), backend=backend.value, recipe=cm.recipe.name, quantized=judge.score(cm))
+        figures["loss"] = judge.loss(figures["fp32"], figures["quantized"])
+    line = f"{judge.metric}: FP32 {figures['fp32']:.4f}"
+    if "quantized" in figures:
+        line += f" -> quantized {figures['quantized']:.4f} ({backend.value}, {figures['recipe']})"
+    out.print(line)
+    if json_out:
+        from qcompiler.atomic import write_text_atomically
+        write_text_atomically(json_out, json.dumps(figures, indent=1))
+
+
+@app.command()
+def export(artifact: Path = typer.Argument(..., help="artifact folder written by 'quantize'"),
+           format: ExportFormat = typer.Option(..., "--format"),
+           dest: Path = typer.Option(..., "--out", help="file (onnx) or folder (gptq, compressed-tensors)"),
+           zero_format: str = typer.Option("auto", help="gptq only: auto | v1 | v2 zero points"),
+           accuracy_level: Optional[int] = typer.Option(None, help="onnx only: MatMulNBits accuracy_level "
+                                                        "(default 4: int8 activations, fastest on CPU; 0: exact)")):
+    """Export a saved artifact to ONNX, a GPTQ checkpoint or a compressed-tensors checkpoint."""
+    import qcompiler as qc
+    from qcompiler.interop import export_compressed_tensors, export_gptq
+
+    cm = qc.load(artifact)
+    if format is ExportFormat.onnx:
+        cm.export_onnx(dest, accuracy_level=accuracy_level)
+    elif format is ExportFormat.gptq:
+        export_gptq(cm, dest, zero_format=zero_format, progress=out.print)
+    else:
+        export_compressed_tensors(cm, dest, progress=out.print)
+    out.print(f"wrote {dest}")
+
+
+@app.command()
+def inspect(artifact: Path = typer.Argument(..., help="artifact folder")):
+    """Passes applied with their settings, per-layer figures and a graph summary."""
+    import qcompiler as qc
+    from qcompiler.artifact import read_manifest
+
+    manifest = read_manifest(artifact)
+    recipe = manifest["recipe"]
+    out.print(f"[bold]{artifact}[/bold]: {manifest['capture']['model_class']} from "
+              f"{manifest['metadata'].get('source', '?')}, recipe {recipe['name']} "
+              f"(qcompiler {manifest['versions']['qcompiler']}, torch {manifest['versions']['torch']})")
+    for p in recipe["passes"]:
+        out.print("  " + p["pass"] + "(" + ", ".join(f"{k}={v}" for k, v in p.items() if k != "pass") + ")")
+    graph = manifest["graph"]
+    out.print(f"graph: {graph['nodes']} nodes, {graph['tensors']} stored tensors, qc ops: "
+              + ", ".join(f"{k} x{v}" for k, v in graph["qc_ops"].items()))
+    out.print(_layer_table(qc.load(artifact).report, "per-layer report"))
+
+
+@app.command()
+def recipes():
+    """Built-in recipes and their pass settings."""
+    import qcompiler as qc
+
+    table = Table(title="built-in recipes (or pass a .yaml/.toml file: docs/recipes.md)")
+    table.add_column("name")
+    table.add_column("description")
+    table.add_column("passes")
+    for r in qc.list_recipes():
+        table.add_row(r.name, r.description, "\n".join(repr(p) for p in r.passes) or "-")
+    out.print(table)
+
+
+@app.command()
+def report(artifact: Path = typer.Argument(..., help="artifact folder"),
+           dest: Path = typer.Option(..., "--out", help="folder for report.md and its PNG plots")):
+    """A markdown page with plots: per-layer error, bits per layer, SpQR outliers, SmoothQuant scales."""
+    from qcompiler.report_page import write_report
+
+    page = write_report(artifact, dest)
+    out.print(f"wrote {page}")
+
+
+def main(argv=None) -> int:
+    """Console-script entry point: one-line errors, exit code 2, tracebacks only with --debug."""
+    from qcompiler.errors import QCompilerError
+
+    args = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in args
+    try:
+        app(args=args, prog_name="qcompiler", standalone_mode=False)
+    except (QCompilerError, FileNotFoundError, ValueError, OSError) as e:
+        if debug:
+            raise
+        err.print(f"error: {e}", markup=False, highlight=False, soft_wrap=True)
+        return 2
+    except typer.Exit as e:
+        return e.exit_code
+    except typer.Abort:
+        return 1
+    except Exception as e:  # click usage errors and the like
+        import click
+        if isinstance(e, click.ClickException):
+            e.show()
+            return e.exit_code
+        raise
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

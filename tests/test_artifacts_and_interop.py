@@ -1,0 +1,176 @@
+"""Saving/loading artifacts, recipe files, and the GPTQ / compressed-tensors checkpoint formats."""
+import json
+
+import pytest
+import torch
+
+import qcompiler as qc
+from qcompiler.errors import RecipeError
+from qcompiler.graph import get_tensor, module_path
+from qcompiler.interop import ExportError, export_compressed_tensors, export_gptq, import_gptq
+from qcompiler.interop.gptq_checkpoint import zeros_from_v1, zeros_to_v1
+from qcompiler.ops import dequantize_gptq
+from qcompiler.packing import pack_cols, unpack_rows
+from qcompiler.recipe_files import load_recipe_file, recipe_from_dict, recipe_to_dict
+from tiny_models import example_inputs, main_output, make_model
+
+
+def _compile(recipe, arch="llama"):
+    model = make_model(arch)
+    calib = [example_inputs(arch, seed=s) for s in range(2)]
+    return qc.compile(model, example_inputs(arch), recipe=recipe, calibration=calib, progress=False)
+
+
+def _same_outputs(a, b, arch="llama"):
+    inputs = example_inputs(arch, batch=1, seq=5, seed=9)
+    return torch.equal(main_output(a(**inputs)), main_output(b(**inputs)))
+
+
+@pytest.mark.parametrize("recipe", ["gptq-w4g128-act", "spqr-w3g16", "w8a8-smoothquant"])
+def test_save_then_load_gives_identical_outputs_without_calibration(recipe, tmp_path):
+    cm = _compile(recipe)
+    cm.save(tmp_path / "a")
+    loaded = qc.load(tmp_path / "a")
+    assert _same_outputs(cm, loaded)
+    assert loaded.recipe.passes == cm.recipe.passes
+    assert loaded.report.to_dict() == json.loads(json.dumps(cm.report.to_dict()))
+
+
+def test_interrupted_save_leaves_the_previous_artifact(tmp_path, monkeypatch):
+    first, second = _compile("rtn-w4g128"), _compile("rtn-w3g128")
+    first.save(tmp_path / "a")
+    import qcompiler.artifact as artifact
+    real = artifact.save_file
+    calls = []
+
+    def failing(tensors, filename, metadata=None):
+        calls.append(filename)
+        if len(calls) == 2:  # the weights are written; the crash comes mid-save
+            raise KeyboardInterrupt("injected")
+        real(tensors, filename, metadata=metadata)
+
+    monkeypatch.setattr(artifact, "save_file", failing)
+    with pytest.raises(KeyboardInterrupt):
+        second.save(tmp_path / "a")
+    assert [p.name for p in tmp_path.iterdir()] == ["a"]          # no temporary folder left behind
+    reloaded = qc.load(tmp_path / "a")
+    assert reloaded.recipe.name == "rtn-w4g128" and _same_outputs(first, reloaded)
+
+
+def test_artifact_refuses_foreign_operators(tmp_path):
+    cm = _compile("rtn-w4g128")
+    cm.save(tmp_path / "a")
+    graph = json.loads((tmp_path / "a" / "graph.json").read_text())
+    node = next(n for n in graph["nodes"] if n["op"] == "call_function")
+    node["target"] = "os.system"
+    (tmp_path / "a" / "graph.json").write_text(json.dumps(graph))
+    with pytest.raises(qc.artifact.ArtifactError, match="refusing to load call target 'os.system'"):
+        qc.load(tmp_path / "a")
+
+
+def test_recipe_files_parse_to_the_typed_passes(tmp_path):
+    (tmp_path / "r.yaml").write_text("name: mine\npasses:\n  - pass: SmoothQuant\n    alpha: 0.8\n  - pass: LowerInt8\n")
+    r = load_recipe_file(tmp_path / "r.yaml")
+    assert r.passes == (qc.passes.SmoothQuant(alpha=0.8), qc.passes.LowerInt8())
+    (tmp_path / "r.toml").write_text('[[passes]]\npass = "GPTQ"\nbits = 3\ngroup_size = -1\nact_order = true\n')
+    assert load_recipe_file(tmp_path / "r.toml").passes == (qc.passes.GPTQ(bits=3, group_size=-1, act_order=True),)
+    for name in ("gptq-w4g128-static", "spqr-w3g16", "w8a8-smoothquant-auto"):
+        builtin = qc.get_recipe(name)
+        assert recipe_from_dict(recipe_to_dict(builtin)).passes == builtin.passes
+    with pytest.raises(RecipeError, match=r"passes\[0\] \(SpQR\): unknown key 'outlier_treshold'; did you mean"):
+        recipe_from_dict({"passes": [{"pass": "SpQR", "outlier_treshold": 0.5}]})
+    with pytest.raises(RecipeError, match="bits='4' must be int"):
+        recipe_from_dict({"passes": [{"pass": "RTN", "bits": "4"}]})
+    assert qc.compile(make_model("llama"), example_inputs("llama"), recipe=str(tmp_path / "r.yaml"),
+                      calibration=[example_inputs("llama")], progress=False).recipe.name == "mine"
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
+def test_v1_zero_points_round_trip(bits):
+    z = torch.randint(1, 2 ** bits, (3, 64))
+    packed = pack_cols(z, bits)
+    assert torch.equal(zeros_from_v1(zeros_to_v1(packed, bits, 64), bits, 64), packed)
+
+
+@pytest.mark.parametrize("recipe,zero_format,desc_act", [
+    ([qc.passes.GPTQ(bits=4, group_size=32, act_order=True)], "auto", True),
+    ("rtn-w3g128", "v2", False), ("gptq-w2g128", "auto", False)])
+def test_gptq_checkpoint_round_trip_is_bit_identical(recipe, zero_format, desc_act, tmp_path):
+    cm = _compile(recipe)
+    export_gptq(cm, tmp_path / "ckpt", zero_format=zero_format, progress=lambda _: None)
+    config = json.loads((tmp_path / "ckpt" / "config.json").read_text())
+    quant = config["quantization_config"]
+    assert quant["quant_method"] == "gptq" and quant["desc_act"] == desc_act
+    back = import_gptq(tmp_path / "ckpt")
+
+    def packed(c):
+        return {module_path(n.args[1]): [get_tensor(c.graph_module, a.target) for a in n.args[1:5]]
+                for n in c.graph_module.graph.nodes if n.target == torch.ops.qc.quant_linear.default}
+
+    ours, theirs = packed(cm), packed(back)
+    assert ours.keys() == theirs.keys()
+    assert all(torch.equal(a, b) for k in ours for a, b in zip(ours[k], theirs[k]))
+    assert _same_outputs(cm, back)
+
+
+def test_gptq_v1_refuses_zero_points_it_cannot_hold(tmp_path):
+    model = make_model("llama")
+    with torch.no_grad():
+        model.model.layers[0].mlp.up_proj.weight.abs_()  # all weights >= 0: an asymmetric grid's zero is 0
+    cm = qc.compile(model, example_inputs("llama"), recipe="rtn-w4g128", progress=False)
+    with pytest.raises(ExportError, match=r"layer model\.layers\.0\.mlp\.up_proj has zero points equal to 0"):
+        export_gptq(cm, tmp_path / "v1", zero_format="v1", progress=lambda _: None)
+    assert not (tmp_path / "v1").exists()
+    export_gptq(cm, tmp_path / "auto", progress=lambda _: None)
+    assert json.loads((tmp_path / "auto" / "config.json").read_text())[
+        "quantization_config"]["checkpoint_format"] == "gptq_v2"
+    assert _same_outputs(cm, import_gptq(tmp_path / "auto"))
+
+
+def _library_decompress(folder):
+    """Each layer's weight as the compressed-tensors library itself decompresses it."""
+    from compressed_tensors.compressors.base import BaseCompressor
+    from compressed_tensors.quantization import QuantizationConfig
+    from safetensors.torch import load_file
+    config = json.loads((folder / "config.json").read_text())["quantization_config"]
+    parsed = QuantizationConfig.model_validate(config)
+    state = load_file(str(folder / "model.safetensors"))
+    out = {}
+    for name, scheme in parsed.config_groups.items():
+        compressor = BaseCompressor.load_from_registry(config["config_groups"][name]["format"])
+        for path in scheme.targets:
+            local = {k[len(path) + 1:]: v for k, v in state.items() if k.startswith(path + ".")}
+            out[path] = (compressor.decompress(local, scheme)["weight"], local)
+    return out
+
+
+def test_compressed_tensors_export_matches_the_library_decompression(tmp_path):
+    from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
+    cm = _compile("gptq-w4g128")
+    export_compressed_tensors(cm, tmp_path / "ct", progress=lambda _: None)
+    theirs = _library_decompress(tmp_path / "ct")
+    gm = cm.graph_module
+    nodes = [n for n in gm.graph.nodes if n.target == torch.ops.qc.quant_linear.default]
+    assert len(theirs) == len(nodes) == 14
+    for node in nodes:
+        qweight, qzeros, scales, g_idx = (get_tensor(gm, a.target) for a in node.args[1:5])
+        weight, stored = theirs[module_path(node.args[1])]
+        codes = unpack_from_int32(stored["weight_packed"], 4, stored["weight_shape"]).int() + 8
+        assert torch.equal(codes, unpack_rows(qweight, 4, g_idx.numel()).t())          # integer codes: exact
+        ours = dequantize_gptq(qweight, qzeros, scales, g_idx, 4)
+        torch.testing.assert_close(weight.float(), ours, rtol=2 ** -10, atol=1e-7)    # fp16 rounding of the product
+
+
+def test_compressed_tensors_w8a8_and_refusals(tmp_path):
+    cm = _compile("w8a8-smoothquant")
+    export_compressed_tensors(cm, tmp_path / "ct8", progress=lambda _: None)
+    theirs = _library_decompress(tmp_path / "ct8")
+    gm = cm.graph_module
+    for node in (n for n in gm.graph.nodes if n.target == torch.ops.qc.int8_linear.default):
+        ours = get_tensor(gm, node.args[1].target).float() * get_tensor(gm, node.args[2].target).float().reshape(-1, 1)
+        torch.testing.assert_close(theirs[module_path(node.args[1])][0].float(), ours, rtol=1e-6, atol=0)
+    with pytest.raises(ExportError, match=r"layer model\.layers\.0\.\S+ is qc\.spqr_dense_linear"):
+        export_compressed_tensors(_compile("spqr-w3g16"), tmp_path / "s", progress=lambda _: None)
+    with pytest.raises(ExportError, match="smooth|SmoothQuant"):
+        export_compressed_tensors(_compile("w8a8-smoothquant", arch="bert"), tmp_path / "b", progress=lambda _: None)
+    assert not (tmp_path / "s").exists() and not (tmp_path / "b").exists()

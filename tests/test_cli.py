@@ -1,0 +1,90 @@
+"""The command line end to end on the bundled model, and its one-line errors."""
+import json
+
+import numpy as np
+import pytest
+import torch
+
+import qcompiler as qc
+from qcompiler.cli import main
+from qcompiler.models import load
+
+
+@pytest.fixture(scope="module")
+def artifact(tmp_path_factory):
+    out = tmp_path_factory.mktemp("cli") / "tinylm-w4"
+    assert main(["quantize", "bundled:tinylm", "--recipe", "gptq-w4g128", "--samples", "4", "--out", str(out)]) == 0
+    return out
+
+
+def test_quantize_save_load_eval_export_run_agree(artifact, tmp_path, capsys):
+    cm = qc.load(artifact)
+    assert cm.recipe.name == "gptq-w4g128" and len(cm.report.layer_table()) == 28
+    # eval through the CLI equals perplexity computed here from the reloaded artifact
+    assert main(["eval", str(artifact), "--windows", "8", "--json", str(tmp_path / "eval.json")]) == 0
+    figures = json.loads((tmp_path / "eval.json").read_text())
+    from qcompiler.quality import QualityJudge
+    judge = QualityJudge(load("tinylm"), max_windows=8)
+    assert figures["quantized"] == pytest.approx(judge.score(cm), rel=1e-6)
+    assert 0 < figures["loss"] < 0.05           # 4-bit GPTQ costs little perplexity
+    # ONNX export of the artifact runs in ONNX Runtime and matches the reloaded graph
+    assert main(["export", str(artifact), "--format", "onnx", "--accuracy-level", "0",
+                 "--out", str(tmp_path / "m.onnx")]) == 0
+    import onnxruntime as ort
+    session = ort.InferenceSession(str(tmp_path / "m.onnx"), providers=["CPUExecutionProvider"])
+    ids = torch.randint(0, 256, (1, 24), generator=torch.Generator().manual_seed(1))
+    (logits,) = session.run(None, {session.get_inputs()[0].name: ids.numpy()})
+    expected = cm(input_ids=ids).logits.numpy()
+    assert np.abs(logits - expected).max() / np.abs(expected).max() < 1e-5  # level 0: fp32 activations
+    assert main(["inspect", str(artifact)]) == 0
+    text = capsys.readouterr().out
+    assert "qc.quant_linear.default x28" in text and "GPTQ(bits=4" in text
+
+
+def test_report_writes_plots(artifact, tmp_path):
+    assert main(["report", str(artifact), "--out", str(tmp_path / "rep")]) == 0
+    page = (tmp_path / "rep" / "report.md").read_text()
+    assert "Worst layers" in page and (tmp_path / "rep" / "error.png").stat().st_size > 1000
+    assert (tmp_path / "rep" / "bits.png").is_file()
+
+
+def _one_line_error(capsys, argv, fragment):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    last = err.strip().splitlines()[-1]  # above it: only library progress bars (weights loading)
+    assert last.startswith("error: ") and fragment in last and "Traceback" not in err, err
+    return last
+
+
+def test_bad_inputs_are_one_line_errors(tmp_path, capsys):
+    out = str(tmp_path / "out")
+    bad_yaml = tmp_path / "bad.yaml"
+    bad_yaml.write_text("passes: [\n")
+    _one_line_error(capsys, ["quantize", "bundled:tinylm", "--recipe", str(bad_yaml), "--out", out], "not valid YAML")
+    unknown = tmp_path / "unknown.yaml"
+    unknown.write_text("passes:\n  - pass: GPTQ\n    group_sise: 64\n")
+    _one_line_error(capsys, ["quantize", "bundled:tinylm", "--recipe", str(unknown), "--out", out],
+                    "did you mean 'group_size'")
+    empty_model = tmp_path / "model"
+    empty_model.mkdir()
+    (empty_model / "config.json").write_text("{}")
+    _one_line_error(capsys, ["quantize", str(empty_model), "--out", out], "has no safetensors weights")
+    empty = tmp_path / "empty.txt"
+    empty.write_text("  \n")
+    _one_line_error(capsys, ["quantize", "bundled:tinylm", "--calib", str(empty), "--out", out], "is empty")
+    binary = tmp_path / "data.bin"
+    binary.write_bytes(b"\x00\x01\x02binary")
+    _one_line_error(capsys, ["quantize", "bundled:tinylm", "--calib", str(binary), "--out", out], "is not text")
+    _one_line_error(capsys, ["inspect", str(tmp_path)], "not a qcompiler artifact")
+    assert not (tmp_path / "out").exists()
+    with pytest.raises(FileNotFoundError):  # --debug: the real exception, with its traceback
+        main(["--debug", "quantize", str(empty_model), "--out", out])
+
+
+def test_calibration_from_a_text_file(tmp_path):
+    text = tmp_path / "calib.txt"
+    text.write_text(open(__file__).read() * 3)
+    assert main(["quantize", "bundled:tinylm", "--recipe", "gptq-w4g128", "--calib", str(text), "--samples", "4",
+                 "--out", str(tmp_path / "a")]) == 0
+    manifest = json.loads((tmp_path / "a" / "manifest.json").read_text())
+    assert manifest["metadata"]["calibration"] == str(text)
