@@ -174,3 +174,14 @@ def test_compressed_tensors_w8a8_and_refusals(tmp_path):
     with pytest.raises(ExportError, match="smooth|SmoothQuant"):
         export_compressed_tensors(_compile("w8a8-smoothquant", arch="bert"), tmp_path / "b", progress=lambda _: None)
     assert not (tmp_path / "s").exists() and not (tmp_path / "b").exists()
+
+
+def test_recipe_reference_page_is_current():
+    import importlib.util
+    from pathlib import Path
+    root = Path(__file__).parents[1]
+    spec = importlib.util.spec_from_file_location("recipe_reference", root / "scripts" / "recipe_reference.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert (root / "docs" / "recipes.md").read_text() == module.page(), \
+        "regenerate: python scripts/recipe_reference.py > docs/recipes.md"

@@ -1,0 +1,45 @@
+"""Print docs/recipes.md from the code: built-in recipes and every pass's settings.
+
+    python scripts/recipe_reference.py > docs/recipes.md
+
+tests/test_artifacts_and_interop.py checks the committed page is current.
+"""
+from __future__ import annotations
+
+import dataclasses
+import typing
+
+import qcompiler as qc
+
+
+def _type_name(t) -> str:
+    return getattr(t, "__name__", None) or str(t).replace("typing.", "")
+
+
+def page() -> str:
+    lines = ["# Recipe reference", "",
+             "A recipe is an ordered list of passes. Use a built-in name (`recipe=\"gptq-w4g128\"`, "
+             "`--recipe gptq-w4g128`),", "a YAML/TOML file, or a Python list of pass instances.", "",
+             "## Built-in recipes", "", "| name | what it does | passes |", "|---|---|---|"]
+    for r in qc.list_recipes():
+        passes = ", ".join(f"`{p!r}`" for p in r.passes) or "-"
+        lines.append(f"| `{r.name}` | {r.description} | {passes} |")
+    lines += ["", "## Recipe files", "", "```yaml", "name: w4-act", "description: GPTQ 4-bit with act-order",
+              "passes:", "  - pass: GPTQ", "    bits: 4", "    group_size: 128", "    act_order: true", "```", "",
+              "TOML: the same keys, one `[[passes]]` table per pass. Unknown keys and passes are errors naming the",
+              "entry and suggesting the nearest valid name; values are type-checked and then validated by the pass.",
+              "", "## Pass settings", ""]
+    for name in qc.passes.__all__:
+        cls = getattr(qc.passes, name)
+        hints = typing.get_type_hints(cls)
+        lines += [f"### `{name}`", "", (cls.__doc__ or "").strip().splitlines()[0], "",
+                  "| key | type | default |", "|---|---|---|"]
+        lines += [f"| `{f.name}` | {_type_name(hints.get(f.name, f.type))} | `{f.default!r}` |"
+                  for f in dataclasses.fields(cls)]
+        lines.append("")
+    lines.append("This page is generated from the code: `python scripts/recipe_reference.py > docs/recipes.md`.")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    print(page(), end="")
