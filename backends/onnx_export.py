@@ -183,7 +183,8 @@ def _write_checked(model: onnx.ModelProto, path: Path) -> None:
     tmpdir = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
     try:
         tmp = tmpdir / path.name
-        external = model.ByteSize() > _TWO_GB
+        # initializer bytes, not model.ByteSize(): protobuf cannot even measure a message over 2 GB
+        external = sum(len(t.raw_data) for t in model.graph.initializer) > _TWO_GB
         onnx.save_model(model, str(tmp), save_as_external_data=external, all_tensors_to_one_file=True,
                         location=path.name + ".data" if external else None)
         try:

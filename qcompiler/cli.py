@@ -105,6 +105,16 @@ def quantize(model: str = typer.Argument(..., help="bundled:tinylm, bundled:mini
     out.print(f"{len(cm.report.layer_table())} layer records, {bits}, {seconds:.1f}s; saved to {out_dir}")
 
 
+def _triton_runtime() -> None:
+    """Without a GPU, Triton kernels run only in the interpreter, which must be chosen before import."""
+    import os
+
+    import torch
+    if not torch.cuda.is_available() and "TRITON_INTERPRET" not in os.environ:
+        os.environ["TRITON_INTERPRET"] = "1"
+        err.print("no CUDA GPU: running the Triton kernels under TRITON_INTERPRET=1 (slow; for correctness)")
+
+
 @app.command(name="eval")
 def evaluate(target: str = typer.Argument(..., help="an artifact folder, or a model (bundled:NAME / folder)"),
              backend: Backend = typer.Option(Backend.eager, help="backend to run the quantized model on"),
@@ -116,6 +126,8 @@ def evaluate(target: str = typer.Argument(..., help="an artifact folder, or a mo
     from qcompiler.models import load
     from qcompiler.quality import QualityJudge
 
+    if backend is Backend.triton:
+        _triton_runtime()
     path = Path(target)
     is_artifact = (path / "manifest.json").is_file()
     source = read_manifest(path)["metadata"].get("source") if is_artifact else target
