@@ -14,10 +14,11 @@ import warnings
 from typing import Callable, Optional
 
 import torch
+import torch.utils._pytree as pytree
 from torch.fx import GraphModule, Node
 
 from qcompiler.errors import BackendError
-from qcompiler.graph import get_tensor, module_path
+from qcompiler.graph import get_tensor, module_path, set_tensor
 from qcompiler.pass_base import PassRecord
 
 __all__ = ["prepare_triton", "plan_triton"]
@@ -147,12 +148,48 @@ def _weights_device(gm: GraphModule) -> torch.device:
     return torch.device("cpu")
 
 
+def _move_to(runner: GraphModule, device: torch.device) -> None:
+    """Put the copy's tensors on ``device`` (the original graph keeps its own) and re-point the
+    device constants torch.export baked into the graph (``arange(..., device=cpu)``, ``to(cpu)``)."""
+    for node in runner.graph.nodes:
+        if node.op == "get_attr":
+            tensor = get_tensor(runner, node.target)
+            if isinstance(tensor, torch.Tensor):
+                set_tensor(runner, node.target, tensor.detach().to(device),
+                           parameter=isinstance(tensor, torch.nn.Parameter))
+        retarget = lambda a: device if isinstance(a, torch.device) and a.type == "cpu" else a  # noqa: E731
+        node.args = torch.fx.node.map_aggregate(node.args, retarget)
+        node.kwargs = torch.fx.node.map_aggregate(node.kwargs, retarget)
+    runner.recompile()
+
+
+class _OnDevice:
+    """Calls a GPU graph with CPU inputs: inputs go to the GPU, outputs come back to the CPU."""
+
+    def __init__(self, runner: GraphModule, device: torch.device):
+        self.runner, self.device, self.record = runner, device, runner.record
+
+    def __call__(self, *args, **kwargs):
+        to_gpu = lambda v: v.to(self.device) if isinstance(v, torch.Tensor) else v  # noqa: E731
+        out = self.runner(*pytree.tree_map(to_gpu, args), **pytree.tree_map(to_gpu, kwargs))
+        return pytree.tree_map(lambda v: v.cpu() if isinstance(v, torch.Tensor) else v, out)
+
+
 def prepare_triton(gm: GraphModule, example_inputs=None):
-    """The graph with its ``qc`` ops launched as Triton kernels; ``runner.record`` holds the plan."""
+    """The graph with its ``qc`` ops launched as Triton kernels; ``runner.record`` holds the plan.
+
+    A graph whose weights are on the CPU runs on the GPU when there is one (weights copied there
+    once; inputs and outputs moved per call), else under the interpreter when TRITON_INTERPRET=1.
+    """
     kernels, _ = _kernels()
-    problem = kernels.runtime_problem(_weights_device(gm))
+    device = _weights_device(gm)
+    gpu = device.type == "cpu" and torch.cuda.is_available() and not kernels.INTERPRET
+    problem = kernels.runtime_problem(torch.device("cuda") if gpu else device)
     if problem:
         raise BackendError(f"backend 'triton': {problem}")
     runner, record = plan_triton(gm)
     runner.record = record
+    if gpu:
+        _move_to(runner, torch.device("cuda"))
+        return _OnDevice(runner, torch.device("cuda"))
     return runner

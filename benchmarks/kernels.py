@@ -1,7 +1,7 @@
 """Triton kernel speed against torch fp16 matmul (cuBLAS), with a correctness check at full size.
 
     python benchmarks/kernels.py            # on a CUDA GPU: LLM shapes at M = 1, 16, 512
-    python benchmarks/kernels.py --smoke    # tiny shapes through TRITON_INTERPRET=1 (checks the script, not speed)
+    python benchmarks/kernels.py --smoke    # tiny shapes (CPU: under TRITON_INTERPRET=1); checks the script, not speed
 
 For each layer shape (in × out) and M it times, with ``triton.testing.do_bench`` (median), fp16
 ``F.linear`` and each kernel on the same fp16 activations: W4A16 g128 (``gptq_gemm``), W4A16 g128
@@ -127,9 +127,11 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     from qcompiler.atomic import write_text_atomically
     if args.smoke:
-        os.environ.setdefault("TRITON_INTERPRET", "1")
-        rows = run([(256, 128)], [1, 32], torch.device("cpu"), smoke=True)
-        record = {"mode": "smoke (TRITON_INTERPRET=1, CPU): timings are meaningless", "rows": rows}
+        gpu = torch.cuda.is_available()
+        if not gpu:
+            os.environ.setdefault("TRITON_INTERPRET", "1")
+        rows = run([(256, 128)], [1, 32], torch.device("cuda" if gpu else "cpu"), smoke=True)
+        record = {"mode": "smoke: tiny shapes, timings are meaningless", "rows": rows}
     elif not torch.cuda.is_available():
         message = ("no CUDA GPU is present: the kernel benchmark needs one (GPU figures pending). "
                    "Kernel correctness on CPU is covered by tests/test_triton_kernels.py under TRITON_INTERPRET=1.")
