@@ -11,6 +11,23 @@ from typing import Iterator
 __all__ = ["write_text_atomically", "atomic_file", "atomic_directory"]
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def _publishable(path: Path) -> None:
+    """mkstemp/mkdtemp create private (0600/0700) entries; give the result the usual permissions."""
+    mask = _umask()
+    if path.is_dir():
+        os.chmod(path, 0o777 & ~mask)
+        for child in path.rglob("*"):
+            os.chmod(child, (0o777 if child.is_dir() else 0o666) & ~mask)
+    else:
+        os.chmod(path, 0o666 & ~mask)
+
+
 @contextlib.contextmanager
 def atomic_file(path, suffix: str = "") -> Iterator[Path]:
     """Yield a temporary path beside ``path``; on success it replaces ``path``, on failure it is removed."""
@@ -20,6 +37,7 @@ def atomic_file(path, suffix: str = "") -> Iterator[Path]:
     os.close(fd)
     try:
         yield Path(tmp)
+        _publishable(Path(tmp))
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
@@ -41,6 +59,7 @@ def atomic_directory(path) -> Iterator[Path]:
     tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp"))
     try:
         yield tmp
+        _publishable(tmp)
         if path.exists():
             old = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.", suffix=".old"))
             os.rename(path, old / "previous")     # the swap: two renames on the same filesystem

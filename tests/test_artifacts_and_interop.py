@@ -53,6 +53,13 @@ def test_interrupted_save_leaves_the_previous_artifact(tmp_path, monkeypatch):
     with pytest.raises(KeyboardInterrupt):
         second.save(tmp_path / "a")
     assert [p.name for p in tmp_path.iterdir()] == ["a"]          # no temporary folder left behind
+    import os
+    import stat
+    mask = os.umask(0)
+    os.umask(mask)
+    for entry in [tmp_path / "a", *(tmp_path / "a").iterdir()]:   # not the private modes of mkdtemp/mkstemp
+        expected = (0o777 if entry.is_dir() else 0o666) & ~mask
+        assert stat.S_IMODE(entry.stat().st_mode) == expected, entry
     reloaded = qc.load(tmp_path / "a")
     assert reloaded.recipe.name == "rtn-w4g128" and _same_outputs(first, reloaded)
 
