@@ -134,6 +134,8 @@ def load(path, backend: str = "eager", *, backend_options: Optional[dict] = None
     if backend == "onnxruntime":
         options.setdefault("recipe", recipe.name)
     runner = get_backend(backend)(gm, example_inputs, **options)
+    if getattr(runner, "record", None) is not None:  # the backend's plan joins the report, as in compile()
+        report.passes.append(runner.record)
     return CompiledModel(gm, recipe, report, backend, runner, example_inputs)
 
 

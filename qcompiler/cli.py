@@ -25,7 +25,6 @@ from rich.table import Table
 app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__.splitlines()[0])
 out = Console()
 err = Console(stderr=True)
-_state = {"debug": False}
 
 
 class ExportFormat(str, Enum):
@@ -42,7 +41,7 @@ class Backend(str, Enum):
 
 @app.callback()
 def _options(debug: bool = typer.Option(False, "--debug", help="show tracebacks")):
-    _state["debug"] = debug
+    """(--debug is read by main(), which decides how errors are shown.)"""
 
 
 def _calibration(loaded, calib: str, count: int):
