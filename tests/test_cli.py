@@ -88,3 +88,13 @@ def test_calibration_from_a_text_file(tmp_path):
                  "--out", str(tmp_path / "a")]) == 0
     manifest = json.loads((tmp_path / "a" / "manifest.json").read_text())
     assert manifest["metadata"]["calibration"] == str(text)
+
+
+def test_export_checkpoints_from_the_cli(artifact, tmp_path):
+    from qcompiler.interop import import_gptq
+    assert main(["export", str(artifact), "--format", "gptq", "--out", str(tmp_path / "gptq")]) == 0
+    assert main(["export", str(artifact), "--format", "compressed-tensors", "--out", str(tmp_path / "ct")]) == 0
+    config = json.loads((tmp_path / "ct" / "config.json").read_text())
+    assert config["quantization_config"]["format"] == "pack-quantized"
+    ids = torch.randint(0, 256, (1, 9), generator=torch.Generator().manual_seed(2))
+    assert torch.equal(import_gptq(tmp_path / "gptq")(input_ids=ids).logits, qc.load(artifact)(input_ids=ids).logits)
