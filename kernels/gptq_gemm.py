@@ -1,9 +1,9 @@
 """Dequantizing GEMM on the GPTQ layout (``qc.quant_linear``): W{2,3,4,8}A16/A32, groups, act-order.
 
 Each program dequantizes a ``BLOCK_K × BLOCK_N`` tile of the packed weight in registers —
-codes from the bit stream, zero and scale of each row's group through ``g_idx`` (so act-order and
-static groups need no special case) — and multiplies it with the activation tile; the weight is
-read once, at ``bits`` per weight. Two variants, chosen by the number of rows ``M``:
+codes from the bit stream; zeros and scales read once per tile when the tile lies in one group
+(contiguous groups of a multiple of 128, or per-channel), else per row through ``g_idx`` (act-order)
+— and multiplies it with the activation tile; the weight is read once, at ``bits`` per weight. Two variants, chosen by the number of rows ``M``:
 
 * decode (M ≤ 16): split-K — ``SPLIT_K`` programs share the K dimension of one output tile and add
   their partial sums atomically into an fp32 buffer, so a GEMV still fills the GPU;
@@ -11,6 +11,7 @@ read once, at ``bits`` per weight. Two variants, chosen by the number of rows ``
 """
 from __future__ import annotations
 
+import weakref
 from typing import Optional
 
 import torch
@@ -25,12 +26,31 @@ from .tuning import Tunable, UnsupportedKernel, check_activation, dot_upcast
 __all__ = ["gptq_linear", "DECODE_MAX_M"]
 
 DECODE_MAX_M = 16
+MAX_BLOCK_K = 128  # no config uses a larger K tile, so groups of a multiple of it never split a tile
+# id(g_idx) -> {group_size: contiguous?}; checked once per tensor (the check syncs with the GPU),
+# forgotten when the tensor is freed (so a reused id never sees a stale answer)
+_CONTIGUOUS: dict[int, dict] = {}
+
+
+def _grouped_size(g_idx: torch.Tensor, group_size: int, K: int):
+    """The group size to read statistics once per tile with, or None (act-order or small groups)."""
+    if group_size == -1:
+        return 1 << 30  # one group: k0 // 2**30 == 0 for every tile
+    if group_size % MAX_BLOCK_K:
+        return None
+    if id(g_idx) not in _CONTIGUOUS:
+        _CONTIGUOUS[id(g_idx)] = {}
+        weakref.finalize(g_idx, _CONTIGUOUS.pop, id(g_idx), None)
+    known = _CONTIGUOUS[id(g_idx)]
+    if group_size not in known:
+        known[group_size] = bool(torch.equal(g_idx.long(), torch.arange(K, device=g_idx.device) // group_size))
+    return group_size if known[group_size] else None
 
 
 @triton.jit
 def _gptq_gemm_kernel(x_ptr, qweight_ptr, qzeros_ptr, scales_ptr, g_idx_ptr, bias_ptr, out_ptr,
-                      M, N, K, stride_xm,
-                      BITS: tl.constexpr, HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
+                      M, N, K, stride_xm, group_size,
+                      BITS: tl.constexpr, GROUPED: tl.constexpr, HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr):
     pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -50,10 +70,15 @@ def _gptq_gemm_kernel(x_ptr, qweight_ptr, qzeros_ptr, scales_ptr, g_idx_ptr, bia
         tile_mask = mask_k[:, None] & mask_n[None, :]
         codes = bits_at(qweight_ptr, ((rk * BITS) // 32)[:, None] * N + rn[None, :], N,
                         ((rk * BITS) % 32)[:, None], tile_mask, BITS)
-        g = tl.load(g_idx_ptr + rk, mask=mask_k, other=0)
-        zeros = bits_at(qzeros_ptr, g[:, None] * zero_row_words + zero_word_n[None, :], 1,
-                        zero_shift_n[None, :], tile_mask, BITS)
-        scales = tl.load(scales_ptr + g[:, None] * N + rn[None, :], mask=tile_mask, other=0.0).to(tl.float32)
+        if GROUPED:  # the tile lies in one group: its zeros and scales are one row, read once
+            g = k0 // group_size
+            zeros = bits_at(qzeros_ptr, g * zero_row_words + zero_word_n, 1, zero_shift_n, mask_n, BITS)[None, :]
+            scales = tl.load(scales_ptr + g * N + rn, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+        else:  # act-order: each row's group through g_idx
+            g = tl.load(g_idx_ptr + rk, mask=mask_k, other=0)
+            zeros = bits_at(qzeros_ptr, g[:, None] * zero_row_words + zero_word_n[None, :], 1,
+                            zero_shift_n[None, :], tile_mask, BITS)
+            scales = tl.load(scales_ptr + g[:, None] * N + rn[None, :], mask=tile_mask, other=0.0).to(tl.float32)
         w = ((codes - zeros).to(tl.float32) * scales).to(x.dtype)
         if UPCAST:  # see tuning.dot_upcast
             acc = tl.dot(x.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
@@ -74,7 +99,7 @@ def _gptq_gemm_kernel(x_ptr, qweight_ptr, qzeros_ptr, scales_ptr, g_idx_ptr, bia
 
 def _decode_configs():
     return [triton.Config({"BLOCK_M": 16, "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": sk}, num_warps=4, num_stages=3)
-            for bn in (64, 128) for bk in (128, 256) for sk in (1, 4, 8)]
+            for bn in (64, 128) for bk in (64, MAX_BLOCK_K) for sk in (1, 4, 8)]
 
 
 def _prefill_configs():
@@ -101,8 +126,9 @@ def gptq_linear(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, sc
     decode = M <= DECODE_MAX_M
     out = torch.zeros((M, N), dtype=torch.float32, device=x.device) if decode else \
         torch.empty((M, N), dtype=x.dtype, device=x.device)
+    grouped = _grouped_size(g_idx, group_size, K)
     grid = lambda meta: (triton.cdiv(M, meta["BLOCK_M"]), triton.cdiv(N, meta["BLOCK_N"]), meta["SPLIT_K"])  # noqa: E731
     (_DECODE if decode else _PREFILL)[grid](
         x2, qweight, qzeros, scales, g_idx, bias if bias is not None else scales, out, M, N, K, x2.stride(0),
-        BITS=bits, HAS_BIAS=bias is not None, IEEE=x.dtype == torch.float32, UPCAST=dot_upcast(x.dtype))
+        grouped or 0, BITS=bits, GROUPED=grouped is not None, HAS_BIAS=bias is not None, IEEE=x.dtype == torch.float32, UPCAST=dot_upcast(x.dtype))
     return out.to(x.dtype).reshape(*x.shape[:-1], N)
