@@ -23,7 +23,7 @@ from qcompiler.packing import SUPPORTED_BITS
 from .bitstream import bits_at
 from .tuning import Tunable, UnsupportedKernel, check_activation, dot_upcast
 
-__all__ = ["gptq_linear", "DECODE_MAX_M"]
+__all__ = ["gptq_linear", "tunable_pair", "launch_lowbit_gemm", "DECODE_MAX_M"]
 
 DECODE_MAX_M = 16
 MAX_BLOCK_K = 128  # no config uses a larger K tile, so groups of a multiple of it never split a tile
@@ -108,10 +108,31 @@ def _prefill_configs():
             for bm, bn, bk, w, s in shapes]
 
 
-_DECODE = Tunable(_gptq_gemm_kernel, _decode_configs(), key=["N", "K"], reset_to_zero=["out_ptr"],
-                  interpret_config={"BLOCK_M": 16, "BLOCK_N": 128, "BLOCK_K": 128, "SPLIT_K": 2})
-_PREFILL = Tunable(_gptq_gemm_kernel, _prefill_configs(), key=["N", "K"],
-                   interpret_config={"BLOCK_M": 32, "BLOCK_N": 128, "BLOCK_K": 128, "SPLIT_K": 1})
+def tunable_pair(kernel) -> tuple[Tunable, Tunable]:
+    """The (decode, prefill) launchers of a dequantizing GEMM kernel with this file's signature."""
+    return (Tunable(kernel, _decode_configs(), key=["N", "K"], reset_to_zero=["out_ptr"],
+                    interpret_config={"BLOCK_M": 16, "BLOCK_N": 128, "BLOCK_K": 128, "SPLIT_K": 2}),
+            Tunable(kernel, _prefill_configs(), key=["N", "K"],
+                    interpret_config={"BLOCK_M": 32, "BLOCK_N": 128, "BLOCK_K": 128, "SPLIT_K": 1}))
+
+
+def launch_lowbit_gemm(pair, x: torch.Tensor, K: int, N: int, weights: tuple, bias, extra: tuple,
+                       **meta) -> torch.Tensor:
+    """Run ``kernel(x, *weights, bias, out, M, N, K, stride_xm, *extra, **meta)``: the decode variant
+    (split-K into a zeroed fp32 buffer) for up to DECODE_MAX_M rows, else the prefill one."""
+    x2 = x.reshape(-1, K).contiguous()
+    M = x2.shape[0]
+    decode = M <= DECODE_MAX_M
+    out = torch.zeros((M, N), dtype=torch.float32, device=x.device) if decode else \
+        torch.empty((M, N), dtype=x.dtype, device=x.device)
+    grid = lambda meta: (triton.cdiv(M, meta["BLOCK_M"]), triton.cdiv(N, meta["BLOCK_N"]), meta["SPLIT_K"])  # noqa: E731
+    pair[0 if decode else 1][grid](x2, *weights, bias if bias is not None else weights[-1], out, M, N, K,
+                                   x2.stride(0), *extra, HAS_BIAS=bias is not None,
+                                   IEEE=x.dtype == torch.float32, UPCAST=dot_upcast(x.dtype), **meta)
+    return out.to(x.dtype).reshape(*x.shape[:-1], N)
+
+
+_GEMM = tunable_pair(_gptq_gemm_kernel)
 
 
 def gptq_linear(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
@@ -121,14 +142,6 @@ def gptq_linear(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, sc
     if bits not in SUPPORTED_BITS:
         raise UnsupportedKernel(f"gptq_gemm: {bits}-bit weights are not supported (supported: {SUPPORTED_BITS})")
     K, N = g_idx.numel(), scales.shape[1]
-    x2 = x.reshape(-1, K).contiguous()
-    M = x2.shape[0]
-    decode = M <= DECODE_MAX_M
-    out = torch.zeros((M, N), dtype=torch.float32, device=x.device) if decode else \
-        torch.empty((M, N), dtype=x.dtype, device=x.device)
     grouped = _grouped_size(g_idx, group_size, K)
-    grid = lambda meta: (triton.cdiv(M, meta["BLOCK_M"]), triton.cdiv(N, meta["BLOCK_N"]), meta["SPLIT_K"])  # noqa: E731
-    (_DECODE if decode else _PREFILL)[grid](
-        x2, qweight, qzeros, scales, g_idx, bias if bias is not None else scales, out, M, N, K, x2.stride(0),
-        grouped or 0, BITS=bits, GROUPED=grouped is not None, HAS_BIAS=bias is not None, IEEE=x.dtype == torch.float32, UPCAST=dot_upcast(x.dtype))
-    return out.to(x.dtype).reshape(*x.shape[:-1], N)
+    return launch_lowbit_gemm(_GEMM, x, K, N, (qweight, qzeros, scales, g_idx), bias, (grouped or 0,),
+                              BITS=bits, GROUPED=grouped is not None)

@@ -17,8 +17,8 @@ import triton.language as tl
 from qcompiler.packing import SUPPORTED_BITS
 
 from .bitstream import bits_at
-from .gptq_gemm import DECODE_MAX_M, _decode_configs, _prefill_configs
-from .tuning import Tunable, UnsupportedKernel, check_activation, dot_upcast
+from .gptq_gemm import launch_lowbit_gemm, tunable_pair
+from .tuning import UnsupportedKernel, check_activation
 
 __all__ = ["spqr_dense_linear"]
 
@@ -97,10 +97,7 @@ def _spqr_gemm_kernel(x_ptr, codes_ptr, scale_codes_ptr, zero_codes_ptr, scale_s
         tl.atomic_add(out_ptrs, acc, mask=out_mask)
 
 
-_DECODE = Tunable(_spqr_gemm_kernel, _decode_configs(), key=["N", "K"], reset_to_zero=["out_ptr"],
-                  interpret_config={"BLOCK_M": 16, "BLOCK_N": 128, "BLOCK_K": 128, "SPLIT_K": 2})
-_PREFILL = Tunable(_spqr_gemm_kernel, _prefill_configs(), key=["N", "K"],
-                   interpret_config={"BLOCK_M": 32, "BLOCK_N": 128, "BLOCK_K": 128, "SPLIT_K": 1})
+_GEMM = tunable_pair(_spqr_gemm_kernel)
 
 
 def spqr_dense_linear(x: torch.Tensor, codes: torch.Tensor, scale_codes: torch.Tensor, zero_codes: torch.Tensor,
@@ -113,14 +110,6 @@ def spqr_dense_linear(x: torch.Tensor, codes: torch.Tensor, scale_codes: torch.T
         if b not in SUPPORTED_BITS:
             raise UnsupportedKernel(f"spqr_gemm: {b}-bit {what} codes are not supported (supported: {SUPPORTED_BITS})")
     K, N = perm.numel(), scale_stats.shape[1] * stat_group_size
-    x2 = x.reshape(-1, K).contiguous()
-    M = x2.shape[0]
-    decode = M <= DECODE_MAX_M
-    out = torch.zeros((M, N), dtype=torch.float32, device=x.device) if decode else \
-        torch.empty((M, N), dtype=x.dtype, device=x.device)
-    grid = lambda meta: (triton.cdiv(M, meta["BLOCK_M"]), triton.cdiv(N, meta["BLOCK_N"]), meta["SPLIT_K"])  # noqa: E731
-    (_DECODE if decode else _PREFILL)[grid](
-        x2, codes, scale_codes, zero_codes, scale_stats, zero_stats, perm, bias if bias is not None else scale_stats,
-        out, M, N, K, x2.stride(0), BITS=bits, GROUP_SIZE=group_size, GROUP_TILED=_MIN_BLOCK_K % group_size == 0, STAT_BITS=stat_bits, STAT_GROUP=stat_group_size,
-        HAS_BIAS=bias is not None, IEEE=x.dtype == torch.float32, UPCAST=dot_upcast(x.dtype))
-    return out.to(x.dtype).reshape(*x.shape[:-1], N)
+    return launch_lowbit_gemm(_GEMM, x, K, N, (codes, scale_codes, zero_codes, scale_stats, zero_stats, perm), bias,
+                              (), BITS=bits, GROUP_SIZE=group_size, GROUP_TILED=_MIN_BLOCK_K % group_size == 0,
+                              STAT_BITS=stat_bits, STAT_GROUP=stat_group_size)

@@ -16,7 +16,7 @@ from .calibration import CalibrationEngine
 from .errors import QuantizationError
 from .gptq import QuantResult, output_error
 from .graph import LinearLayer, block_of, drop_attr_if_unused, find_linears, set_tensor
-from .ops import GPTQWeight, pack_gptq
+from .ops import pack_gptq
 from .packing import packed_length
 from .pass_base import PassContext
 

@@ -50,19 +50,12 @@ def quantized_layers(gm: GraphModule, fmt: str) -> list[QuantLayer]:
     return layers
 
 
-def fp_tensors(gm: GraphModule, layers: list[QuantLayer]) -> dict[str, torch.Tensor]:
-    """Every other stored tensor under its state-dict name (export's lifted constants, named ``_…``, excluded)."""
-    packed = {arg.target for layer in layers for arg in layer.node.args[1:5]}
-    out, seen = {}, {}
-    for node in gm.graph.nodes:
-        if node.op != "get_attr" or node.target in packed or node.target.split(".")[-1].startswith("_") \
-                or node.target.startswith("_"):
-            continue
-        t = get_tensor(gm, node.target).detach()
-        key = (t.data_ptr(), t.shape)
-        out[node.target] = t.clone() if key in seen else t.contiguous()  # safetensors refuses shared storage
-        seen[key] = node.target
-    return out
+def fp_tensors(gm: GraphModule, consumed: set[str]) -> dict[str, torch.Tensor]:
+    """Every stored tensor not in ``consumed``, under its state-dict name (export's lifted
+    constants, named ``_…``, excluded)."""
+    return {node.target: get_tensor(gm, node.target).detach() for node in gm.graph.nodes
+            if node.op == "get_attr" and node.target not in consumed
+            and not any(part.startswith("_") for part in node.target.split("."))}
 
 
 def model_config_of(gm: GraphModule) -> dict:
@@ -81,9 +74,13 @@ def write_checkpoint(out_dir, tensors: dict[str, torch.Tensor], config: dict,
                      extra_files: Optional[dict[str, dict]] = None) -> Path:
     """``model.safetensors`` + ``config.json`` (+ extra JSON files), atomically."""
     out_dir = Path(out_dir)
+    unique, seen = {}, set()
+    for name, t in tensors.items():  # safetensors refuses tensors that share storage (tied embeddings)
+        key = (t.data_ptr(), tuple(t.shape))
+        unique[name] = t.clone() if key in seen else t.contiguous()
+        seen.add(key)
     with atomic_directory(out_dir) as tmp:
-        save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp / "model.safetensors"),
-                  metadata={"format": "pt"})
+        save_file(unique, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         for name, data in (extra_files or {}).items():
             (tmp / name).write_text(json.dumps(data, indent=2) + "\n")
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")

@@ -17,7 +17,7 @@ from torch.fx import Node
 
 from ..graph import find_linears, get_tensor, module_path
 from ..packing import unpack_cols
-from .checkpoint import ExportError, model_config_of, write_checkpoint
+from .checkpoint import ExportError, fp_tensors, model_config_of, write_checkpoint
 
 __all__ = ["export_compressed_tensors"]
 
@@ -92,10 +92,7 @@ def export_compressed_tensors(cm, out_dir, *, progress=print):
         groups.setdefault(key, (scheme, []))[1].append(path)
     if not groups:
         raise ExportError("the graph has no quantized layers to write in the compressed-tensors format")
-    for node in gm.graph.nodes:
-        if node.op == "get_attr" and node.target not in consumed and not node.target.startswith("_") \
-                and not node.target.split(".")[-1].startswith("_"):
-            tensors.setdefault(node.target, get_tensor(gm, node.target).detach())
+    tensors.update(fp_tensors(gm, consumed))
     formats = {scheme["format"] for scheme, _ in groups.values()}
     config_groups = {f"group_{i}": {"targets": sorted(paths), **{k: v for k, v in scheme.items()}}
                      for i, (scheme, paths) in enumerate(groups.values())}
@@ -106,9 +103,4 @@ def export_compressed_tensors(cm, out_dir, *, progress=print):
     }
     progress(f"compressed-tensors checkpoint: {sum(len(p) for _, p in groups.values())} layers in "
              f"{len(groups)} scheme group(s)")
-    seen, unique = {}, {}
-    for k, v in tensors.items():  # safetensors refuses shared storage (tied embeddings)
-        key = (v.data_ptr(), tuple(v.shape))
-        unique[k] = v.clone() if key in seen else v.contiguous()
-        seen[key] = k
-    return write_checkpoint(out_dir, unique, config)
+    return write_checkpoint(out_dir, tensors, config)

@@ -60,7 +60,7 @@ def export_gptq(cm, out_dir, *, zero_format: str = "auto", progress=print) -> Pa
         raise ExportError(f"layer {zero_layers[0]} has zero points equal to 0, which the v1 format (stored zero − 1) "
                           f"cannot hold; use zero_format='v2' (GPTQModel) or a symmetric recipe")
     v1 = zero_format == "v1" or (zero_format == "auto" and not zero_layers)
-    tensors = fp_tensors(gm, layers)
+    tensors = fp_tensors(gm, {arg.target for layer in layers for arg in layer.node.args[1:5]})
     for layer in layers:
         t = dict(layer.tensors)
         if v1:
