@@ -67,6 +67,8 @@ def quantize_block_linears(gm: GraphModule, ctx: PassContext, *, quantize: Quant
             record.notes.append(f"{layer.path}: Hessian needed damping {figures['damp']:g} "
                                 f"(raised {figures['damp_steps']}x from the default)")
         record.layers[layer.path] = figures
+        error = f", relative output error {figures['rel_error']:.3g}" if "rel_error" in figures else ""
+        ctx.log(f"  {layer.path}: {figures.get('bits', '?')}-bit{error}, {figures['seconds']:.2f}s")
         done.append((layer, result))
 
     if ctx.calibration is None:
