@@ -21,6 +21,7 @@ import triton.language as tl
 from qcompiler.packing import SUPPORTED_BITS
 
 from .bitstream import bits_at
+from .gemm_parts import dot_accumulate, split_k_range, store_output
 from .tuning import Tunable, UnsupportedKernel, check_activation, dot_upcast
 
 __all__ = ["gptq_linear", "tunable_pair", "launch_lowbit_gemm", "DECODE_MAX_M"]
@@ -59,9 +60,7 @@ def _gptq_gemm_kernel(x_ptr, qweight_ptr, qzeros_ptr, scales_ptr, g_idx_ptr, bia
     zero_word_n = (rn * BITS) // 32          # where output column n's zero point sits in a qzeros row
     zero_shift_n = (rn * BITS) % 32
     zero_row_words = (N * BITS) // 32
-    k_per_split = tl.cdiv(K, SPLIT_K * BLOCK_K) * BLOCK_K
-    k_lo = pid_k * k_per_split
-    k_hi = tl.minimum(k_lo + k_per_split, K)
+    k_lo, k_hi = split_k_range(pid_k, K, BLOCK_K, SPLIT_K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(k_lo, k_hi, BLOCK_K):
         rk = k0 + tl.arange(0, BLOCK_K)
@@ -80,21 +79,8 @@ def _gptq_gemm_kernel(x_ptr, qweight_ptr, qzeros_ptr, scales_ptr, g_idx_ptr, bia
                             zero_shift_n[None, :], tile_mask, BITS)
             scales = tl.load(scales_ptr + g[:, None] * N + rn[None, :], mask=tile_mask, other=0.0).to(tl.float32)
         w = ((codes - zeros).to(tl.float32) * scales).to(x.dtype)
-        if UPCAST:  # see tuning.dot_upcast
-            acc = tl.dot(x.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
-        elif IEEE:
-            acc = tl.dot(x, w, acc, input_precision="ieee")
-        else:
-            acc = tl.dot(x, w, acc)
-    if HAS_BIAS:
-        if pid_k == 0:
-            acc += tl.load(bias_ptr + rn, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-    out_ptrs = out_ptr + rm[:, None] * N + rn[None, :]
-    out_mask = mask_m[:, None] & mask_n[None, :]
-    if SPLIT_K == 1:
-        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
-    else:
-        tl.atomic_add(out_ptrs, acc, mask=out_mask)
+        acc = dot_accumulate(acc, x, w, IEEE, UPCAST)
+    store_output(acc, bias_ptr, out_ptr, rm, rn, M, N, pid_k, HAS_BIAS, SPLIT_K)
 
 
 def _decode_configs():

@@ -17,6 +17,7 @@ import triton.language as tl
 from qcompiler.packing import SUPPORTED_BITS
 
 from .bitstream import bits_at
+from .gemm_parts import dot_accumulate, split_k_range, store_output
 from .gptq_gemm import launch_lowbit_gemm, tunable_pair
 from .tuning import UnsupportedKernel, check_activation
 
@@ -55,9 +56,7 @@ def _spqr_gemm_kernel(x_ptr, codes_ptr, scale_codes_ptr, zero_codes_ptr, scale_s
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_m, mask_n = rm < M, rn < N
-    k_per_split = tl.cdiv(K, SPLIT_K * BLOCK_K) * BLOCK_K
-    k_lo = pid_k * k_per_split
-    k_hi = tl.minimum(k_lo + k_per_split, K)
+    k_lo, k_hi = split_k_range(pid_k, K, BLOCK_K, SPLIT_K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(k_lo, k_hi, BLOCK_K):
         rk = k0 + tl.arange(0, BLOCK_K)            # packed (act-order) row index
@@ -80,21 +79,8 @@ def _spqr_gemm_kernel(x_ptr, codes_ptr, scale_codes_ptr, zero_codes_ptr, scale_s
                                            STAT_GROUP), 1e-8)
             zero = _group_stat(zero_codes_ptr, zero_stats_ptr, g, rn, tile_mask, N, STAT_BITS, STAT_GROUP)
         w = (scale * (q - zero)).to(x.dtype)
-        if UPCAST:  # see tuning.dot_upcast
-            acc = tl.dot(x.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
-        elif IEEE:
-            acc = tl.dot(x, w, acc, input_precision="ieee")
-        else:
-            acc = tl.dot(x, w, acc)
-    if HAS_BIAS:
-        if pid_k == 0:
-            acc += tl.load(bias_ptr + rn, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-    out_ptrs = out_ptr + rm[:, None] * N + rn[None, :]
-    out_mask = mask_m[:, None] & mask_n[None, :]
-    if SPLIT_K == 1:
-        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
-    else:
-        tl.atomic_add(out_ptrs, acc, mask=out_mask)
+        acc = dot_accumulate(acc, x, w, IEEE, UPCAST)
+    store_output(acc, bias_ptr, out_ptr, rm, rn, M, N, pid_k, HAS_BIAS, SPLIT_K)
 
 
 _GEMM = tunable_pair(_spqr_gemm_kernel)
