@@ -19,6 +19,7 @@ from torch.fx import GraphModule, Node
 
 from qcompiler.errors import BackendError
 from qcompiler.graph import get_tensor, module_path, set_tensor
+from qcompiler.packing import SUPPORTED_BITS
 from qcompiler.pass_base import PassRecord
 
 __all__ = ["prepare_triton", "plan_triton"]
@@ -36,7 +37,7 @@ def _kernels():
                      qc.sparse_outlier_linear.default: ("csr_spmm", kernels.csr_linear)}
 
 
-def _static_problem(kernels, node: Node) -> Optional[str]:
+def _static_problem(node: Node) -> Optional[str]:
     """Why no kernel applies to ``node``, judged from what the graph knows before running."""
     x = node.args[0].meta.get("val") if isinstance(node.args[0], Node) else None
     if x is not None and x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
@@ -44,9 +45,9 @@ def _static_problem(kernels, node: Node) -> Optional[str]:
     bits = [a for a in node.args if isinstance(a, int) and not isinstance(a, bool)]
     if node.target in (torch.ops.qc.quant_linear.default, torch.ops.qc.spqr_dense_linear.default):
         widths = bits[:1] if node.target == torch.ops.qc.quant_linear.default else [bits[0], bits[2]]
-        bad = [b for b in widths if b not in (2, 3, 4, 8)]
+        bad = [b for b in widths if b not in SUPPORTED_BITS]
         if bad:
-            return f"{bad[0]}-bit codes are not supported (supported: 2, 3, 4, 8)"
+            return f"{bad[0]}-bit codes are not supported (supported: {SUPPORTED_BITS})"
     return None
 
 
@@ -69,12 +70,14 @@ def _guarded(name: str, node_name: str, kernel: Callable, reference, record: Pas
 
 
 def _fused_spqr(dense_kernel: Callable, csr_kernel: Callable) -> Callable:
-    def triton_spqr_linear(x, codes, scale_codes, zero_codes, scale_stats, zero_stats, perm, bias, bits, group_size,
-                           stat_bits, stat_group_size, row_ptr, col_idx, values, out_features):
-        y = dense_kernel(x, codes, scale_codes, zero_codes, scale_stats, zero_stats, perm, bias, bits, group_size,
-                         stat_bits, stat_group_size)
-        return csr_kernel(x, row_ptr, col_idx, values, out_features, out=y)
-    return triton_spqr_linear
+    def spqr_linear(x, *args):
+        """``dense(x, *args[:11]) + sparse(x, *args[11:])``: dense kernel, then CSR accumulating into it."""
+        return csr_kernel(x, *args[11:], out=dense_kernel(x, *args[:11]))
+    return spqr_linear
+
+
+def _spqr_reference(x, *args):
+    return torch.ops.qc.spqr_dense_linear(x, *args[:11]) + torch.ops.qc.sparse_outlier_linear(x, *args[11:])
 
 
 def _layer_name(node: Node) -> str:
@@ -108,16 +111,18 @@ def plan_triton(gm: GraphModule) -> tuple[GraphModule, PassRecord]:
     graph.output(graph.graph_copy(gm.graph, {}))
     fused = {}
     for add, dense, sparse in _spqr_pairs(graph):
-        if _static_problem(kernels, dense):
+        if _static_problem(dense):
             continue
+        layer = _layer_name(dense)  # before erasing: an erased node's arguments are cleared
         with graph.inserting_before(add):
-            call = graph.call_function(_fused_spqr(table[dense.target][1], table[sparse.target][1]),
+            fused_kernel = _fused_spqr(table[dense.target][1], table[sparse.target][1])
+            call = graph.call_function(_guarded("spqr_gemm_csr", layer, fused_kernel, _spqr_reference, record),
                                        (*dense.args, *sparse.args[1:]))
         call.meta.update(add.meta)
         add.replace_all_uses_with(call)
         for n in (add, sparse, dense):
             graph.erase_node(n)
-        fused[call] = _layer_name(dense)
+        fused[call] = layer
     for node in list(graph.nodes):
         if node in fused:
             record.layers[fused[node]] = {"kernel": "spqr_gemm+csr_spmm (fused add)"}
@@ -125,7 +130,7 @@ def plan_triton(gm: GraphModule) -> tuple[GraphModule, PassRecord]:
         if node.op != "call_function" or node.target not in table:
             continue
         name, kernel = table[node.target]
-        layer, problem = _layer_name(node), _static_problem(kernels, node)
+        layer, problem = _layer_name(node), _static_problem(node)
         if problem:
             note = f"{layer}: {name}: {problem}; fell back to the reference {node.target}"
             record.notes.append(note)

@@ -36,6 +36,8 @@ def test_triton_backend_matches_eager_on_bundled_models(model_name, recipe, tiny
     runner = prepare_triton(cm.graph_module)
     kernels = {figures["kernel"] for figures in runner.record.layers.values()}
     assert kernels and not any(k.startswith("reference") for k in kernels) and not runner.record.notes
+    prefix, count = ("model.layers.", 28) if model_name == "tinylm" else ("encoder.layer.", 36)
+    assert len(runner.record.layers) == count and all(k.startswith(prefix) for k in runner.record.layers)
     decode = loaded.example_inputs(batch=1, seq=8)     # 8 rows: the split-K decode kernels
     assert _relative_gap(cm, runner, decode) < TOLERANCE
     if model_name == "tinylm":                          # 32 rows: the prefill kernels
