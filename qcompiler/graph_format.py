@@ -168,17 +168,15 @@ def graph_from_data(structure: dict, tensors: dict[str, torch.Tensor]) -> fx.Gra
         op, name = entry["op"], entry["name"]
         args = _decode(entry["args"], nodes)
         kwargs = {k: _decode(v, nodes) for k, v in entry["kwargs"].items()}
-        if op == "placeholder":
-            node = graph.placeholder(entry["target"])
-        elif op == "get_attr":
-            node = graph.get_attr(entry["target"])
-        elif op == "call_function":
-            node = graph.call_function(_resolve_target(entry["target"]), args, kwargs)
+        if op == "call_function":
+            target = _resolve_target(entry["target"])
+        elif op in ("placeholder", "get_attr"):
+            target = entry["target"]
         elif op == "output":
-            node = graph.output(args[0])
+            target = "output"
         else:
             raise ArtifactError(f"node {name}: unsupported op kind {op!r}")
-        node.name = name
+        node = graph.create_node(op, target, args, kwargs, name=name)  # registers the name in the namespace
         nodes[name] = node
     spec = structure.get("pytree")
     if spec:
