@@ -192,3 +192,10 @@ def test_recipe_reference_page_is_current():
     spec.loader.exec_module(module)
     assert (root / "docs" / "recipes.md").read_text() == module.page(), \
         "regenerate: python scripts/recipe_reference.py > docs/recipes.md"
+
+
+def test_example_recipe_files_parse():
+    from pathlib import Path
+    folder = Path(__file__).parents[1] / "examples" / "recipes"
+    assert load_recipe_file(folder / "gptq-w4-act.yaml").passes == qc.get_recipe("gptq-w4g128-static").passes
+    assert load_recipe_file(folder / "w8a8-smoothquant-auto.toml").passes == qc.get_recipe("w8a8-smoothquant-auto").passes
