@@ -43,7 +43,7 @@ def _csr_spmm_kernel(x_ptr, row_ptr, col_idx_ptr, values_ptr, out_ptr, M, N, str
 
 _CSR = Tunable(_csr_spmm_kernel,
                [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w)
-                for bm, bn, w in ((1, 128, 4), (4, 128, 4), (16, 64, 4), (16, 128, 4), (64, 64, 8))],
+                for bm, bn, w in ((2, 128, 4), (4, 128, 4), (16, 64, 4), (16, 128, 4), (64, 64, 8))],
                key=["M", "N"], interpret_config={"BLOCK_M": 16, "BLOCK_N": 128})
 
 
