@@ -27,7 +27,7 @@ from .recipe_files import pass_classes, recipe_from_dict
 from .recipes import Recipe
 from .report import Report
 
-__all__ = ["save", "load", "read_manifest", "ArtifactError", "MANIFEST"]
+__all__ = ["save", "load", "read_manifest", "report_from_manifest", "ArtifactError", "MANIFEST"]
 
 FORMAT = "qcompiler-artifact"
 VERSION = 1
@@ -107,6 +107,11 @@ def read_manifest(path) -> dict:
     return manifest
 
 
+def report_from_manifest(manifest: dict) -> Report:
+    """The per-layer report a saved artifact carries (no tensors are read)."""
+    return Report([PassRecord(**p) for p in manifest["report"]["passes"]])
+
+
 def load(path, backend: str = "eager", *, backend_options: Optional[dict] = None):
     """A CompiledModel from a folder written by :func:`save`; no calibration, no original model code."""
     from .backends import get_backend
@@ -129,7 +134,7 @@ def load(path, backend: str = "eager", *, backend_options: Optional[dict] = None
     r = manifest["recipe"]
     recipe = recipe_from_dict({k: r[k] for k in ("name", "description", "passes")}) if r.get("reloadable") \
         else Recipe(r["name"], (), r.get("description", "") + " (custom passes; settings in the manifest)")
-    report = Report([PassRecord(**p) for p in manifest["report"]["passes"]])
+    report = report_from_manifest(manifest)
     options = dict(backend_options or {})
     if backend == "onnxruntime":
         options.setdefault("recipe", recipe.name)

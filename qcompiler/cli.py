@@ -121,14 +121,14 @@ def evaluate(target: str = typer.Argument(..., help="an artifact folder, or a mo
              json_out: Optional[Path] = typer.Option(None, "--json", help="also write the figures as JSON")):
     """Perplexity (causal LMs) or embedding cosine vs FP32 (encoders), FP32 beside quantized."""
     import qcompiler as qc
-    from qcompiler.artifact import read_manifest
+    from qcompiler.artifact import MANIFEST, read_manifest
     from qcompiler.models import load
     from qcompiler.quality import QualityJudge
 
     if backend is Backend.triton:
         _triton_runtime()
     path = Path(target)
-    is_artifact = (path / "manifest.json").is_file()
+    is_artifact = (path / MANIFEST).is_file()
     source = read_manifest(path)["metadata"].get("source") if is_artifact else target
     if not source:
         raise ValueError(f"artifact {path} does not record its source model; evaluate needs the FP32 model")
@@ -172,8 +172,7 @@ def export(artifact: Path = typer.Argument(..., help="artifact folder written by
 @app.command()
 def inspect(artifact: Path = typer.Argument(..., help="artifact folder")):
     """Passes applied with their settings, per-layer figures and a graph summary."""
-    import qcompiler as qc
-    from qcompiler.artifact import read_manifest
+    from qcompiler.artifact import read_manifest, report_from_manifest
 
     manifest = read_manifest(artifact)
     recipe = manifest["recipe"]
@@ -185,7 +184,7 @@ def inspect(artifact: Path = typer.Argument(..., help="artifact folder")):
     graph = manifest["graph"]
     out.print(f"graph: {graph['nodes']} nodes, {graph['tensors']} stored tensors, qc ops: "
               + ", ".join(f"{k} x{v}" for k, v in graph["qc_ops"].items()))
-    out.print(_layer_table(qc.load(artifact).report, "per-layer report"))
+    out.print(_layer_table(report_from_manifest(manifest), "per-layer report"))
 
 
 @app.command()

@@ -14,6 +14,7 @@ torch.export's runtime guard module (``_guards_fn``) is not kept: it only re-che
 from __future__ import annotations
 
 import importlib
+import json
 import operator
 from typing import Any
 
@@ -141,7 +142,6 @@ def graph_to_data(gm: fx.GraphModule) -> tuple[dict, dict[str, torch.Tensor]]:
 
 def _import_types_of(spec_json: str) -> None:
     """Output classes (e.g. transformers' ModelOutput subclasses) must be imported to be rebuilt."""
-    import json
     def walk(spec):
         kind = spec.get("type")
         if kind and kind.startswith("transformers."):

@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
+from safetensors import safe_open
 
 from .artifact import read_manifest
 
@@ -54,12 +54,13 @@ def _outlier_heatmap(artifact: Path, manifest: dict, path: Path, bins: int = 64)
     col_targets = [n["target"] for n in graph["nodes"] if n["op"] == "get_attr" and n["target"].endswith(".col_idx")]
     if not col_targets:
         return False
-    tensors = load_file(str(artifact / manifest["files"]["tensors"]))
-    widths = {t: tensors[t.replace(".col_idx", ".perm")].numel() for t in col_targets}
+    stored = lambda target: graph["aliases"].get(target, target)  # noqa: E731  (tied tensors are stored once)
     rows = []
-    for t in col_targets:
-        cols = tensors[t].long()
-        rows.append(torch.histc((cols.float() + 0.5) / widths[t], bins=bins, min=0, max=1))
+    with safe_open(str(artifact / manifest["files"]["tensors"]), framework="pt") as tensors:  # only what is plotted
+        for t in col_targets:
+            width = tensors.get_slice(stored(t.replace(".col_idx", ".perm"))).get_shape()[0]
+            cols = tensors.get_tensor(stored(t)).float()
+            rows.append(torch.histc((cols + 0.5) / width, bins=bins, min=0, max=1))
     plt = _plt()
     fig, ax = plt.subplots(figsize=(8, max(3, 0.16 * len(rows))))
     image = ax.imshow(torch.stack(rows).numpy(), aspect="auto", cmap="magma", interpolation="nearest")

@@ -98,3 +98,11 @@ def test_export_checkpoints_from_the_cli(artifact, tmp_path):
     assert config["quantization_config"]["format"] == "pack-quantized"
     ids = torch.randint(0, 256, (1, 9), generator=torch.Generator().manual_seed(2))
     assert torch.equal(import_gptq(tmp_path / "gptq")(input_ids=ids).logits, qc.load(artifact)(input_ids=ids).logits)
+
+
+def test_report_of_spqr_has_the_outlier_heat_map(tmp_path):
+    art = tmp_path / "spqr"
+    assert main(["quantize", "bundled:tinylm", "--recipe", "spqr-w3g16", "--samples", "4", "--out", str(art)]) == 0
+    assert main(["report", str(art), "--out", str(tmp_path / "rep")]) == 0
+    assert "SpQR outliers" in (tmp_path / "rep" / "report.md").read_text()
+    assert (tmp_path / "rep" / "outliers.png").stat().st_size > 1000

@@ -82,7 +82,7 @@ def import_gptq(folder):
     """A CompiledModel (eager backend) whose quantized layers are the checkpoint's packed tensors, unchanged."""
     from transformers import AutoConfig
 
-    from ..capture import capture
+    from ..capture import capture, normalize_inputs
     from ..compiler import CompiledModel
     from ..graph import find_linears
     from ..models import _check_folder, loaded_from_model
@@ -134,7 +134,6 @@ def import_gptq(folder):
     gm.graph.lint()
     gm.recompile()
     recipe = Recipe("gptq-checkpoint", (), f"imported from {folder}")
-    from ..capture import normalize_inputs
     return CompiledModel(gm, recipe, Report([record]), "eager", gm, normalize_inputs(example))
 
 
