@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
 import tempfile
 import warnings
 from pathlib import Path
@@ -28,6 +29,7 @@ import onnx
 import torch
 from torch.fx import GraphModule
 
+from qcompiler import causal_lm
 from qcompiler.capture import dynamic_shapes_for
 from qcompiler.errors import BackendError
 
@@ -143,26 +145,32 @@ def _quiet():
 
 
 def export_onnx(gm: GraphModule, path, example_inputs: tuple[tuple, dict], *, recipe: str = "",
-                accuracy_level: Optional[int] = None) -> Path:
-    """Write ``gm`` as an ONNX model at ``path`` (atomically); returns the path."""
+                accuracy_level: Optional[int] = None, overwrite: bool = False) -> Path:
+    """Write ``gm`` as an ONNX model at ``path`` (atomically); returns the path.
+
+    An existing file is replaced only when it is an earlier qcompiler export (or ``overwrite``)."""
     path = Path(path)
+    _check_target(path, overwrite)
     _check_mappable(gm)
     level = default_accuracy_level() if accuracy_level is None else accuracy_level
-    lowered, notes = lower_for_onnx(gm)
+    with _quiet():  # deep-copying torch.export's pytree specs warns about LeafSpec (torch's own deprecation)
+        lowered, notes = lower_for_onnx(gm)
     args, kwargs = example_inputs
     info = gm.meta["qcompiler"]
     kwargs = {**kwargs, **info.constant_kwargs}
     if kwargs and args:
         raise BackendError("ONNX export takes either positional or keyword example inputs, not both")
-    shapes = dynamic_shapes_for(args, kwargs, [])
+    shapes = causal_lm.dynamic_shapes(kwargs) if info.cache else dynamic_shapes_for(args, kwargs, [])
     try:
         with _quiet():
             program = torch.onnx.export(lowered, args, kwargs=kwargs or None, dynamo=True, opset_version=ONNX_OPSET,
                                         custom_translation_table=_translation_table(level), dynamic_shapes=shapes,
                                         verbose=False, optimize=True)
     except Exception as exc:
-        raise BackendError(f"ONNX export of {info.model_class} failed: {str(exc).strip().splitlines()[-1]}") from exc
+        raise BackendError(f"ONNX export of {info.model_class} failed: {failure_reason(exc)}") from exc
     model = program.model_proto
+    if info.cache:
+        _rename_values(model, cache_io_names(causal_lm.CacheLayout.from_dict(info.cache), model))
     for node in model.graph.node:  # the exporter's per-node debug metadata (stack traces) was ~20 % of the file
         del node.metadata_props[:]
         node.doc_string = ""
@@ -174,6 +182,66 @@ def export_onnx(gm: GraphModule, path, example_inputs: tuple[tuple, dict], *, re
         entry.key, entry.value = key, value
     _write_checked(model, path)
     return path
+
+
+def cache_io_names(layout, model: Optional[onnx.ModelProto] = None) -> dict[str, str]:
+    """Graph value names -> the names LLM runtimes (onnxruntime-genai, Optimum) use:
+    ``past_key_values.N.key`` / ``.value`` in, ``logits`` and ``present.N.key`` / ``.value`` out."""
+    names = {}
+    for i in range(layout.layers):
+        names[f"past_{2 * i}"], names[f"past_{2 * i + 1}"] = f"past_key_values.{i}.key", f"past_key_values.{i}.value"
+    if model is not None:
+        outputs = [o.name for o in model.graph.output]
+        names[outputs[0]] = "logits"
+        for i in range(layout.layers):
+            names[outputs[1 + 2 * i]], names[outputs[2 + 2 * i]] = f"present.{i}.key", f"present.{i}.value"
+    return names
+
+
+def _rename_values(model: onnx.ModelProto, names: dict[str, str]) -> None:
+    graph = model.graph
+    for value in [*graph.input, *graph.output, *graph.value_info]:
+        value.name = names.get(value.name, value.name)
+    for node in graph.node:
+        node.input[:] = [names.get(n, n) for n in node.input]
+        node.output[:] = [names.get(n, n) for n in node.output]
+
+
+def failure_reason(exc: BaseException) -> str:
+    """The root cause's first meaningful line: torch's exporter wraps it in pages of advice whose
+    last line is 'Refer to the full stack trace above'."""
+    root = exc
+    while root.__cause__ is not None:
+        root = root.__cause__
+    text = re.sub(r"\x1b\[[0-9;]*m", "", str(root))
+    lines = [line.strip() for line in text.splitlines() if line.strip() and not line.startswith(("#", "-", "("))]
+    summary = [line for line in lines if line.startswith("<class")]
+    reason = (summary or lines or [type(root).__name__])[0]
+    return f"{type(root).__name__}: {reason}" if not reason.startswith("<class") else reason
+
+
+def _is_qcompiler_onnx(path: Path) -> bool:
+    try:
+        model = onnx.load(str(path), load_external_data=False)
+    except Exception:  # not ONNX at all (onnx raises protobuf's DecodeError and others)
+        return False
+    return any(p.key == "qcompiler.recipe" for p in model.metadata_props)
+
+
+def _check_target(path: Path, overwrite: bool) -> None:
+    """Never replace a file qcompiler did not write (the model file and its external-data file)."""
+    from qcompiler.atomic import OutputPathError
+
+    if path.is_dir():
+        raise OutputPathError(f"refusing to write the ONNX model to {path}: it is a folder; give a file name "
+                              f"such as {path / 'model.onnx'}")
+    if overwrite:
+        return
+    ours = path.exists() and _is_qcompiler_onnx(path)
+    for file in (path, path.with_name(path.name + ".data")):
+        if file.exists() and not ours:
+            raise OutputPathError(f"refusing to replace {file}: it is not an ONNX export of qcompiler; choose "
+                                  f"another name or pass --overwrite / overwrite=True")
 
 
 def _write_checked(model: onnx.ModelProto, path: Path) -> None:

@@ -10,10 +10,14 @@ from pathlib import Path
 from typing import Optional
 
 import torch
+import torch.fx._pytree as fx_pytree
 import torch.utils._pytree as pytree
 from torch.fx import GraphModule
 
-from .onnx_export import export_onnx
+from qcompiler.causal_lm import CacheLayout
+from qcompiler.errors import BackendError
+
+from .onnx_export import cache_io_names, export_onnx
 
 __all__ = ["prepare_onnxruntime", "session_for"]
 
@@ -32,27 +36,38 @@ def session_for(path, *, threads: Optional[int] = None):
 
 def prepare_onnxruntime(gm: GraphModule, example_inputs: tuple[tuple, dict], *, path=None,
                         threads: Optional[int] = None, accuracy_level: Optional[int] = None, recipe: str = ""):
-    """Export ``gm`` (to ``path`` or a temporary folder) and return a callable session wrapper."""
+    """Export ``gm`` (to ``path``, or to a temporary folder removed once the session holds the
+    model) and return a callable session wrapper."""
     if path is None:
-        path = Path(tempfile.mkdtemp(prefix="qcompiler-onnx-")) / "model.onnx"
-    export_onnx(gm, path, example_inputs, recipe=recipe, accuracy_level=accuracy_level)
-    session = session_for(path, threads=threads)
+        with tempfile.TemporaryDirectory(prefix="qcompiler-onnx-") as tmp:
+            export_onnx(gm, Path(tmp) / "model.onnx", example_inputs, recipe=recipe, accuracy_level=accuracy_level)
+            session = session_for(Path(tmp) / "model.onnx", threads=threads)
+    else:
+        export_onnx(gm, path, example_inputs, recipe=recipe, accuracy_level=accuracy_level, overwrite=True)
+        session = session_for(path, threads=threads)
     names = [i.name for i in session.get_inputs()]
     out_spec = gm._out_spec
+    in_spec = gm._in_spec
+    placeholders = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
+    info = gm.meta["qcompiler"]
+    onnx_name = cache_io_names(CacheLayout.from_dict(info.cache)) if info.cache else {}
 
     def run(*args, **kwargs):
-        feeds = {}
-        tensors = [a for a in args if isinstance(a, torch.Tensor)]
-        for name, value in zip(names, tensors):
-            feeds[name] = value.numpy()
-        for name, value in kwargs.items():
-            if isinstance(value, torch.Tensor) and name in names:
-                feeds[name] = value.numpy()
-        missing = [n for n in names if n not in feeds]
+        unknown = [k for k in kwargs if k not in in_spec.child(1).context] if in_spec.num_children == 2 else []
+        if unknown:  # never drop an input silently (a padding mask changes the result)
+            raise BackendError(f"the ONNX model was exported without input {unknown[0]!r} (its inputs: "
+                               f"{', '.join(names)}); compile with an example that includes {unknown[0]}")
+        try:
+            flat = fx_pytree.tree_flatten_spec((args, kwargs), in_spec)
+        except Exception as exc:  # pytree raises several types for a structure that does not match
+            raise BackendError(f"inputs do not match the exported model's inputs ({', '.join(names)}): {exc}") from None
+        values = {onnx_name.get(p, p): v for p, v in zip(placeholders, flat)}
+        missing = [n for n in names if n not in values]
         if missing:
-            raise ValueError(f"the ONNX model needs inputs {missing}")
+            raise BackendError(f"the ONNX model needs inputs {missing}")
+        feeds = {n: values[n].numpy() if isinstance(values[n], torch.Tensor) else values[n] for n in names}
         outputs = [torch.from_numpy(o) for o in session.run(None, feeds)]
         return pytree.tree_unflatten(outputs, out_spec)
 
-    run.session, run.path = session, Path(path)
+    run.session, run.path = session, (Path(path) if path is not None else None)
     return run

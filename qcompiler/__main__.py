@@ -16,6 +16,7 @@ import torch
 import qcompiler as qc
 from qcompiler import models
 from qcompiler.eval import bits_per_parameter
+from qcompiler.generation import timed_generation
 from qcompiler.quality import QualityJudge
 
 
@@ -25,6 +26,8 @@ def main(argv=None) -> int:
     ap.add_argument("--recipe", default="gptq-w4g128", help="built-in recipe name (see --list)")
     ap.add_argument("--calib", type=int, default=32, help="calibration windows / sentences")
     ap.add_argument("--list", action="store_true", help="list built-in recipes and exit")
+    ap.add_argument("--prompt", default="class Parser:\n    def __init__(self", help="causal LMs: prompt to continue")
+    ap.add_argument("--new-tokens", type=int, default=48, help="causal LMs: tokens to generate")
     args = ap.parse_args(argv)
     if args.list:
         for r in qc.list_recipes():
@@ -47,7 +50,26 @@ def main(argv=None) -> int:
         print("no quantized linear layers in this recipe")
     what = "held-out perplexity" if judge.metric == "perplexity" else "embedding cosine vs FP32"
     print(f"{what}: FP32 {before:.4f} -> quantized {after:.4f}")
+    if cm.cache_layout is not None:
+        _show_generation(loaded, cm, args.prompt, args.new_tokens)
     return 0
+
+
+def _show_generation(loaded, cm, prompt: str, new_tokens: int) -> None:
+    """A greedy continuation from the FP model and the quantized one with the KV cache, on ONNX
+    Runtime (the CPU deployment path; the eager backend is the plain-torch reference)."""
+    import importlib.util
+
+    backend = "onnxruntime" if importlib.util.find_spec("onnxruntime") else "eager"
+    fp = qc.compile(loaded.model, loaded.example_inputs(), recipe="none", backend=backend, progress=False)
+    quantized = cm.with_backend(backend)
+    ids = loaded.encode(prompt)
+    print(f"\ngreedy continuation of {prompt!r} ({new_tokens} tokens, KV cache, {backend} backend, "
+          f"{torch.get_num_threads()} threads):")
+    for label, model in (("FP32", fp), (cm.recipe.name, quantized)):
+        run = timed_generation(model, ids, new_tokens)
+        speed = run["decode_tokens_per_second"]
+        print(f"  {label:>12s} [{speed:7.1f} tok/s decode]: {loaded.decode(run['tokens'][0])!r}")
 
 
 if __name__ == "__main__":

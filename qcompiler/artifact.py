@@ -3,23 +3,30 @@
 A folder holds ``manifest.json`` (format version, qcompiler/torch versions, recipe with every
 pass's settings, per-layer report, capture info, a graph summary), ``graph.json`` (the graph as
 data, see ``graph_format.py``), ``tensors.safetensors`` (every weight the graph reads) and
-``example_inputs.safetensors``. Nothing is pickled. A save is atomic: it is written to a temporary
-folder that replaces the target only once complete, so an interrupted save leaves the previous
-artifact as it was.
+``example_inputs.safetensors``. Nothing is pickled, and loading treats every file as untrusted
+(``graph_format.py``); the manifest holds each file's SHA-256, checked on load.
+
+A save is published atomically (``atomic.publish_directory``): an interrupted save leaves the
+previous artifact as it was, and a folder holding anything but an earlier artifact is never
+replaced without ``overwrite=True``. A load reads every file through one handle on the folder, so
+a save that replaces the artifact meanwhile cannot mix two artifacts' files.
 """
 from __future__ import annotations
 
 import collections
 import dataclasses
+import hashlib
 import json
+import os
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Optional
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors import SafetensorError
+from safetensors.torch import load as load_safetensors, save_file
 
-from .atomic import atomic_directory
+from .atomic import publish_directory
 from .capture import CaptureInfo
 from .graph_format import ArtifactError, graph_from_data, graph_to_data
 from .pass_base import PassRecord
@@ -30,8 +37,9 @@ from .report import Report
 __all__ = ["save", "load", "read_manifest", "report_from_manifest", "ArtifactError", "MANIFEST"]
 
 FORMAT = "qcompiler-artifact"
-VERSION = 1
+VERSION = 2            # 2: per-file SHA-256 in the manifest
 MANIFEST = "manifest.json"
+_FILES = {"graph": "graph.json", "tensors": "tensors.safetensors", "example_inputs": "example_inputs.safetensors"}
 
 
 def _json_safe(value):
@@ -50,10 +58,12 @@ def _graph_summary(gm) -> dict:
             "tensors": sum(1 for n in gm.graph.nodes if n.op == "get_attr")}
 
 
-def save(cm, path, *, metadata: Optional[dict] = None) -> Path:
+def save(cm, path, *, metadata: Optional[dict] = None, overwrite: bool = False, protect=()) -> Path:
     """Write ``cm`` (a CompiledModel) to the folder ``path``, replacing an existing artifact atomically.
 
     ``metadata``: extra JSON-safe facts to keep in the manifest (the CLI records the model source).
+    ``overwrite``: replace a folder that holds something other than an artifact. ``protect``: paths
+    that must survive (the input model's folder; the folder the model was loaded from always is).
     """
     path = Path(path)
     structure, tensors = graph_to_data(cm.graph_module)
@@ -66,6 +76,10 @@ def save(cm, path, *, metadata: Optional[dict] = None) -> Path:
         if isinstance(v, torch.Tensor):
             examples[f"kwargs.{k}"] = v.contiguous()
             example_layout["kwargs"][k] = {"tensor": f"kwargs.{k}"}
+        elif isinstance(v, (tuple, list)) and v and all(isinstance(t, torch.Tensor) for t in v):  # a KV cache
+            for i, t in enumerate(v):
+                examples[f"kwargs.{k}.{i}"] = t.contiguous()
+            example_layout["kwargs"][k] = {"tensors": [f"kwargs.{k}.{i}" for i in range(len(v))]}
         else:
             example_layout["kwargs"][k] = {"value": _json_safe(v)}
     builtin = set(pass_classes())
@@ -81,14 +95,36 @@ def save(cm, path, *, metadata: Optional[dict] = None) -> Path:
         "graph": _graph_summary(cm.graph_module),
         "example_inputs": example_layout,
         "metadata": _json_safe(metadata or {}),
-        "files": {"graph": "graph.json", "tensors": "tensors.safetensors", "example_inputs": "example_inputs.safetensors"},
+        "files": dict(_FILES),
     }
-    with atomic_directory(path) as tmp:
-        save_file(tensors, str(tmp / "tensors.safetensors"), metadata={"format": FORMAT})
-        save_file(examples, str(tmp / "example_inputs.safetensors"), metadata={"format": FORMAT})
-        (tmp / "graph.json").write_text(json.dumps(structure))
-        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")  # last: its presence marks completeness
+    source = getattr(cm.capture_info, "source_path", None)
+    protect = (*protect, *([source] if source else []))
+    with publish_directory(path, "artifact", overwrite=overwrite, protect=protect) as tmp:
+        save_file(tensors, str(tmp / _FILES["tensors"]), metadata={"format": FORMAT})
+        save_file(examples, str(tmp / _FILES["example_inputs"]), metadata={"format": FORMAT})
+        (tmp / _FILES["graph"]).write_text(json.dumps(structure))
+        manifest["sha256"] = {name: _sha256((tmp / name).read_bytes()) for name in _FILES.values()}
+        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
     return path
+
+
+def _sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def _check_manifest(manifest, where) -> dict:
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT or manifest.get("version") not in (1, VERSION):
+        got = (manifest.get("format"), manifest.get("version")) if isinstance(manifest, dict) else (None, None)
+        raise ArtifactError(f"{where}: format {got[0]!r} version {got[1]!r} is not supported "
+                            f"(this qcompiler reads {FORMAT} versions 1-{VERSION})")
+    files = manifest.get("files")
+    if not isinstance(files, dict) or set(files) != set(_FILES):
+        raise ArtifactError(f"{where}: the file table must name exactly {sorted(_FILES)}")
+    for role, name in files.items():  # plain names inside the folder, never a path that leaves it
+        if not isinstance(name, str) or name != os.path.basename(name) or name in ("", ".", "..") \
+                or "\\" in name or "\0" in name:
+            raise ArtifactError(f"{where}: file name {name!r} for {role} is not a plain name inside the artifact")
+    return manifest
 
 
 def read_manifest(path) -> dict:
@@ -99,17 +135,83 @@ def read_manifest(path) -> dict:
         raise ArtifactError(f"artifact folder {path} {what}")
     try:
         manifest = json.loads(file.read_text())
-    except json.JSONDecodeError as err:
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise ArtifactError(f"{file} is not valid JSON: {err}") from None
-    if manifest.get("format") != FORMAT or manifest.get("version") != VERSION:
-        raise ArtifactError(f"{file}: format {manifest.get('format')!r} version {manifest.get('version')!r} "
-                            f"is not supported (this qcompiler reads {FORMAT} version {VERSION})")
-    return manifest
+    return _check_manifest(manifest, file)
 
 
 def report_from_manifest(manifest: dict) -> Report:
     """The per-layer report a saved artifact carries (no tensors are read)."""
-    return Report([PassRecord(**p) for p in manifest["report"]["passes"]])
+    try:
+        return Report([PassRecord(**p) for p in manifest["report"]["passes"]])
+    except (KeyError, TypeError) as exc:
+        raise ArtifactError(f"the artifact's report is malformed ({exc})") from None
+
+
+class _Folder:
+    """Reads files of one folder through a handle on it: a concurrent replace of the folder (an
+    atomic exchange) cannot make later reads come from the new folder."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        try:
+            self.fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+        except FileNotFoundError:
+            raise ArtifactError(f"artifact folder {path} does not exist") from None
+        except NotADirectoryError:
+            raise ArtifactError(f"{path} is a file, not an artifact folder") from None
+
+    def read(self, name: str) -> bytes:
+        try:
+            fd = os.open(name, os.O_RDONLY, dir_fd=self.fd)
+        except FileNotFoundError:
+            raise ArtifactError(f"artifact {self.path} is missing {name}") from None
+        with os.fdopen(fd, "rb") as f:
+            return f.read()
+
+    def replaced(self) -> bool:
+        try:
+            return os.stat(self.path).st_ino != os.fstat(self.fd).st_ino
+        except FileNotFoundError:
+            return True
+
+    def close(self):
+        os.close(self.fd)
+
+
+def _read_all(path: Path) -> tuple[dict, dict[str, bytes]]:
+    folder = _Folder(path)
+    try:
+        try:
+            manifest = json.loads(folder.read(MANIFEST))
+        except (ValueError, UnicodeDecodeError) as err:
+            raise ArtifactError(f"{path / MANIFEST} is not valid JSON: {err}") from None
+        except ArtifactError:
+            raise ArtifactError(f"artifact folder {path} has no {MANIFEST} (not a qcompiler artifact)") from None
+        files = _check_manifest(manifest, path / MANIFEST)["files"]
+        blobs = {role: folder.read(name) for role, name in files.items()}
+        sums = manifest.get("sha256")
+        if manifest["version"] >= 2:
+            if not isinstance(sums, dict):
+                raise ArtifactError(f"{path / MANIFEST} has no checksums")
+            for role, name in files.items():
+                if sums.get(name) != _sha256(blobs[role]):
+                    raise ArtifactError(f"artifact {path}: {name} does not match its SHA-256 in the manifest "
+                                        f"(damaged or modified)")
+        return manifest, blobs
+    except ArtifactError:
+        if folder.replaced():  # a writer replaced the artifact while we read: read the new one
+            return _read_all(path)
+        raise
+    finally:
+        folder.close()
+
+
+def _tensors(blob: bytes, what: str) -> dict[str, torch.Tensor]:
+    try:
+        return load_safetensors(blob)
+    except (SafetensorError, ValueError, RuntimeError) as exc:
+        raise ArtifactError(f"{what} is not a readable safetensors file ({exc})") from None
 
 
 def load(path, backend: str = "eager", *, backend_options: Optional[dict] = None):
@@ -118,22 +220,29 @@ def load(path, backend: str = "eager", *, backend_options: Optional[dict] = None
     from .compiler import CompiledModel
 
     path = Path(path)
-    manifest = read_manifest(path)
-    files = manifest["files"]
-    for name in files.values():
-        if not (path / name).is_file():
-            raise ArtifactError(f"artifact {path} is missing {name}")
-    gm = graph_from_data(json.loads((path / files["graph"]).read_text()), load_file(str(path / files["tensors"])))
-    capture = manifest["capture"]
-    gm.meta["qcompiler"] = CaptureInfo(capture["model_class"], capture["arg_count"], tuple(capture["kwarg_names"]),
-                                       capture.get("constant_kwargs", {}), capture.get("model_config"))
-    examples = load_file(str(path / files["example_inputs"]))
-    layout = manifest["example_inputs"]
-    example_inputs = (tuple(examples[k] for k in layout["args"]),
-                      {k: examples[v["tensor"]] if "tensor" in v else v["value"] for k, v in layout["kwargs"].items()})
-    r = manifest["recipe"]
-    recipe = recipe_from_dict({k: r[k] for k in ("name", "description", "passes")}) if r.get("reloadable") \
-        else Recipe(r["name"], (), r.get("description", "") + " (custom passes; settings in the manifest)")
+    manifest, blobs = _read_all(path)
+    try:
+        structure = json.loads(blobs["graph"])
+    except (ValueError, UnicodeDecodeError) as err:
+        raise ArtifactError(f"{path / manifest['files']['graph']} is not valid JSON: {err}") from None
+    gm = graph_from_data(structure, _tensors(blobs["tensors"], path / manifest["files"]["tensors"]))
+    examples = _tensors(blobs["example_inputs"], path / manifest["files"]["example_inputs"])
+    try:
+        capture = manifest["capture"]
+        gm.meta["qcompiler"] = CaptureInfo(str(capture["model_class"]), int(capture["arg_count"]),
+                                           tuple(capture["kwarg_names"]), dict(capture.get("constant_kwargs", {})),
+                                           capture.get("model_config"), capture.get("source_path"),
+                                           capture.get("cache"))
+        layout = manifest["example_inputs"]
+        example_inputs = (tuple(examples[k] for k in layout["args"]),
+                          {k: examples[v["tensor"]] if "tensor" in v else
+                           tuple(examples[t] for t in v["tensors"]) if "tensors" in v else v["value"]
+                           for k, v in layout["kwargs"].items()})
+        r = manifest["recipe"]
+        recipe = recipe_from_dict({k: r[k] for k in ("name", "description", "passes")}) if r.get("reloadable") \
+            else Recipe(str(r["name"]), (), str(r.get("description", "")) + " (custom passes; settings in the manifest)")
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise ArtifactError(f"{path / MANIFEST} is malformed ({type(exc).__name__}: {exc})") from None
     report = report_from_manifest(manifest)
     options = dict(backend_options or {})
     if backend == "onnxruntime":

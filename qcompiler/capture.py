@@ -16,7 +16,9 @@ from typing import Any, Optional
 
 import torch
 
+from .causal_lm import wants_cache
 from .errors import CaptureError
+from .graph import canonicalize_linears
 
 __all__ = ["capture", "CaptureInfo", "normalize_inputs", "dynamic_shapes_for"]
 
@@ -30,6 +32,8 @@ class CaptureInfo:
     kwarg_names: tuple[str, ...]
     constant_kwargs: dict[str, Any] = field(default_factory=dict)  # non-tensor kwargs (use_cache=False)
     model_config: Optional[dict] = None  # a transformers model's config (for checkpoint export)
+    source_path: Optional[str] = None    # the folder the model was loaded from (never overwritten)
+    cache: Optional[dict] = None         # a causal LM captured with its KV cache: causal_lm.CacheLayout
 
 
 def normalize_inputs(example_inputs) -> tuple[tuple, dict]:
@@ -106,6 +110,8 @@ def capture(model: torch.nn.Module, example_inputs) -> torch.fx.GraphModule:
     if not isinstance(model, torch.nn.Module):
         raise CaptureError(f"capture() needs a torch.nn.Module, got {type(model).__name__}")
     args, kwargs = normalize_inputs(example_inputs)
+    if not args and wants_cache(model, kwargs):
+        return _capture_with_cache(model, kwargs)
     # Export guards on the example's strides; a sliced (non-contiguous) example would make the
     # graph reject ordinary contiguous inputs later.
     args = tuple(a.contiguous() if isinstance(a, torch.Tensor) else a for a in args)
@@ -124,11 +130,53 @@ def capture(model: torch.nn.Module, example_inputs) -> torch.fx.GraphModule:
         raise CaptureError(f"torch.export could not capture {type(model).__name__}: {first} "
                            f"({type(exc).__name__}). Hint: {hint}.") from exc
     gm = exported.module()
+    canonicalize_linears(gm)
     gm.meta["qcompiler"] = CaptureInfo(
         model_class=type(model).__name__, arg_count=len(args), kwarg_names=tuple(kwargs),
         constant_kwargs={k: v for k, v in kwargs.items() if not isinstance(v, torch.Tensor)},
-        model_config=_config_dict(model))
+        model_config=_config_dict(model), source_path=_source_folder(model))
     return gm
+
+
+def _capture_with_cache(model: torch.nn.Module, kwargs: dict) -> torch.fx.GraphModule:
+    """A causal LM with its KV cache as graph inputs and outputs (see causal_lm.py)."""
+    from . import causal_lm
+
+    unknown = set(kwargs) - {"input_ids", "attention_mask", "use_cache"}
+    if unknown or not isinstance(kwargs.get("input_ids"), torch.Tensor):
+        raise CaptureError(f"a causal LM is captured from input_ids (and optionally attention_mask); the example "
+                           f"also has {sorted(unknown)}" if unknown else "a causal LM example needs input_ids")
+    model.eval()
+    layout = causal_lm.cache_layout(model)
+    inputs = causal_lm.example_graph_inputs(layout, kwargs["input_ids"], kwargs.get("attention_mask"))
+    model.forward = causal_lm.cache_forward(model, layout)  # an instance attribute: traced instead of the class's
+    try:
+        with _quiet_export_logs(), torch.no_grad():
+            exported = torch.export.export(model, (), inputs, dynamic_shapes=causal_lm.dynamic_shapes(inputs),
+                                           strict=False)
+    except Exception as exc:
+        text = str(exc).strip()
+        raise CaptureError(f"torch.export could not capture {type(model).__name__} with its KV cache: "
+                           f"{text.splitlines()[0] if text else type(exc).__name__} ({type(exc).__name__}). "
+                           f"Hint: pass use_cache=False in the example to capture it without a cache.") from exc
+    finally:
+        del model.forward
+    gm = exported.module()
+    for node in list(gm.graph.nodes):  # assumes sizes >= 2; the graph itself runs P = 0 and S = 1
+        if node.op == "call_module" and node.target == "_guards_fn":
+            gm.graph.erase_node(node)
+    gm.recompile()
+    canonicalize_linears(gm)
+    gm.meta["qcompiler"] = CaptureInfo(
+        model_class=type(model).__name__, arg_count=0, kwarg_names=tuple(inputs), constant_kwargs={},
+        model_config=_config_dict(model), source_path=_source_folder(model), cache=layout.to_dict())
+    return gm
+
+
+def _source_folder(model) -> Optional[str]:
+    import os
+    path = getattr(model, "name_or_path", None)
+    return os.path.abspath(path) if isinstance(path, str) and path and os.path.isdir(path) else None
 
 
 def _config_dict(model) -> Optional[dict]:

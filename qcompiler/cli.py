@@ -7,7 +7,8 @@
     qcompiler report out/tinylm-w4 --out out/report
     qcompiler recipes
 
-Errors are one line on stderr and exit code 2; ``--debug`` shows the traceback.
+Errors are one line on stderr (exit 2: bad arguments or inputs; 1: system or internal error;
+130: interrupted); ``--debug`` shows the traceback.
 """
 from __future__ import annotations
 
@@ -83,19 +84,25 @@ def quantize(model: str = typer.Argument(..., help="bundled:tinylm, bundled:mini
              recipe: str = typer.Option("gptq-w4g128", help="built-in recipe name or a .yaml/.toml recipe file"),
              calib: str = typer.Option("bundled", help="'bundled' (the model's own calibration set) or a text file"),
              samples: int = typer.Option(32, help="calibration windows / sentences"),
-             out_dir: Path = typer.Option(..., "--out", help="artifact folder to write (replaced atomically)")):
+             out_dir: Path = typer.Option(..., "--out", help="artifact folder to write (replaced atomically)"),
+             overwrite: bool = typer.Option(False, help="replace --out even if it holds other files")):
     """Quantize MODEL with RECIPE and save the result to --out."""
     import qcompiler as qc
     from qcompiler.eval import bits_per_parameter
     from qcompiler.models import load
 
-    resolved = qc.recipes.resolve_recipe(recipe)  # a bad recipe fails before any loading
+    from qcompiler.atomic import check_output_folder
+
+    resolved = qc.recipes.resolve_recipe(recipe)  # a bad recipe or output path fails before any loading
+    protect = [model] if Path(model).is_dir() else []
+    check_output_folder(out_dir, "artifact", overwrite=overwrite, protect=protect)
     loaded = load(model)
     calibration = _calibration(loaded, calib, samples) if any(p.needs_calibration for p in resolved.passes) else None
     start = time.perf_counter()
     cm = qc.compile(loaded.model, loaded.example_inputs(), recipe=resolved, calibration=calibration)
     seconds = time.perf_counter() - start
-    cm.save(out_dir, metadata={"source": model, "calibration": calib, "samples": samples})
+    cm.save(out_dir, metadata={"source": model, "calibration": calib, "samples": samples}, overwrite=overwrite,
+            protect=protect)
     out.print(_layer_table(cm.report, f"{model} · {resolved.name}"))
     try:
         bits = f"{bits_per_parameter(cm.graph_module):.3f} bits per quantized weight"
@@ -154,19 +161,85 @@ def export(artifact: Path = typer.Argument(..., help="artifact folder written by
            dest: Path = typer.Option(..., "--out", help="file (onnx) or folder (gptq, compressed-tensors)"),
            zero_format: str = typer.Option("auto", help="gptq only: auto | v1 | v2 zero points"),
            accuracy_level: Optional[int] = typer.Option(None, help="onnx only: MatMulNBits accuracy_level "
-                                                        "(default 4: int8 activations, fastest on CPU; 0: exact)")):
+                                                        "(default 4: int8 activations, fastest on CPU; 0: exact)"),
+           overwrite: bool = typer.Option(False, help="replace --out even if qcompiler did not write it")):
     """Export a saved artifact to ONNX, a GPTQ checkpoint or a compressed-tensors checkpoint."""
     import qcompiler as qc
+    from qcompiler.atomic import check_output_folder
     from qcompiler.interop import export_compressed_tensors, export_gptq
 
+    if format is not ExportFormat.onnx:  # refuse a bad target before the work
+        check_output_folder(dest, format.value, overwrite=overwrite, protect=[artifact])
     cm = qc.load(artifact)
     if format is ExportFormat.onnx:
-        cm.export_onnx(dest, accuracy_level=accuracy_level)
+        cm.export_onnx(dest, accuracy_level=accuracy_level, overwrite=overwrite)
     elif format is ExportFormat.gptq:
-        export_gptq(cm, dest, zero_format=zero_format, progress=out.print)
+        export_gptq(cm, dest, zero_format=zero_format, progress=out.print, overwrite=overwrite)
     else:
-        export_compressed_tensors(cm, dest, progress=out.print)
+        export_compressed_tensors(cm, dest, progress=out.print, overwrite=overwrite)
     out.print(f"wrote {dest}")
+
+
+@app.command()
+def generate(target: str = typer.Argument(..., help="an artifact folder, or a model (bundled:NAME / folder) in FP"),
+             prompt: list[str] = typer.Option(..., "--prompt", help="text to continue; repeat for a batch"),
+             max_new_tokens: int = typer.Option(32, "--max-new-tokens", help="tokens to generate per prompt"),
+             backend: Backend = typer.Option(Backend.eager, help="backend to run the model on"),
+             do_sample: bool = typer.Option(False, "--sample", help="sample instead of greedy decoding"),
+             temperature: float = typer.Option(1.0, help="sampling temperature"),
+             top_k: int = typer.Option(0, "--top-k", help="sample among the k most likely tokens (0: all)"),
+             top_p: float = typer.Option(1.0, "--top-p", help="nucleus sampling mass (1.0: all)"),
+             seed: Optional[int] = typer.Option(None, help="random seed for sampling")):
+    """Continue each --prompt with the KV cache; one prompt streams its tokens as they are made."""
+    import torch
+
+    import qcompiler as qc
+    from qcompiler.artifact import MANIFEST, read_manifest
+    from qcompiler.generation import SamplingConfig
+    from qcompiler.models import load, tokenizer_for
+
+    if max_new_tokens < 0:
+        raise ValueError(f"--max-new-tokens must be >= 0, got {max_new_tokens}")
+    SamplingConfig(do_sample, temperature, top_k, top_p)  # bad values fail before any loading
+    if backend is Backend.triton:
+        _triton_runtime()
+    path = Path(target)
+    if (path / MANIFEST).is_file():
+        source = read_manifest(path)["metadata"].get("source")
+        if not source:
+            raise ValueError(f"artifact {path} does not record its source model, so there is no tokenizer for it")
+        tokenizer, cm = tokenizer_for(source), qc.load(path, backend=backend.value)
+    else:
+        loaded = load(target)
+        tokenizer = loaded.tokenizer
+        cm = qc.compile(loaded.model, loaded.example_inputs(), recipe="none", backend=backend.value, progress=False)
+    encoded = [list(map(int, tokenizer.encode(p))) for p in prompt]
+    if any(not ids for ids in encoded):
+        raise ValueError("a --prompt is empty: give at least one token of text")
+    width = max(map(len, encoded))
+    ids = torch.tensor([[0] * (width - len(e)) + e for e in encoded])  # left padding
+    mask = torch.tensor([[0] * (width - len(e)) + [1] * len(e) for e in encoded])
+    options = dict(do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+                   attention_mask=mask)
+    if len(prompt) == 1:
+        made, shown = [], ""
+
+        def write(text: str) -> None:  # plain stdout: no wrapping or markup, flushed token by token
+            sys.stdout.write(text)
+            sys.stdout.flush()
+        for token in cm.stream(ids, max_new_tokens, **options):  # bad values raise before the first token
+            if not made:
+                write(prompt[0])
+            made.append(int(token[0]))
+            text = tokenizer.decode(made)
+            write(text[len(shown):])
+            shown = text
+        write(("" if made else prompt[0]) + "\n")
+        return
+    result = cm.generate(ids, max_new_tokens, **options)
+    for p, row in zip(prompt, result[:, width:]):
+        out.print(f"{p!r} -> {tokenizer.decode([int(t) for t in row])!r}", markup=False, highlight=False,
+                  soft_wrap=True)
 
 
 @app.command()
@@ -203,37 +276,65 @@ def recipes():
 
 @app.command()
 def report(artifact: Path = typer.Argument(..., help="artifact folder"),
-           dest: Path = typer.Option(..., "--out", help="folder for report.md and its PNG plots")):
+           dest: Path = typer.Option(..., "--out", help="folder for report.md and its PNG plots"),
+           overwrite: bool = typer.Option(False, help="replace --out even if it holds other files")):
     """A markdown page with plots: per-layer error, bits per layer, SpQR outliers, SmoothQuant scales."""
     from qcompiler.report_page import write_report
 
-    page = write_report(artifact, dest)
+    page = write_report(artifact, dest, overwrite=overwrite)
     out.print(f"wrote {page}")
 
 
+def _os_message(e: OSError) -> str:
+    where = f": {e.filename}" if e.filename else ""
+    return f"{e.strerror or e}{where}" if e.strerror else str(e)
+
+
 def main(argv=None) -> int:
-    """Console-script entry point: one-line errors, exit code 2, tracebacks only with --debug."""
+    """Console-script entry point. Every failure is one line on stderr, no traceback unless --debug:
+    exit 2 when the command line or an input it names is wrong, 1 when the system failed (disk
+    full, permissions) or qcompiler hit an internal error, 130 when interrupted (Ctrl-C; outputs
+    are published atomically, so nothing half-written stays behind)."""
+    from typer._click import exceptions as click_errors  # typer vendors its own click
+
     from qcompiler.errors import QCompilerError
 
     args = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in args
+    if not [a for a in args if a != "--debug"]:
+        args = ["--help"]
+
+    def fail(message: str, code: int) -> int:
+        message = " ".join(line.strip() for line in str(message).splitlines() if line.strip())
+        err.print(f"error: {message}", markup=False, highlight=False, soft_wrap=True)
+        return code
+
     try:
-        app(args=args, prog_name="qcompiler", standalone_mode=False)
-    except (QCompilerError, FileNotFoundError, ValueError, OSError) as e:
+        code = app(args=args, prog_name="qcompiler", standalone_mode=False)
+        if code == 130:  # typer turns Ctrl-C into an exit code in non-standalone mode
+            raise KeyboardInterrupt
+    except (KeyboardInterrupt, typer.Abort):
         if debug:
             raise
-        err.print(f"error: {e}", markup=False, highlight=False, soft_wrap=True)
-        return 2
+        return fail("interrupted; no partial output was left", 130)
+    except click_errors.UsageError as e:
+        return fail(f"{e.format_message()} (see 'qcompiler --help')", 2)
     except typer.Exit as e:
         return e.exit_code
-    except typer.Abort:
-        return 1
-    except Exception as e:  # click usage errors and the like
-        import click
-        if isinstance(e, click.ClickException):
-            e.show()
-            return e.exit_code
-        raise
+    except click_errors.ClickException as e:
+        return fail(e.format_message(), 2)
+    except (QCompilerError, ValueError, FileNotFoundError, NotADirectoryError, IsADirectoryError) as e:
+        if debug:
+            raise
+        return fail(str(e), 2)
+    except OSError as e:
+        if debug:
+            raise
+        return fail(_os_message(e), 1)
+    except Exception as e:  # a bug: still one line, with the way to see more
+        if debug:
+            raise
+        return fail(f"internal error: {type(e).__name__}: {e} (run with --debug for the traceback)", 1)
     return 0
 
 

@@ -1,13 +1,15 @@
 """``qc.compile()``: capture → passes → backend, returning a model called like the original."""
 from __future__ import annotations
 
-from typing import Any, Iterable, Optional
+from typing import Any, Callable, Iterable, Iterator, Optional
 
 import torch
 from torch.fx import GraphModule
 
 from .capture import CaptureInfo, capture, normalize_inputs
+from .causal_lm import CacheLayout, example_graph_inputs, graph_inputs, wrap_output
 from .errors import CalibrationError
+from .generation import SamplingConfig, generate_tokens
 from .pass_base import PassContext
 from .pass_manager import PassManager
 from .recipes import Recipe, resolve_recipe
@@ -28,26 +30,126 @@ class CompiledModel:
         self.example_inputs = example_inputs
         self._runner = runner
 
+    def _check_token_ids(self, ids: torch.Tensor) -> None:
+        """Out-of-range ids would index the embedding silently wrong (-1 reads the last row)."""
+        vocab = (self.capture_info.model_config or {}).get("vocab_size")
+        if ids.is_floating_point() or ids.is_complex():
+            raise ValueError(f"input_ids must be integer token ids, got dtype {ids.dtype}")
+        if ids.numel() == 0:
+            raise ValueError(f"input_ids is empty (shape {tuple(ids.shape)}): give at least one token")
+        low, high = int(ids.min()), int(ids.max())
+        if low < 0 or (isinstance(vocab, int) and high >= vocab):
+            bad = low if low < 0 else high
+            raise ValueError(f"input_ids holds token id {bad}, outside the model's vocabulary [0, {vocab})")
+
     @property
     def capture_info(self) -> CaptureInfo:
         return self.graph_module.meta["qcompiler"]
 
+    @property
+    def cache_layout(self) -> Optional[CacheLayout]:
+        """The KV cache's layout for a causal LM captured with its cache, else None."""
+        cache = self.capture_info.cache
+        return CacheLayout.from_dict(cache) if cache else None
+
     def __call__(self, *args, **kwargs) -> Any:
+        """Call like the original model. A causal LM captured with its cache takes ``input_ids``,
+        optional ``attention_mask`` / ``position_ids`` and ``past_key_values`` (the flat tuple a
+        previous call returned) and returns ``.logits`` and ``.past_key_values``."""
         for name, value in self.capture_info.constant_kwargs.items():
             kwargs.setdefault(name, value)
+        ids = kwargs.get("input_ids", args[0] if args and self.capture_info.model_config else None)
+        if isinstance(ids, torch.Tensor):
+            self._check_token_ids(ids)
+        layout = self.cache_layout
         with torch.no_grad():
-            return self._runner(*args, **kwargs)
+            if layout is None:
+                return self._runner(*args, **kwargs)
+            return wrap_output(self._runner(**self._cache_inputs(layout, args, kwargs)))
 
-    def export_onnx(self, path, *, accuracy_level: Optional[int] = None):
+    def _cache_inputs(self, layout: CacheLayout, args: tuple, kwargs: dict) -> dict:
+        kwargs = dict(kwargs)
+        if args:
+            kwargs.setdefault("input_ids", args[0])
+            if len(args) > 1:
+                raise ValueError("pass the model's inputs after input_ids by name (attention_mask=..., ...)")
+        kwargs.pop("use_cache", None)
+        unknown = set(kwargs) - {"input_ids", "attention_mask", "position_ids", "past_key_values"}
+        if unknown:
+            raise ValueError(f"{self.capture_info.model_class} takes input_ids, attention_mask, position_ids and "
+                             f"past_key_values; got also {sorted(unknown)}")
+        if "input_ids" not in kwargs:
+            raise ValueError("input_ids is required")
+        return graph_inputs(layout, kwargs["input_ids"], kwargs.get("attention_mask"), kwargs.get("position_ids"),
+                            kwargs.get("past_key_values"))
+
+    def generate(self, input_ids: torch.Tensor, max_new_tokens: int = 32, *, do_sample: bool = False,
+                 temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, eos_token_id=None,
+                 pad_token_id: Optional[int] = None, attention_mask: Optional[torch.Tensor] = None,
+                 streamer: Optional[Callable[[torch.Tensor], None]] = None, seed: Optional[int] = None) -> torch.Tensor:
+        """Prompt plus up to ``max_new_tokens`` new tokens ``[B, S + T]``, decoding with the KV cache.
+
+        Batches of prompts are left-padded (``attention_mask`` zeros on the left). ``streamer`` is
+        called with each step's tokens ``[B]`` as they are made; :meth:`stream` yields them instead.
+        """
+        prompt = input_ids
+        tokens = []
+        for token in self.stream(input_ids, max_new_tokens, do_sample=do_sample, temperature=temperature,
+                                 top_k=top_k, top_p=top_p, eos_token_id=eos_token_id, pad_token_id=pad_token_id,
+                                 attention_mask=attention_mask, seed=seed):
+            tokens.append(token[:, None])
+            if streamer is not None:
+                streamer(token)
+        return torch.cat([prompt, *tokens], 1)
+
+    def stream(self, input_ids: torch.Tensor, max_new_tokens: int = 32, *, do_sample: bool = False,
+               temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, eos_token_id=None,
+               pad_token_id: Optional[int] = None, attention_mask: Optional[torch.Tensor] = None,
+               seed: Optional[int] = None) -> Iterator[torch.Tensor]:
+        """Yield each step's new tokens ``[B]`` (see :meth:`generate`)."""
+        layout = self.cache_layout
+        if layout is None:
+            raise ValueError(f"generate needs a causal LM captured with its KV cache; this graph of "
+                             f"{self.capture_info.model_class} has none (an encoder, or captured with use_cache=False)")
+        if isinstance(input_ids, torch.Tensor):
+            self._check_token_ids(input_ids) if input_ids.numel() else None
+        config = self.capture_info.model_config or {}
+        if eos_token_id is None:
+            eos_token_id = config.get("eos_token_id")
+        sampling = SamplingConfig(do_sample, temperature, top_k, top_p)
+
+        def step(inputs):
+            with torch.no_grad():
+                return self._runner(**inputs)
+        yield from generate_tokens(step, layout, config.get("vocab_size"), input_ids, max_new_tokens=max_new_tokens,
+                                   attention_mask=attention_mask, sampling=sampling, eos_token_id=eos_token_id,
+                                   pad_token_id=pad_token_id if pad_token_id is not None else config.get("pad_token_id"),
+                                   seed=seed)
+
+    def with_backend(self, backend: str, **options) -> "CompiledModel":
+        """The same quantized graph on another backend: no recapture, no calibration, weights shared."""
+        from .backends import get_backend
+        if backend == "onnxruntime":
+            options.setdefault("recipe", self.recipe.name)
+        runner = get_backend(backend)(self.graph_module, self.example_inputs, **options)
+        report = Report([p for p in self.report.passes if not p.name.startswith("backend:")])
+        if getattr(runner, "record", None) is not None:
+            report.passes.append(runner.record)
+        return CompiledModel(self.graph_module, self.recipe, report, backend, runner, self.example_inputs)
+
+    def export_onnx(self, path, *, accuracy_level: Optional[int] = None, overwrite: bool = False):
         """Write the graph as an ONNX model that ONNX Runtime runs (see docs/backends/onnx.md)."""
         from .backends.onnx_export import export_onnx
         return export_onnx(self.graph_module, path, self.example_inputs, recipe=self.recipe.name,
-                           accuracy_level=accuracy_level)
+                           accuracy_level=accuracy_level, overwrite=overwrite)
 
-    def save(self, path, *, metadata: Optional[dict] = None):
-        """Write the quantized model to folder ``path`` (atomic; reload with ``qc.load(path)``)."""
+    def save(self, path, *, metadata: Optional[dict] = None, overwrite: bool = False, protect=()):
+        """Write the quantized model to folder ``path`` (atomic; reload with ``qc.load(path)``).
+
+        An existing folder is replaced only if it is empty or an earlier artifact, unless
+        ``overwrite``; the model's own source folder and ``protect`` paths never are."""
         from .artifact import save
-        return save(self, path, metadata=metadata)
+        return save(self, path, metadata=metadata, overwrite=overwrite, protect=protect)
 
     def __repr__(self) -> str:
         passes = ", ".join(repr(p) for p in self.recipe.passes) or "none"
@@ -62,10 +164,15 @@ def normalize_calibration(calibration: Optional[Iterable], info: CaptureInfo) ->
     if isinstance(calibration, torch.Tensor):  # a stacked batch of token windows
         calibration = [calibration]
     batches = []
+    layout = CacheLayout.from_dict(info.cache) if info.cache else None
     for item in calibration:
         args, kwargs = normalize_inputs(item)
         for name, value in info.constant_kwargs.items():
             kwargs.setdefault(name, value)
+        if layout is not None:  # the cache graph, run with an empty past
+            kwargs.pop("use_cache", None)
+            ids = kwargs.pop("input_ids", args[0] if args else None)
+            kwargs, args = graph_inputs(layout, ids, kwargs.pop("attention_mask", None), **kwargs), ()
         batches.append((args, kwargs))
     if not batches:
         raise CalibrationError("the calibration set is empty: pass at least one batch of inputs")
@@ -89,7 +196,12 @@ def compile(model: torch.nn.Module, example_inputs, recipe="none", calibration: 
     manager.validate(has_calibration=calibration is not None)
     gm = capture(model, example_inputs)
     info: CaptureInfo = gm.meta["qcompiler"]
-    ctx = PassContext(example_inputs=normalize_inputs(example_inputs),
+    examples = normalize_inputs(example_inputs)
+    if info.cache:  # backends and exports see the graph's own inputs
+        user = examples[1]
+        examples = ((), example_graph_inputs(CacheLayout.from_dict(info.cache), user["input_ids"],
+                                             user.get("attention_mask")))
+    ctx = PassContext(example_inputs=examples,
                       calibration=normalize_calibration(calibration, info), progress=progress)
     report = manager.run(gm, ctx)
     options = dict(backend_options or {})

@@ -30,7 +30,8 @@ class ByteTokenizer:
     vocab_size = 256
 
     def encode(self, text: str) -> torch.Tensor:
-        return torch.frombuffer(bytearray(text.encode("utf-8")), dtype=torch.uint8).long()
+        data = text.encode("utf-8")
+        return torch.frombuffer(bytearray(data), dtype=torch.uint8).long() if data else torch.zeros(0, dtype=torch.long)
 
     def decode(self, ids) -> str:
         return bytes(int(i) for i in ids).decode("utf-8", errors="replace")
@@ -83,7 +84,11 @@ def calibration_windows(count: int = 128, length: int = 256, *, seed: int = 0,
         raise ValueError(f"calibration needs count >= 1 and length >= 1, got count={count}, length={length}")
     if max_length is not None and length > max_length:
         raise ValueError(f"calibration windows of {length} tokens exceed the model's context of {max_length}")
-    tokens = stdlib_tokens(split)
+    return random_windows(stdlib_tokens(split), count, length, seed=seed, split=split)
+
+
+def random_windows(tokens: torch.Tensor, count: int, length: int, *, seed: int = 0, split: str = "train") -> torch.Tensor:
+    """``count`` windows of ``length`` tokens at reproducible random offsets (the GPTQ paper's recipe)."""
     if length >= tokens.numel():
         raise ValueError(f"window length {length} exceeds the {split} split ({tokens.numel()} tokens)")
     gen = torch.Generator().manual_seed(seed)

@@ -118,6 +118,36 @@ def find_linears(gm: GraphModule) -> list[LinearLayer]:
     return layers
 
 
+_TRANSPOSES = (aten.numpy_T.default, aten.t.default)
+
+
+def canonicalize_linears(gm: GraphModule) -> int:
+    """Rewrite ``matmul(x, W.T)`` with a stored 2-D ``W`` (Falcon's ``FalconLinear``, any hand-written
+    ``x @ self.weight.T``) as ``aten.linear(x, W)``, the same math, so that passes see the layer.
+    Returns how many were rewritten."""
+    count = 0
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target is not aten.matmul.default:
+            continue
+        x, rhs = node.args[0], node.args[1]
+        if not (isinstance(rhs, Node) and rhs.op == "call_function" and rhs.target in _TRANSPOSES
+                and _is_attr(rhs.args[0]) and len(rhs.users) == 1):
+            continue
+        weight = get_tensor(gm, rhs.args[0].target)
+        if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
+            continue
+        with gm.graph.inserting_before(node):
+            linear = gm.graph.call_function(aten.linear.default, (x, rhs.args[0]))
+        linear.meta.update(node.meta)
+        node.replace_all_uses_with(linear)
+        gm.graph.erase_node(node)
+        gm.graph.erase_node(rhs)
+        count += 1
+    if count:
+        gm.recompile()
+    return count
+
+
 def _keeps_last_dim(node: Node) -> bool:
     src, out = node.args[0].meta.get("val"), node.meta.get("val")
     return src is not None and out is not None and src.shape[-1] == out.shape[-1]
@@ -209,6 +239,14 @@ def producer_groups(gm: GraphModule, layers: Optional[list[LinearLayer]] = None)
 
 
 _BLOCK = re.compile(r"^(.*?\.\d+)(?:\.|$)")
+
+
+def is_router(path: str) -> bool:
+    """A mixture-of-experts router (``mlp.gate``, ``block_sparse_moe.gate``, ``router``,
+    ``shared_expert_gate``): tiny, and its argmax picks the experts, so it stays in full precision
+    (as llm-compressor and AutoGPTQ leave it)."""
+    leaf = path.rsplit(".", 1)[-1]
+    return leaf in ("gate", "router") or leaf.endswith("expert_gate")
 
 
 def block_of(path: str) -> Optional[str]:

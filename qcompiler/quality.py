@@ -11,7 +11,7 @@ from typing import Callable, Optional
 
 import torch
 
-from .data import stdlib_sentences, stdlib_tokens
+from .data import stdlib_sentences
 from .eval import embedding_fidelity, mean_pooled_embeddings, perplexity
 from .models import LoadedModel
 
@@ -39,7 +39,8 @@ class QualityJudge:
     def score(self, model: Callable) -> float:
         """Perplexity (lower is better) or cosine vs FP32 (1.0 is lossless)."""
         if self.metric == "perplexity":
-            return perplexity(model, stdlib_tokens("heldout"), window=256, max_windows=self.max_windows)
+            return perplexity(model, self.loaded.tokens("heldout"), window=min(256, self.loaded.max_length),
+                              max_windows=self.max_windows)
         if self._reference is None:
             self._reference = self._embed(self.loaded.model)
         return embedding_fidelity(self._reference, self._embed(model))

@@ -16,7 +16,10 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import tomllib
+try:
+    import tomllib
+except ImportError:  # Python 3.10
+    import tomli as tomllib
 import typing
 from pathlib import Path
 from typing import Any
@@ -99,18 +102,40 @@ def recipe_to_dict(recipe: Recipe) -> dict:
             "passes": [{"pass": p.name, **p.config()} for p in recipe.passes]}
 
 
+MAX_RECIPE_BYTES = 1 << 20  # a recipe is a few lines; a bigger file is a mistake or an attack
+
+
+def _yaml_without_aliases(text: str):
+    """YAML with anchors/aliases refused: their expansion is how a few hundred bytes become gigabytes."""
+    import yaml
+
+    class NoAliases(yaml.SafeLoader):
+        def compose_node(self, parent, index):
+            if self.check_event(yaml.AliasEvent):
+                mark = self.peek_event().start_mark
+                raise RecipeError(f"YAML aliases (*name) are not allowed in recipe files (line {mark.line + 1})")
+            return super().compose_node(parent, index)
+
+    return yaml.load(text, Loader=NoAliases)  # noqa: S506 - a SafeLoader subclass
+
+
 def load_recipe_file(path) -> Recipe:
     """Parse a ``.yaml``/``.yml`` or ``.toml`` recipe file."""
     path = Path(path)
     if not path.is_file():
         raise RecipeError(f"recipe file {path} does not exist")
-    text = path.read_text()
+    if path.stat().st_size > MAX_RECIPE_BYTES:
+        raise RecipeError(f"recipe file {path} is {path.stat().st_size} bytes; recipes are limited to "
+                          f"{MAX_RECIPE_BYTES} bytes")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise RecipeError(f"recipe file {path} is not UTF-8 text (byte {e.start})") from None
     try:
         if path.suffix == ".toml":
             data = tomllib.loads(text)
         elif path.suffix in (".yaml", ".yml"):
-            import yaml
-            data = yaml.safe_load(text)
+            data = _yaml_without_aliases(text)
         else:
             raise RecipeError(f"recipe file {path}: use a .yaml, .yml or .toml file")
     except RecipeError:

@@ -6,6 +6,7 @@ name, a :class:`Recipe`, or a plain list of passes (including user-written ones)
 from __future__ import annotations
 
 import difflib
+import os
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -49,7 +50,8 @@ def resolve_recipe(recipe) -> Recipe:
     """A recipe name, a recipe file (.yaml/.toml), a Recipe, or a list of passes, as a Recipe."""
     if isinstance(recipe, Recipe):
         return recipe
-    if isinstance(recipe, str) and recipe.endswith((".yaml", ".yml", ".toml")):
+    if isinstance(recipe, str) and (recipe.endswith((".yaml", ".yml", ".toml")) or "/" in recipe
+                                    or os.path.isfile(recipe)):
         from .recipe_files import load_recipe_file
         return load_recipe_file(recipe)
     if isinstance(recipe, str):

@@ -14,6 +14,7 @@ import torch
 from safetensors import safe_open
 
 from .artifact import read_manifest
+from .atomic import publish_directory
 
 __all__ = ["write_report"]
 
@@ -97,11 +98,17 @@ def _smoothing_plot(manifest: dict, path: Path, groups: int = 3) -> bool:
     return True
 
 
-def write_report(artifact, out_dir) -> Path:
-    """Write ``report.md`` and its PNGs into ``out_dir``; returns the page's path."""
-    artifact, out_dir = Path(artifact), Path(out_dir)
+def write_report(artifact, out_dir, *, overwrite: bool = False) -> Path:
+    """Write ``report.md`` and its PNGs as the folder ``out_dir`` (published atomically, only over an
+    earlier report unless ``overwrite``); returns the page's path."""
+    artifact, final = Path(artifact), Path(out_dir)
     manifest = read_manifest(artifact)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    with publish_directory(final, "report", overwrite=overwrite, protect=[artifact]) as out_dir:
+        _write_page(artifact, manifest, out_dir)
+    return final / "report.md"
+
+
+def _write_page(artifact: Path, manifest: dict, out_dir: Path) -> None:
     recipe = manifest["recipe"]
     lines = [f"# qcompiler report: {artifact.name}", "",
              f"Model {manifest['capture']['model_class']} from {manifest['metadata'].get('source', '?')}, "
@@ -126,6 +133,4 @@ def write_report(artifact, out_dir) -> Path:
     if _smoothing_plot(manifest, out_dir / "smoothing.png"):
         lines += ["## SmoothQuant scales", "", "![smoothing](smoothing.png)", "",
                   "Smoothing divides each activation channel by s_j; the flatter 'after' curve is what int8 sees.", ""]
-    page = out_dir / "report.md"
-    page.write_text("\n".join(lines))
-    return page
+    (out_dir / "report.md").write_text("\n".join(lines))

@@ -7,6 +7,7 @@ every block is done, each linear node is swapped for the method's op(s).
 from __future__ import annotations
 
 import time
+import warnings
 from typing import Callable, NamedTuple, Optional
 
 import torch
@@ -15,12 +16,13 @@ from torch.fx import GraphModule
 from .calibration import CalibrationEngine
 from .errors import QuantizationError
 from .gptq import QuantResult, output_error
-from .graph import LinearLayer, block_of, drop_attr_if_unused, find_linears, set_tensor
+from .graph import LinearLayer, block_of, drop_attr_if_unused, find_linears, is_router, set_tensor
 from .ops import pack_gptq
 from .packing import packed_length
 from .pass_base import PassContext
 
-__all__ = ["LayerQuant", "quantize_block_linears", "gptq_layer_quant", "replace_linear", "check_packable"]
+__all__ = ["LayerQuant", "quantize_block_linears", "gptq_layer_quant", "replace_linear", "check_packable",
+           "UnpackableLayer"]
 
 
 class LayerQuant(NamedTuple):
@@ -34,13 +36,17 @@ class LayerQuant(NamedTuple):
 QuantizeFn = Callable[[LinearLayer, torch.Tensor, Optional[torch.Tensor]], LayerQuant]
 
 
+class UnpackableLayer(QuantizationError):
+    """A layer whose shape the packed layout cannot hold: it is skipped with a note, the rest quantize."""
+
+
 def check_packable(layer: LinearLayer, W: torch.Tensor, bits: int) -> None:
     for dim, size in (("in_features", W.shape[1]), ("out_features", W.shape[0])):
         try:
             packed_length(size, bits)
         except ValueError as exc:
-            raise QuantizationError(f"layer {layer.path}: {dim}={size} cannot be stored in the GPTQ "
-                                    f"layout at {bits} bits ({exc})") from None
+            raise UnpackableLayer(f"layer {layer.path}: {dim}={size} cannot be stored in the GPTQ "
+                                  f"layout at {bits} bits ({exc})") from None
 
 
 def _store_dequantized(gm: GraphModule, layer: LinearLayer, W_hat: torch.Tensor) -> None:
@@ -53,9 +59,20 @@ def quantize_block_linears(gm: GraphModule, ctx: PassContext, *, quantize: Quant
     record = ctx.record
     done: list[tuple[LinearLayer, LayerQuant]] = []
 
+    skipped: list[str] = []
+
+    def skip(layer: LinearLayer, why: str) -> None:
+        skipped.append(layer.path)
+        record.notes.append(f"{layer.path}: kept in full precision ({why})")
+        ctx.log(f"  {layer.path}: kept in full precision ({why})")
+
     def finish(layer: LinearLayer, W: torch.Tensor, H: Optional[torch.Tensor], start: float) -> None:
+        if is_router(layer.path):
+            return skip(layer, "mixture-of-experts router")
         try:
             result = quantize(layer, W, H)
+        except UnpackableLayer as exc:
+            return skip(layer, str(exc).split(": ", 1)[-1])
         except QuantizationError as exc:
             raise QuantizationError(exc.args[0] if str(exc).startswith("layer ") else f"layer {layer.path}: {exc}") from None
         _store_dequantized(gm, layer, result.dequantized)
@@ -90,6 +107,12 @@ def quantize_block_linears(gm: GraphModule, ctx: PassContext, *, quantize: Quant
     for layer, result in done:
         result.rewrite(gm, layer)
     gm.graph.eliminate_dead_code()
+    if not done:
+        record.notes.append("nothing was quantized: " + (f"every eligible layer was kept in full precision "
+                            f"({len(skipped)})" if skipped else "no unquantized linear layer inside a transformer block "
+                            "(an earlier pass quantized them, or the model's linears lie outside numbered "
+                            "blocks such as model.layers.N; lm_head is never quantized)"))
+        warnings.warn(f"qcompiler: {record.name} quantized no layer: {record.notes[-1]}", stacklevel=2)
     return bool(done)
 
 

@@ -26,14 +26,26 @@ def test_quantize_save_load_eval_export_run_agree(artifact, tmp_path, capsys):
     from qcompiler.quality import QualityJudge
     judge = QualityJudge(load("tinylm"), max_windows=8)
     assert figures["quantized"] == pytest.approx(judge.score(cm), rel=1e-6)
-    assert 0 < figures["loss"] < 0.05           # 4-bit GPTQ costs little perplexity
+    # 4-bit GPTQ costs little perplexity; on 8 windows it may even gain a little (measured -0.0003),
+    # so bound the change from both sides, and check separately that the model did change.
+    assert abs(figures["loss"]) < 0.05
+    ids = torch.randint(0, 256, (1, 16), generator=torch.Generator().manual_seed(2))
+    assert not torch.equal(cm(input_ids=ids).logits, load("tinylm").model(input_ids=ids, use_cache=False).logits)
     # ONNX export of the artifact runs in ONNX Runtime and matches the reloaded graph
     assert main(["export", str(artifact), "--format", "onnx", "--accuracy-level", "0",
                  "--out", str(tmp_path / "m.onnx")]) == 0
     import onnxruntime as ort
+
+    from qcompiler.backends.onnx_export import cache_io_names
+    from qcompiler.causal_lm import graph_inputs
     session = ort.InferenceSession(str(tmp_path / "m.onnx"), providers=["CPUExecutionProvider"])
     ids = torch.randint(0, 256, (1, 24), generator=torch.Generator().manual_seed(1))
-    (logits,) = session.run(None, {session.get_inputs()[0].name: ids.numpy()})
+    inputs = graph_inputs(cm.cache_layout, ids)         # the KV-cache graph, empty past (prefill)
+    names = cache_io_names(cm.cache_layout)
+    feeds = {"input_ids": ids.numpy(), "attention_mask": inputs["attention_mask"].numpy(),
+             "position_ids": inputs["position_ids"].numpy(),
+             **{names[f"past_{i}"]: t.numpy() for i, t in enumerate(inputs["past"])}}
+    logits = session.run(["logits"], feeds)[0]
     expected = cm(input_ids=ids).logits.numpy()
     assert np.abs(logits - expected).max() / np.abs(expected).max() < 1e-5  # level 0: fp32 activations
     assert main(["inspect", str(artifact)]) == 0
@@ -106,3 +118,15 @@ def test_report_of_spqr_has_the_outlier_heat_map(tmp_path):
     assert main(["report", str(art), "--out", str(tmp_path / "rep")]) == 0
     assert "SpQR outliers" in (tmp_path / "rep" / "report.md").read_text()
     assert (tmp_path / "rep" / "outliers.png").stat().st_size > 1000
+
+
+def test_generate_streams_the_artifacts_greedy_continuation(artifact, capsys):
+    prompt = "class Parser:\n    def __init__(self"
+    assert main(["generate", str(artifact), "--prompt", prompt, "--max-new-tokens", "24"]) == 0
+    printed = capsys.readouterr().out
+    cm, loaded = qc.load(artifact), load("tinylm")
+    expected = loaded.decode(cm.generate(loaded.encode(prompt), 24)[0])
+    assert printed.rstrip("\n") == expected.rstrip("\n")
+    assert main(["generate", str(artifact), "--prompt", "import os", "--prompt", "def f(", "--max-new-tokens",
+                 "4", "--backend", "onnxruntime"]) == 0
+    assert printed and "'import os' -> " in capsys.readouterr().out

@@ -116,6 +116,7 @@ def test_unmapped_op_is_named(tmp_path):
     assert not (tmp_path / "m.onnx").exists()
 
 
+@pytest.mark.slow
 def test_minilm_quality_through_ort_matches_eager(minilm):
     from qcompiler.quality import QualityJudge
     judge = QualityJudge(minilm, sentences=64)

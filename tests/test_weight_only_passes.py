@@ -73,9 +73,14 @@ def test_plain_module_blocks_and_unpackable_layer_is_named():
     cm = qc.compile(Stack(), (x,), recipe=[qc.passes.GPTQ(bits=4, group_size=32)],
                     calibration=[(torch.randn(4, 8, 32),)], progress=False)
     assert sum(n.target is QL for n in cm.graph_module.graph.nodes) == 4
-    with pytest.raises(qc.PassError, match=r"layer layers\.0\.fc1: in_features=36 cannot be stored"):
-        qc.compile(Stack(d=36), (torch.randn(2, 5, 36),), recipe=[qc.passes.RTN(bits=3, group_size=-1)],
-                   progress=False)
+    # a layer the packed layout cannot hold is kept in FP with a note naming it (here: all of them,
+    # which the report and a warning say loudly)
+    with pytest.warns(UserWarning, match="RTN quantized no layer"):
+        cm = qc.compile(Stack(d=36), (torch.randn(2, 5, 36),), recipe=[qc.passes.RTN(bits=3, group_size=-1)],
+                        progress=False)
+    notes = " ".join(cm.report.passes[0].notes)
+    assert "layers.0.fc1: kept in full precision (in_features=36 cannot be stored" in notes, notes
+    assert "nothing was quantized" in notes and not cm.report.passes[0].modified
 
 
 def test_pass_settings_are_validated_when_made():

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -10,11 +11,12 @@ import torch
 from safetensors.torch import save_file
 from torch.fx import GraphModule, Node
 
-from ..atomic import atomic_directory
+from ..atomic import publish_directory
 from ..errors import QCompilerError
 from ..graph import get_tensor, module_path
 
-__all__ = ["ExportError", "QuantLayer", "quantized_layers", "fp_tensors", "write_checkpoint", "model_config_of"]
+__all__ = ["ExportError", "QuantLayer", "quantized_layers", "fp_tensors", "write_checkpoint", "model_config_of",
+           "source_files", "TOKENIZER_FILES"]
 
 
 class ExportError(QCompilerError):
@@ -70,16 +72,36 @@ def model_config_of(gm: GraphModule) -> dict:
     return config
 
 
+# What a loader needs beside the weights, copied from the folder the model came from.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+                   "vocab.json", "vocab.txt", "merges.txt", "added_tokens.json", "generation_config.json",
+                   "chat_template.jinja")
+
+
+def source_files(gm: GraphModule) -> dict[str, Path]:
+    """Tokenizer and generation files of the model's source folder (none for a model built in code)."""
+    source = getattr(gm.meta.get("qcompiler"), "source_path", None)
+    if not source or not Path(source).is_dir():
+        return {}
+    return {name: Path(source) / name for name in TOKENIZER_FILES if (Path(source) / name).is_file()}
+
+
 def write_checkpoint(out_dir, tensors: dict[str, torch.Tensor], config: dict,
-                     extra_files: Optional[dict[str, dict]] = None) -> Path:
-    """``model.safetensors`` + ``config.json`` (+ extra JSON files), atomically."""
+                     extra_files: Optional[dict[str, dict]] = None, *, kind: str, copy_files=None,
+                     overwrite: bool = False, protect=()) -> Path:
+    """``model.safetensors`` + ``config.json`` (+ extra JSON files, + ``copy_files`` such as the
+    tokenizer), published atomically and only over an earlier export of the same ``kind``."""
     out_dir = Path(out_dir)
     unique, seen = {}, set()
     for name, t in tensors.items():  # safetensors refuses tensors that share storage (tied embeddings)
         key = (t.data_ptr(), tuple(t.shape))
         unique[name] = t.clone() if key in seen else t.contiguous()
         seen.add(key)
-    with atomic_directory(out_dir) as tmp:
+    copy_files = dict(copy_files or {})
+    protect = (*protect, *{str(p.parent) for p in copy_files.values()})
+    with publish_directory(out_dir, kind, overwrite=overwrite, protect=protect) as tmp:
+        for name, src in copy_files.items():
+            shutil.copyfile(src, tmp / name)
         save_file(unique, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         for name, data in (extra_files or {}).items():
             (tmp / name).write_text(json.dumps(data, indent=2) + "\n")

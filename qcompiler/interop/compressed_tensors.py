@@ -17,7 +17,7 @@ from torch.fx import Node
 
 from ..graph import find_linears, get_tensor, module_path
 from ..packing import unpack_cols
-from .checkpoint import ExportError, fp_tensors, model_config_of, write_checkpoint
+from .checkpoint import ExportError, fp_tensors, model_config_of, source_files, write_checkpoint
 
 __all__ = ["export_compressed_tensors"]
 
@@ -72,7 +72,7 @@ def _int8_layer(gm, node: Node, path: str) -> tuple[dict, dict]:
 _WRITERS = {torch.ops.qc.quant_linear.default: _gptq_layer, torch.ops.qc.int8_linear.default: _int8_layer}
 
 
-def export_compressed_tensors(cm, out_dir, *, progress=print):
+def export_compressed_tensors(cm, out_dir, *, progress=print, overwrite: bool = False):
     """Write ``cm`` as a compressed-tensors checkpoint folder (atomic)."""
     gm = cm.graph_module if hasattr(cm, "graph_module") else cm
     config = model_config_of(gm)
@@ -103,4 +103,5 @@ def export_compressed_tensors(cm, out_dir, *, progress=print):
     }
     progress(f"compressed-tensors checkpoint: {sum(len(p) for _, p in groups.values())} layers in "
              f"{len(groups)} scheme group(s)")
-    return write_checkpoint(out_dir, tensors, config)
+    return write_checkpoint(out_dir, tensors, config, kind="compressed-tensors", copy_files=source_files(gm),
+                            overwrite=overwrite)

@@ -22,7 +22,8 @@ import torch
 from safetensors.torch import load_file
 
 from ..packing import pack_cols, unpack_cols
-from .checkpoint import ExportError, fp_tensors, model_config_of, quantized_layers, write_checkpoint
+from .checkpoint import (ExportError, fp_tensors, model_config_of, quantized_layers, source_files,
+                         write_checkpoint)
 
 __all__ = ["export_gptq", "import_gptq", "zeros_to_v1", "zeros_from_v1"]
 
@@ -43,7 +44,7 @@ def _is_act_order(g_idx: torch.Tensor, group_size: int) -> bool:
     return not torch.equal(g_idx.long(), torch.arange(g_idx.numel()) // group_size)
 
 
-def export_gptq(cm, out_dir, *, zero_format: str = "auto", progress=print) -> Path:
+def export_gptq(cm, out_dir, *, zero_format: str = "auto", progress=print, overwrite: bool = False) -> Path:
     """Write ``cm``'s GPTQ/RTN layers as a GPTQ Hugging Face checkpoint folder (atomic)."""
     if zero_format not in ("auto", "v1", "v2"):
         raise ValueError(f"zero_format must be 'auto', 'v1' or 'v2', got {zero_format!r}")
@@ -75,7 +76,8 @@ def export_gptq(cm, out_dir, *, zero_format: str = "auto", progress=print) -> Pa
     config["quantization_config"] = quant
     progress(f"GPTQ checkpoint: {len(layers)} layers, {bits}-bit, group {group_size}, "
              f"{'v1' if v1 else 'v2'} zero points{'' if v1 else ' (some zeros are 0: v1 cannot hold them)'}")
-    return write_checkpoint(out_dir, tensors, config, {"quantize_config.json": quant})
+    return write_checkpoint(out_dir, tensors, config, {"quantize_config.json": quant}, kind="gptq",
+                            copy_files=source_files(gm), overwrite=overwrite)
 
 
 def import_gptq(folder):

@@ -15,9 +15,9 @@ from typing import Any, Optional
 
 import torch
 
-from ..data import ByteTokenizer, calibration_windows, stdlib_sentences
+from ..data import ByteTokenizer, random_windows, stdlib_sentences, stdlib_text, stdlib_tokens
 
-__all__ = ["LoadedModel", "load", "TINYLM_DIR", "minilm_dir"]
+__all__ = ["LoadedModel", "load", "tokenizer_for", "TINYLM_DIR", "minilm_dir"]
 
 TINYLM_DIR = Path(__file__).resolve().parent / "tinylm"
 
@@ -44,15 +44,43 @@ class LoadedModel:
     def example_inputs(self, batch: int = 2, seq: int = 16) -> dict:
         ids = torch.randint(0, min(self.model.config.vocab_size, 256), (batch, seq),
                             generator=torch.Generator().manual_seed(0))
-        if self.kind == "causal-lm":
-            return {"input_ids": ids, "use_cache": False}
+        if self.kind == "causal-lm":  # captured with its KV cache: the compiled model can generate()
+            return {"input_ids": ids}
         return {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+
+    def encode(self, text: str) -> torch.Tensor:
+        """A prompt as ``[1, S]`` token ids."""
+        if self.tokenizer is None:
+            raise ValueError(f"model {self.name} has no tokenizer to turn the prompt into tokens")
+        ids = self.tokenizer.encode(text)
+        return torch.as_tensor(ids, dtype=torch.long).reshape(1, -1)
+
+    def decode(self, ids) -> str:
+        ids = [int(i) for i in torch.as_tensor(ids).reshape(-1)]
+        return self.tokenizer.decode(ids) if self.tokenizer is not None else " ".join(map(str, ids))
+
+    def tokens(self, split: str) -> torch.Tensor:
+        """The bundled text's ``split`` as token ids of *this model's* tokenizer (byte ids only for a
+        byte-level model); a model without a tokenizer is refused rather than fed byte ids."""
+        if isinstance(self.tokenizer, ByteTokenizer):
+            return stdlib_tokens(split)
+        if self.tokenizer is None:
+            raise ValueError(f"model {self.name} has no tokenizer files, so the bundled text cannot be turned "
+                             f"into its tokens; pass token ids, or add the tokenizer to the folder")
+        ids = torch.as_tensor(self.tokenizer.encode(stdlib_text(split), add_special_tokens=False), dtype=torch.long)
+        if ids.numel() and int(ids.max()) >= self.model.config.vocab_size:
+            raise ValueError(f"model {self.name}: its tokenizer yields id {int(ids.max())} but the model's vocab_size "
+                             f"is {self.model.config.vocab_size} (tokenizer and weights do not match)")
+        return ids
 
     def calibration(self, count: int = 32, length: int = 128, *, seed: int = 0, batch_size: int = 8) -> list[dict]:
         """Calibration batches from the training split (token windows, or tokenized sentences)."""
         if self.kind == "causal-lm":
-            windows = calibration_windows(count, length, seed=seed, max_length=self.max_length)
-            return [{"input_ids": w, "use_cache": False} for w in windows.split(batch_size)]
+            if length > self.max_length:
+                raise ValueError(f"calibration windows of {length} tokens exceed the model's context of "
+                                 f"{self.max_length}")
+            windows = random_windows(self.tokens("train"), count, length, seed=seed)
+            return [{"input_ids": w} for w in windows.split(batch_size)]
         return self._sentence_batches(stdlib_sentences("train", count), length, batch_size)
 
     def calibration_from_text(self, text: str, count: int = 32, length: int = 128, *,
@@ -69,7 +97,7 @@ class LoadedModel:
         ids = torch.as_tensor(ids, dtype=torch.long).reshape(-1)
         length = min(length, self.max_length, ids.numel())
         windows = ids[: (ids.numel() // length) * length].reshape(-1, length)[:count]
-        return [{"input_ids": w, "use_cache": False} for w in windows.split(batch_size)]
+        return [{"input_ids": w} for w in windows.split(batch_size)]
 
     def _sentence_batches(self, sentences: list[str], length: int, batch_size: int) -> list[dict]:
         batches = []
@@ -104,7 +132,8 @@ def load(name_or_path: str | Path) -> LoadedModel:
     else:
         path, label = Path(name_or_path).expanduser(), str(name_or_path)
     _check_folder(path)
-    config = AutoConfig.from_pretrained(path)
+    _refuse_custom_code(path)
+    config = AutoConfig.from_pretrained(path, trust_remote_code=False)  # never run a folder's own code
     return loaded_from_model(label, config, path, weights=True)
 
 
@@ -114,17 +143,60 @@ def loaded_from_model(label: str, config, path: Path, *, weights: bool = False) 
 
     causal = any(a.endswith("ForCausalLM") for a in (config.architectures or []))
     cls = AutoModelForCausalLM if causal else AutoModel
-    model = (cls.from_pretrained(path, use_safetensors=True, dtype=torch.float32) if weights
-             else cls.from_config(config, dtype=torch.float32)).eval()
+    if weights:
+        model, info = cls.from_pretrained(path, use_safetensors=True, dtype=torch.float32, trust_remote_code=False,
+                                          output_loading_info=True)
+        _check_loading(path, info)
+    else:
+        model = cls.from_config(config, dtype=torch.float32)
+    model.eval()
     tokenizer: Optional[Any]
     if (path / "tokenizer.json").is_file() or (path / "tokenizer_config.json").is_file():
-        tokenizer = AutoTokenizer.from_pretrained(path)
+        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=False)
     elif config.vocab_size == ByteTokenizer.vocab_size:
         tokenizer = ByteTokenizer()
     else:
         tokenizer = None
     max_length = int(getattr(config, "max_position_embeddings", 512))
     return LoadedModel(label, model, tokenizer, "causal-lm" if causal else "encoder", max_length)
+
+
+def tokenizer_for(name_or_path: str):
+    """The tokenizer of a bundled model or a local folder, without loading its weights."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    name = str(name_or_path).removeprefix("bundled:")
+    path = TINYLM_DIR if name == "tinylm" else minilm_dir() if name == "minilm" else Path(name_or_path).expanduser()
+    _check_folder(path)
+    _refuse_custom_code(path)
+    if (path / "tokenizer.json").is_file() or (path / "tokenizer_config.json").is_file():
+        return AutoTokenizer.from_pretrained(path, trust_remote_code=False)
+    if AutoConfig.from_pretrained(path, trust_remote_code=False).vocab_size == ByteTokenizer.vocab_size:
+        return ByteTokenizer()
+    raise ValueError(f"model folder {path} has no tokenizer files (tokenizer.json / tokenizer_config.json)")
+
+
+def _refuse_custom_code(path: Path) -> None:
+    try:
+        config = json.loads((path / "config.json").read_text())
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ValueError(f"model folder {path}: config.json is not valid JSON ({e})") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"model folder {path}: config.json is not a JSON object")
+    if config.get("auto_map"):
+        raise ValueError(f"model folder {path} ships its own model code (auto_map in config.json); qcompiler never "
+                         f"runs code from a model folder: use an architecture that transformers implements")
+
+
+def _check_loading(path: Path, info: dict) -> None:
+    """Every parameter must come from the checkpoint: transformers would initialize a missing one
+    at random and carry on."""
+    for key, what in (("missing_keys", "is missing"), ("mismatched_keys", "has the wrong shape for"),
+                      ("unexpected_keys", "holds tensors the model does not have")):
+        names = sorted(str(n if isinstance(n, str) else n[0]) for n in info.get(key) or ())
+        if names:
+            shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+            raise ValueError(f"model folder {path}: the checkpoint {what} {shown}")
 
 
 def training_record() -> dict:

@@ -1,0 +1,128 @@
+"""Decode speed with the KV cache: tokens/s per engine, batch 1, one thread, side by side.
+
+    python benchmarks/generate.py                 # bundled tinylm + a ~0.5 B LLaMA (random weights)
+    python benchmarks/generate.py --quick         # tinylm only, fewer tokens (smoke run)
+
+Per model: a prompt of --prompt tokens, then --new greedy tokens; decode tokens/s counts the steps
+after the first token (the prefill is timed apart). Engines, all on the same weights:
+transformers ``generate`` (FP32), qcompiler eager FP32 and quantized, and qcompiler's onnxruntime
+backend (the ONNX export with past/present KV tensors) FP32 and quantized. Rounds are interleaved
+(each round runs every engine once) and the table gives the median with min-max.
+The 0.5 B model has random weights, so it is quantized with RTN: decode speed depends only on the
+stored layout (``qc.quant_linear`` / ``MatMulNBits`` 4-bit g128), which GPTQ and RTN share.
+Writes benchmarks/results/generate.json.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from quality import write_atomically  # noqa: E402
+
+import qcompiler as qc  # noqa: E402
+from qcompiler import models  # noqa: E402
+from qcompiler.generation import timed_generation  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results" / "generate.json"
+
+
+def llama_05b():
+    from transformers import LlamaConfig, LlamaForCausalLM
+    config = LlamaConfig(vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=32,
+                         num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=1024)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).eval()
+    ids = torch.randint(0, 32000, (1, 16))
+    calib = [{"input_ids": torch.randint(0, 32000, (2, 64), generator=torch.Generator().manual_seed(1))}]
+    return model, ids, calib, "rtn-w4g128"
+
+
+def hf_engine(model):
+    class HF:
+        def stream(self, ids, new, **_):
+            # transformers generate has no per-token timing hook without a streamer; use one
+            from transformers.generation.streamers import BaseStreamer
+            stamps = []
+
+            class Clock(BaseStreamer):
+                def put(self, value):
+                    stamps.append((time.perf_counter(), value))
+
+                def end(self):
+                    pass
+            model.generate(ids, max_new_tokens=new, min_new_tokens=new, do_sample=False, streamer=Clock())
+            for _, value in stamps[1:]:       # the first put() is the prompt
+                yield value.reshape(-1)
+    return HF()
+
+
+def run_model(label, model, example, calib, recipe, prompt_len, new, rounds):
+    vocab = model.config.vocab_size
+    ids = torch.randint(3, vocab, (1, prompt_len), generator=torch.Generator().manual_seed(0))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        fp = qc.compile(model, {"input_ids": example}, recipe="none", progress=False)
+        quant = qc.compile(model, {"input_ids": example}, recipe=recipe, calibration=calib, progress=False)
+        engines = {
+            "transformers FP32": hf_engine(model),
+            "qcompiler eager FP32": fp,
+            f"qcompiler eager {recipe}": quant,
+            "onnxruntime FP32": fp.with_backend("onnxruntime", threads=1),
+            f"onnxruntime {recipe}": quant.with_backend("onnxruntime", threads=1),
+        }
+    speeds = {name: [] for name in engines}
+    for _ in range(rounds):
+        for name, engine in engines.items():
+            if name == "transformers FP32":
+                stamps = [time.perf_counter() for _ in engine.stream(ids, new)]
+                speeds[name].append((len(stamps) - 1) / (stamps[-1] - stamps[0]))
+            else:
+                speeds[name].append(timed_generation(engine, ids, new)["decode_tokens_per_second"])
+    rows = []
+    fp32 = statistics.median(speeds["onnxruntime FP32"])
+    for name, values in speeds.items():
+        med = statistics.median(values)
+        rows.append({"model": label, "engine": name, "decode_tok_s": round(med, 2),
+                     "min": round(min(values), 2), "max": round(max(values), 2),
+                     "vs_onnxruntime_fp32": round(med / fp32, 3)})
+        print(f"{label:10s} {name:32s} {med:9.1f} tok/s  [{min(values):.1f}-{max(values):.1f}]  "
+              f"{med / fp32:5.2f}x ORT FP32", flush=True)
+    return rows
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--prompt", type=int, default=128)
+    ap.add_argument("--new", type=int, default=128)
+    ap.add_argument("--rounds", type=int, default=3)
+    args = ap.parse_args(argv)
+    torch.set_num_threads(1)
+    new = 16 if args.quick else args.new
+    rows = []
+    tiny = models.load("tinylm")
+    rows += run_model("tinylm", tiny.model, tiny.example_inputs()["input_ids"], tiny.calibration(16),
+                      "gptq-w4g128", args.prompt, new, 1 if args.quick else args.rounds)
+    if not args.quick:
+        model, example, calib, recipe = llama_05b()
+        params = sum(p.numel() for p in model.parameters()) / 1e9
+        rows += run_model(f"llama-{params:.2f}B", model, example, calib, recipe, args.prompt, new, args.rounds)
+    record = {"threads": 1, "batch": 1, "prompt_tokens": args.prompt, "new_tokens": new,
+              "machine": f"{platform.machine()}, {platform.processor() or 'cpu'}, torch {torch.__version__}",
+              "rows": rows}
+    if not args.quick:
+        write_atomically(RESULTS, json.dumps(record, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

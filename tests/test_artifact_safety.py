@@ -1,0 +1,176 @@
+"""Artifacts are untrusted data: tampered files fail with a clear error and never run code.
+
+Each attack rewrites the file *and* its checksum in the manifest (an attacker can do both), so
+what stops it is the loader's validation, not the checksum. Every payload tries to create a
+marker file; the tests assert it never appears, at load or at the first call.
+"""
+import hashlib
+import json
+import shutil
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import qcompiler as qc
+from qcompiler.graph_format import ArtifactError, _OPERATORS
+from tiny_models import example_inputs, main_output, make_model
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    model = make_model("llama")
+    cm = qc.compile(model, example_inputs("llama"), recipe="rtn-w4g128", progress=False)
+    path = tmp_path_factory.mktemp("safety") / "art"
+    cm.save(path)
+    return path
+
+
+def _copy(saved, tmp_path):
+    target = tmp_path / "art"
+    shutil.copytree(saved, target)
+    return target
+
+
+def _resign(path):
+    manifest = json.loads((path / "manifest.json").read_text())
+    manifest["sha256"] = {name: hashlib.sha256((path / name).read_bytes()).hexdigest()
+                          for name in manifest["files"].values() if (path / name).is_file()}
+    (path / "manifest.json").write_text(json.dumps(manifest))
+
+
+def _tamper_graph(path, mutate):
+    graph = json.loads((path / "graph.json").read_text())
+    mutate(graph)
+    (path / "graph.json").write_text(json.dumps(graph))
+    _resign(path)
+
+
+def _payload(marker):
+    return f"__import__('pathlib').Path({str(marker)!r}).touch()"
+
+
+def _load_and_call(path):
+    cm = qc.load(path)
+    cm(**example_inputs("llama", batch=1, seq=4))
+    return cm
+
+
+def _first(graph, op):
+    return next(n for n in graph["nodes"] if n["op"] == op)
+
+
+ROUTES = {
+    # an extra entry in the pytree spec's argument list lands in the generated signature
+    "pytree orig_args": lambda g, p: g["pytree"]["orig_args"].append(f"x={p}"),
+    # a placeholder target is a parameter name of the generated forward()
+    "placeholder target": lambda g, p: _first(g, "placeholder").update(target=f"input_ids={p}"),
+    # a keyword-argument name is written as `name=value` into a call
+    "kwarg name": lambda g, p: _first(g, "call_function")["kwargs"].update({f"x=({p}) or 1, y": 1}),
+    # allow-listed operator functions that reach attributes: attrgetter -> __globals__ -> exec
+    "operator.attrgetter": lambda g, p: _first(g, "call_function").update(target="operator.attrgetter"),
+    "operator.methodcaller": lambda g, p: _first(g, "call_function").update(target="operator.methodcaller"),
+    # a tensor name becomes getattr(self, "<part>") in source when a part is not an identifier
+    "get_attr target": lambda g, p: (_first(g, "get_attr").update(target=f'w"); {p}; ("'),
+                                     g["tensor_kinds"].update({f'w"); {p}; ("': "parameter"})),
+    "node name": lambda g, p: _first(g, "call_function").update(name=f"x = {p}; y"),
+    # keys of the input spec's dict are quoted into the generated source
+    "in_spec key": lambda g, p: g["pytree"].update(
+        in_spec=g["pytree"]["in_spec"].replace('\\"use_cache\\"', json.dumps(json.dumps(f"u'+{p}+'"))[2:-2])),
+    "output type import": lambda g, p: g["pytree"].update(
+        out_spec=g["pytree"]["out_spec"].replace("transformers.modeling_outputs", "os.path")),
+    "foreign call target": lambda g, p: _first(g, "call_function").update(target="os.system"),
+    "file-system aten op": lambda g, p: _first(g, "call_function").update(target="torch.ops.aten.from_file.default"),
+}
+
+
+@pytest.mark.parametrize("route", list(ROUTES))
+def test_code_execution_routes_are_refused(route, saved, tmp_path):
+    path, marker = _copy(saved, tmp_path), tmp_path / "PWNED"
+    _tamper_graph(path, lambda g: ROUTES[route](g, _payload(marker)))
+    with pytest.raises(ArtifactError) as info:
+        _load_and_call(path)
+    assert not marker.exists(), f"{route}: the payload ran"
+    assert "\n" not in str(info.value) and len(str(info.value)) < 400
+
+
+def test_manifest_file_names_stay_inside_the_artifact(saved, tmp_path):
+    path = _copy(saved, tmp_path)
+    manifest = json.loads((path / "manifest.json").read_text())
+    manifest["files"]["graph"] = "../../etc/passwd"
+    (path / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(ArtifactError, match="not a plain name inside the artifact"):
+        qc.load(path)
+
+
+def test_a_corrupted_tensor_is_detected_by_its_checksum(saved, tmp_path):
+    path = _copy(saved, tmp_path)
+    data = bytearray((path / "tensors.safetensors").read_bytes())
+    data[-3] ^= 0x40                      # still a valid safetensors file, one weight changed
+    (path / "tensors.safetensors").write_bytes(bytes(data))
+    with pytest.raises(ArtifactError, match="tensors.safetensors does not match its SHA-256"):
+        qc.load(path)
+
+
+def _string_slots(value, path=()):
+    """(path, is_key) of every string value and dict key in a JSON document."""
+    if isinstance(value, dict):
+        for k, v in value.items():
+            yield path + (k,), True
+            yield from _string_slots(v, path + (k,))
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            yield from _string_slots(v, path + (i,))
+    elif isinstance(value, str):
+        yield path, False
+
+
+def _replace(doc, path, is_key, text):
+    *parents, last = path
+    holder = doc
+    for p in parents:
+        holder = holder[p]
+    if is_key:
+        holder[text] = holder.pop(last)
+    else:
+        holder[last] = text
+
+
+ALLOWED_TARGETS = set(_OPERATORS.values())
+
+
+@settings(max_examples=60, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(data=st.data())
+def test_fuzzed_graph_files_fail_cleanly_or_load_only_allowed_targets(data, saved, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("fuzz")
+    path, marker = _copy(saved, tmp), tmp / "PWNED"
+    graph = json.loads((saved / "graph.json").read_text())
+    slots = list(_string_slots(graph))
+    for _ in range(data.draw(st.integers(1, 3))):
+        slot, is_key = data.draw(st.sampled_from(slots))
+        text = data.draw(st.sampled_from([
+            _payload(marker), f"x={_payload(marker)}", f'a"); {_payload(marker)}; ("', f"'+{_payload(marker)}+'",
+            "operator.attrgetter", "operator.call", "builtins.exec", "torch.ops.aten.from_file.default",
+            "", "0", "__class__", "a.b..c", "../x"]) | st.text(max_size=12))
+        try:
+            _replace(graph, slot, is_key, text)
+        except (KeyError, TypeError):
+            continue
+    (path / "graph.json").write_text(json.dumps(graph))
+    _resign(path)
+    try:
+        cm = qc.load(path)
+    except ArtifactError:
+        assert not marker.exists()
+        return
+    for node in cm.graph_module.graph.nodes:
+        if node.op == "call_function":
+            assert isinstance(node.target, torch._ops.OpOverload) or node.target in ALLOWED_TARGETS, node.target
+        assert node.op in ("placeholder", "get_attr", "call_function", "output")
+    try:
+        main_output(cm(**example_inputs("llama", batch=1, seq=4)))
+    except Exception:  # a mutated but well-formed graph may fail to run: it must not run code
+        pass
+    assert not marker.exists()

@@ -1,0 +1,261 @@
+"""The bad-input catalogue: one row per case, each a one-line message with a documented exit code,
+and nothing changed on disk (the working folder is hashed before and after).
+
+CLI rows: (id, argv template, exit code, words the message must contain). ``{x}`` placeholders
+name prepared inputs (see ``_prepare``). API rows: (id, callable, exception type, words).
+docs/reliability.md lists the same cases with their outcomes.
+"""
+import hashlib
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+import qcompiler as qc
+from qcompiler.atomic import OutputPathError
+from qcompiler.cli import main
+from qcompiler.errors import BackendError, CalibrationError, CaptureError, RecipeError
+from qcompiler.graph_format import ArtifactError
+from tiny_models import example_inputs, make_model
+
+BOMB = ('a: &a ["x","x","x","x","x","x","x","x","x"]\nb: &b [*a,*a,*a,*a,*a,*a,*a,*a,*a]\n'
+        'c: &c [*b,*b,*b,*b,*b,*b,*b,*b,*b]\npasses: [*c]\n')
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory):
+    """Every prepared input, written once; rows only read them."""
+    root = tmp_path_factory.mktemp("catalogue")
+    files = {}
+
+    def text(name, content, mode="w"):
+        path = root / name
+        path.write_bytes(content) if mode == "wb" else path.write_text(content)
+        files[name.replace(".", "_")] = path
+
+    text("bad.yaml", "passes: [\n")
+    text("typo.yaml", "passes:\n  - pass: GPTQ\n    group_sise: 64\n")
+    text("bits.yaml", "passes:\n  - pass: RTN\n    bits: '4'\n")
+    text("bomb.yaml", BOMB)
+    text("huge.yaml", "#" * (2 << 20))
+    text("recipe.json", "{}")
+    text("empty.txt", "  \n")
+    text("binary.bin", b"\x00\x01binary", "wb")
+    text("latin1.txt", "caf\xe9 ".encode("latin-1") * 10, "wb")
+    text("afile", "not a folder")
+    model = make_model("llama")
+    good = root / "model"
+    model.save_pretrained(good)
+    files["model"] = good
+    for name in ("nocfg", "pickle", "missing", "custom"):
+        shutil.copytree(good, root / name)
+        files[name] = root / name
+    (root / "nocfg" / "config.json").unlink()
+    for f in (root / "pickle").glob("*.safetensors"):
+        f.unlink()
+    (root / "pickle" / "pytorch_model.bin").write_bytes(b"pickle")
+    weights = next((root / "missing").glob("*.safetensors"))
+    tensors = load_file(weights)
+    tensors.pop("model.layers.1.mlp.down_proj.weight")
+    save_file(tensors, str(weights), metadata={"format": "pt"})
+    config = json.loads((root / "custom" / "config.json").read_text())
+    config["auto_map"] = {"AutoConfig": "configuration_evil.EvilConfig"}
+    (root / "custom" / "config.json").write_text(json.dumps(config))
+    (root / "custom" / "configuration_evil.py").write_text(f"open({str(root / 'PWNED')!r}, 'w')\n")
+    victim = root / "victim"
+    victim.mkdir()
+    (victim / "precious.txt").write_text("thesis")
+    files["victim"] = victim
+    (root / "link").symlink_to(victim)
+    files["link"] = root / "link"
+    thesis = root / "thesis.onnx"
+    thesis.write_text("my thesis")
+    files["thesis"] = thesis
+    cm = qc.compile(model, example_inputs("llama"), recipe="rtn-w4g128", progress=False)
+    cm.save(root / "art")
+    files["art"] = root / "art"
+    int8 = qc.compile(make_model("llama"), example_inputs("llama"), recipe="w8a8", progress=False)
+    int8.save(root / "int8")
+    files["int8"] = root / "int8"
+    for name, damage in (("badjson", lambda p: (p / "manifest.json").write_text("{")),
+                         ("corrupt", _flip_tensor_byte), ("traversal", _traverse),
+                         ("version", lambda p: _edit_manifest(p, version=99)),
+                         ("payload", _inject), ("truncated", _truncate)):
+        shutil.copytree(root / "art", root / name)
+        damage(root / name)
+        files[name] = root / name
+    files["root"] = root
+    return files
+
+
+def _edit_manifest(path, **changes):
+    manifest = json.loads((path / "manifest.json").read_text())
+    manifest.update(changes)
+    (path / "manifest.json").write_text(json.dumps(manifest))
+
+
+def _flip_tensor_byte(path):
+    data = bytearray((path / "tensors.safetensors").read_bytes())
+    data[-3] ^= 1
+    (path / "tensors.safetensors").write_bytes(bytes(data))
+
+
+def _truncate(path):
+    data = (path / "tensors.safetensors").read_bytes()
+    (path / "tensors.safetensors").write_bytes(data[: len(data) // 2])
+
+
+def _traverse(path):
+    manifest = json.loads((path / "manifest.json").read_text())
+    manifest["files"]["graph"] = "../../../etc/passwd"
+    (path / "manifest.json").write_text(json.dumps(manifest))
+
+
+def _inject(path):
+    graph = json.loads((path / "graph.json").read_text())
+    graph["pytree"]["orig_args"].append("x=__import__('os').system('id')")
+    (path / "graph.json").write_text(json.dumps(graph))
+    manifest = json.loads((path / "manifest.json").read_text())
+    manifest["sha256"]["graph.json"] = hashlib.sha256((path / "graph.json").read_bytes()).hexdigest()
+    (path / "manifest.json").write_text(json.dumps(manifest))
+
+
+Q = ["quantize", "{model}", "--recipe", "rtn-w4g128", "--samples", "2"]
+CLI_ROWS = [
+    # usage errors
+    ("unknown command", ["frobnicate"], 2, "No such command"),
+    ("quantize without model", ["quantize"], 2, "Missing argument"),
+    ("quantize without --out", ["quantize", "bundled:tinylm"], 2, "Missing option '--out'"),
+    ("unknown option", ["recipes", "--bogus"], 2, "No such option"),
+    ("bad --format choice", ["export", "{art}", "--format", "zip", "--out", "{root}/o"], 2, "Invalid value for '--format'"),
+    ("non-integer --samples", ["quantize", "bundled:tinylm", "--samples", "many", "--out", "{root}/o"], 2,
+     "Invalid value for '--samples'"),
+    ("bad --backend choice", ["eval", "{art}", "--backend", "tpu"], 2, "Invalid value for '--backend'"),
+    # recipes
+    ("unknown recipe name", ["quantize", "bundled:tinylm", "--recipe", "gptq-w5", "--out", "{root}/o"], 2, "gptq-w5"),
+    ("recipe: invalid YAML", ["quantize", "bundled:tinylm", "--recipe", "{bad_yaml}", "--out", "{root}/o"], 2, "not valid YAML"),
+    ("recipe: misspelt key", ["quantize", "bundled:tinylm", "--recipe", "{typo_yaml}", "--out", "{root}/o"], 2, "did you mean 'group_size'"),
+    ("recipe: wrong type", ["quantize", "bundled:tinylm", "--recipe", "{bits_yaml}", "--out", "{root}/o"], 2, "must be int"),
+    ("recipe: YAML alias bomb", ["quantize", "bundled:tinylm", "--recipe", "{bomb_yaml}", "--out", "{root}/o"], 2, "aliases"),
+    ("recipe: huge file", ["quantize", "bundled:tinylm", "--recipe", "{huge_yaml}", "--out", "{root}/o"], 2, "limited to"),
+    ("recipe: wrong extension", ["quantize", "bundled:tinylm", "--recipe", "{recipe_json}", "--out", "{root}/o"], 2, ".toml file"),
+    ("recipe: missing file", ["quantize", "bundled:tinylm", "--recipe", "{root}/no.yaml", "--out", "{root}/o"], 2, "does not exist"),
+    # model folders
+    ("model: missing folder", ["quantize", "{root}/nothing", "--out", "{root}/o"], 2, "does not exist"),
+    ("model: no config.json", ["quantize", "{nocfg}", "--out", "{root}/o"], 2, "no config.json"),
+    ("model: pickle weights only", ["quantize", "{pickle}", "--out", "{root}/o"], 2, "pickle checkpoints"),
+    ("model: a tensor missing", [*Q[:1], "{missing}", *Q[2:], "--out", "{root}/o"], 2, "model.layers.1.mlp.down_proj.weight"),
+    ("model: ships custom code", ["quantize", "{custom}", "--out", "{root}/o"], 2, "never runs code"),
+    ("model: a file, not a folder", ["quantize", "{afile}", "--out", "{root}/o"], 2, "does not exist"),
+    # calibration
+    ("calib: missing file", ["quantize", "bundled:tinylm", "--calib", "{root}/none.txt", "--out", "{root}/o"], 2, "does not exist"),
+    ("calib: empty", ["quantize", "bundled:tinylm", "--calib", "{empty_txt}", "--out", "{root}/o"], 2, "is empty"),
+    ("calib: binary", ["quantize", "bundled:tinylm", "--calib", "{binary_bin}", "--out", "{root}/o"], 2, "is not text"),
+    ("calib: not UTF-8", ["quantize", "bundled:tinylm", "--calib", "{latin1_txt}", "--out", "{root}/o"], 2, "not UTF-8"),
+    # output paths
+    ("--out holds user files", ["quantize", "bundled:tinylm", "--out", "{victim}"], 2, "precious.txt"),
+    ("--out is .", ["quantize", "bundled:tinylm", "--out", "."], 2, "refusing to write"),
+    ("--out is the cwd", ["quantize", "bundled:tinylm", "--out", "{cwd}"], 2, "current folder"),
+    ("--out is an ancestor of cwd", ["quantize", "bundled:tinylm", "--out", "{cwd}/.."], 2, "refusing to write"),
+    ("--out is /", ["quantize", "bundled:tinylm", "--out", "/", "--overwrite"], 2, "refusing to write"),
+    ("--out is home", ["quantize", "bundled:tinylm", "--out", "{home}", "--overwrite"], 2, "home folder"),
+    ("--out is the input model", ["quantize", "{model}", "--out", "{model}", "--overwrite"], 2, "holds the input"),
+    ("--out is a file", ["quantize", "bundled:tinylm", "--out", "{afile}"], 2, "it is a file"),
+    ("--out is a symlink", ["quantize", "bundled:tinylm", "--out", "{link}"], 2, "symbolic link"),
+    ("export gptq over user files", ["export", "{art}", "--format", "gptq", "--out", "{victim}"], 2, "precious.txt"),
+    ("export c-t over user files", ["export", "{art}", "--format", "compressed-tensors", "--out", "{victim}"], 2, "precious.txt"),
+    ("export c-t into the artifact", ["export", "{art}", "--format", "compressed-tensors", "--out", "{art}"], 2, "holds the input"),
+    ("export onnx over a user file", ["export", "{art}", "--format", "onnx", "--out", "{thesis}"], 2, "not an ONNX export"),
+    ("export onnx to a folder", ["export", "{art}", "--format", "onnx", "--out", "{victim}"], 2, "it is a folder"),
+    ("report over user files", ["report", "{art}", "--out", "{victim}"], 2, "precious.txt"),
+    # artifacts
+    ("inspect: not an artifact", ["inspect", "{victim}"], 2, "not a qcompiler artifact"),
+    ("inspect: missing folder", ["inspect", "{root}/nothing"], 2, "does not exist"),
+    ("artifact: manifest not JSON", ["export", "{badjson}", "--format", "gptq", "--out", "{root}/o"], 2, "not valid JSON"),
+    ("artifact: corrupted tensor", ["export", "{corrupt}", "--format", "gptq", "--out", "{root}/o"], 2, "SHA-256"),
+    ("artifact: truncated tensors", ["export", "{truncated}", "--format", "gptq", "--out", "{root}/o"], 2, "SHA-256"),
+    ("artifact: path traversal", ["export", "{traversal}", "--format", "gptq", "--out", "{root}/o"], 2, "plain name"),
+    ("artifact: future version", ["export", "{version}", "--format", "gptq", "--out", "{root}/o"], 2, "not supported"),
+    ("artifact: code injection", ["export", "{payload}", "--format", "gptq", "--out", "{root}/o"], 2, "refusing the pytree spec"),
+    ("export: int8 as GPTQ", ["export", "{int8}", "--format", "gptq", "--out", "{root}/o"], 2, "weight-only"),
+    ("export: bad zero format", ["export", "{art}", "--format", "gptq", "--zero-format", "v3", "--out", "{root}/o"], 2, "zero_format"),
+    ("eval: artifact without source", ["eval", "{art}"], 2, "does not record its source"),
+]
+
+
+def _tree_hash(root: Path) -> str:
+    digest = hashlib.sha256()
+    for path in sorted(root.rglob("*")):
+        digest.update(str(path.relative_to(root)).encode())
+        if path.is_file() and not path.is_symlink():
+            digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
+@pytest.mark.parametrize("case,argv,code,words", CLI_ROWS, ids=[r[0] for r in CLI_ROWS])
+def test_cli_catalogue(case, argv, code, words, inputs, capsys, monkeypatch, tmp_path):
+    cwd = tmp_path / "work" / "here"
+    cwd.mkdir(parents=True)
+    monkeypatch.chdir(cwd)
+    monkeypatch.setenv("HOME", str(tmp_path / "work"))
+    names = {k: str(v) for k, v in inputs.items()} | {"cwd": str(cwd), "home": str(tmp_path / "work")}
+    args = [a.format(**names) for a in argv]
+    before = _tree_hash(inputs["root"]), _tree_hash(tmp_path)
+    assert main(args) == code
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err and err[-1].startswith("error: ") and words in err[-1], err
+    assert not any("Traceback" in line for line in err)
+    assert (_tree_hash(inputs["root"]), _tree_hash(tmp_path)) == before, "something changed on disk"
+    assert not (inputs["root"] / "PWNED").exists()
+
+
+def test_no_arguments_prints_help_and_exits_0(capsys):
+    assert main([]) == 0
+    assert "quantize" in capsys.readouterr().out
+
+
+@pytest.fixture(scope="module")
+def compiled():
+    return qc.compile(make_model("llama"), example_inputs("llama"), recipe="rtn-w4g128", progress=False)
+
+
+def _ids(*shape, low=0, high=96, dtype=torch.long):
+    return torch.randint(low, high, shape, generator=torch.Generator().manual_seed(0)).to(dtype)
+
+
+API_ROWS = [
+    ("token id -1", lambda cm: cm(input_ids=_ids(1, 4) - 1 - _ids(1, 4).max()), ValueError, "token id -"),
+    ("token id >= vocab", lambda cm: cm(input_ids=_ids(1, 4) + 96), ValueError, "outside the model's vocabulary"),
+    ("float token ids", lambda cm: cm(input_ids=_ids(1, 4, dtype=torch.float32)), ValueError, "integer token ids"),
+    ("empty sequence", lambda cm: cm(input_ids=_ids(1, 0)), ValueError, "is empty"),
+    ("unknown recipe", lambda cm: qc.compile(make_model("llama"), example_inputs("llama"), recipe="gptq-w9"),
+     RecipeError, "gptq-w9"),
+    ("empty calibration", lambda cm: qc.compile(make_model("llama"), example_inputs("llama"), recipe="gptq-w4g128",
+                                                calibration=[], progress=False), CalibrationError, "empty"),
+    ("example of the wrong type", lambda cm: qc.compile(make_model("llama"), "text", recipe="none"),
+     CaptureError, "example_inputs must be"),
+    ("load a missing artifact", lambda cm: qc.load("/nonexistent/artifact"), ArtifactError, "does not exist"),
+    ("save over the cwd", lambda cm: cm.save(Path.cwd(), overwrite=True), OutputPathError, "current folder"),
+    ("ONNX export to a folder", lambda cm: cm.export_onnx(Path.cwd()), OutputPathError, "is a folder"),
+    ("unknown backend", lambda cm: qc.compile(make_model("llama"), example_inputs("llama"), recipe="none",
+                                              backend="tpu"), BackendError, "tpu"),
+]
+
+
+@pytest.mark.parametrize("case,call,error,words", API_ROWS, ids=[r[0] for r in API_ROWS])
+def test_api_catalogue(case, call, error, words, compiled, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(error) as info:
+        call(compiled)
+    assert words in str(info.value) and "\n" not in str(info.value).strip()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_the_reliability_page_lists_every_case():
+    page = (Path(__file__).resolve().parents[1] / "docs" / "reliability.md").read_text()
+    for case in [r[0] for r in CLI_ROWS] + [r[0] for r in API_ROWS]:
+        assert f"| {case} |" in page, f"docs/reliability.md does not list {case!r}"

@@ -1,0 +1,188 @@
+"""Writers never delete what qcompiler did not write, and a failure at any point keeps the old output."""
+import errno
+import json
+import os
+import random
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import qcompiler as qc
+from qcompiler.atomic import MARKER, OutputPathError
+from qcompiler.cli import main
+from qcompiler.interop import export_compressed_tensors, export_gptq
+from tiny_models import example_inputs, main_output, make_model
+
+
+@pytest.fixture(scope="module")
+def cm():
+    return qc.compile(make_model("llama"), example_inputs("llama"), recipe="rtn-w4g128", progress=False)
+
+
+def _victim(tmp_path) -> Path:
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (victim / "precious.txt").write_text("thesis")
+    return victim
+
+
+def _writers(cm):
+    return {
+        "save": lambda p, **kw: cm.save(p, **kw),
+        "gptq": lambda p, **kw: export_gptq(cm, p, progress=lambda _: None, **kw),
+        "compressed-tensors": lambda p, **kw: export_compressed_tensors(cm, p, progress=lambda _: None, **kw),
+    }
+
+
+@pytest.mark.parametrize("writer", ["save", "gptq", "compressed-tensors"])
+def test_a_folder_of_user_files_is_never_replaced(writer, cm, tmp_path):
+    write = _writers(cm)[writer]
+    victim = _victim(tmp_path)
+    with pytest.raises(OutputPathError, match=r"refusing to replace .*victim.*precious.txt.*--overwrite"):
+        write(victim)
+    assert (victim / "precious.txt").read_text() == "thesis"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["victim"]       # no temporary folder left
+    write(tmp_path / "fresh")                                              # a new folder: written
+    write(tmp_path / "fresh")                                              # its own earlier output: replaced
+    assert json.loads((tmp_path / "fresh" / MARKER).read_text())["kind"] in ("artifact", writer)
+    write(victim, overwrite=True)                                          # explicit consent
+    assert not (victim / "precious.txt").exists()
+
+
+def test_outputs_of_another_kind_are_not_replaced(cm, tmp_path):
+    export_gptq(cm, tmp_path / "ckpt", progress=lambda _: None)
+    with pytest.raises(OutputPathError, match="holds a qcompiler gptq output"):
+        cm.save(tmp_path / "ckpt")
+
+
+def test_onnx_export_never_replaces_a_foreign_file(cm, tmp_path):
+    thesis = tmp_path / "thesis.onnx"
+    thesis.write_text("my thesis")
+    with pytest.raises(OutputPathError, match="not an ONNX export of qcompiler"):
+        cm.export_onnx(thesis)
+    assert thesis.read_text() == "my thesis"
+    with pytest.raises(OutputPathError, match="it is a folder"):
+        cm.export_onnx(_victim(tmp_path))
+
+
+@pytest.mark.parametrize("where", [".", "..", "cwd", "cwd-parent", "home", "root", "source"])
+def test_dangerous_targets_are_refused_even_with_overwrite(where, cm, tmp_path, monkeypatch):
+    work = tmp_path / "a" / "b"
+    work.mkdir(parents=True)
+    (work / "keep.txt").write_text("x")
+    monkeypatch.chdir(work)
+    target = {".": Path("."), "..": Path(".."), "cwd": work, "cwd-parent": tmp_path / "a", "home": Path.home(),
+              "root": Path("/"), "source": tmp_path / "model"}[where]
+    if where == "source":
+        target.mkdir()
+    with pytest.raises(OutputPathError, match="refusing to write"):
+        cm.save(target, overwrite=True, protect=[tmp_path / "model"])
+    assert (work / "keep.txt").exists()
+
+
+def test_cli_refuses_user_folders_and_the_input_model_before_any_work(tmp_path, capsys):
+    victim = _victim(tmp_path)
+    start = time.perf_counter()
+    assert main(["quantize", "bundled:tinylm", "--out", str(victim)]) == 2
+    line = capsys.readouterr().err.strip()
+    assert line.startswith("error: refusing to replace") and "\n" not in line
+    assert time.perf_counter() - start < 5                                # refused before loading the model
+    model = tmp_path / "mymodel"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    assert main(["quantize", str(model), "--out", str(model)]) == 2
+    assert "refusing to write" in capsys.readouterr().err and (model / "config.json").exists()
+    assert (victim / "precious.txt").read_text() == "thesis"
+
+
+def test_stale_temporary_folders_of_killed_writers_are_removed(cm, tmp_path):
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    stale = tmp_path / f".art.qc-{dead.stdout.strip()}-x1.tmp"
+    stale.mkdir()
+    (stale / "half.bin").write_bytes(b"0" * 100)
+    cm.save(tmp_path / "art")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["art"]
+
+
+@pytest.mark.parametrize("code", [errno.ENOSPC, errno.EROFS, errno.EACCES])
+def test_a_failing_disk_keeps_the_previous_artifact(code, cm, tmp_path, monkeypatch, capsys):
+    import qcompiler.artifact as artifact
+    cm.save(tmp_path / "art")
+    before = (tmp_path / "art" / "manifest.json").read_bytes()
+
+    def fail(*args, **kwargs):
+        raise OSError(code, os.strerror(code), "tensors.safetensors")
+    monkeypatch.setattr(artifact, "save_file", fail)
+    with pytest.raises(OSError):
+        cm.save(tmp_path / "art")
+    assert (tmp_path / "art" / "manifest.json").read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["art"]
+    qc.load(tmp_path / "art")
+
+
+def test_ctrl_c_exits_130_and_leaves_nothing(tmp_path, monkeypatch, capsys):
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(qc, "compile", interrupted)
+    assert main(["quantize", "bundled:tinylm", "--recipe", "rtn-w4g128", "--out", str(tmp_path / "o")]) == 130
+    assert "interrupted" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
+
+
+_SAVER = """
+import sys, qcompiler as qc
+cm = qc.load(sys.argv[1])
+print("ready", flush=True)
+while True:
+    cm.save(sys.argv[1])
+"""
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_kill_9_at_random_points_keeps_a_loadable_artifact(seed, cm, tmp_path):
+    art = tmp_path / "art"
+    cm.save(art)
+    proc = subprocess.Popen([sys.executable, "-c", _SAVER, str(art)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "ready"
+        time.sleep(random.Random(seed).uniform(0.05, 1.0))
+    finally:
+        proc.kill()
+        proc.wait()
+    inputs = example_inputs("llama", batch=1, seq=5, seed=3)
+    assert main_output(qc.load(art)(**inputs)).equal(main_output(cm(**inputs)))
+    cm.save(art)                                                  # the next write cleans up after the killed one
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["art"]
+
+
+def test_a_reader_never_sees_a_mix_of_two_artifacts(tmp_path):
+    """Two artifacts (4-bit and 3-bit) saved in turn while another thread loads: every load's
+    recipe (manifest) agrees with its graph's bit width (graph.json)."""
+    a = qc.compile(make_model("llama"), example_inputs("llama"), recipe="rtn-w4g128", progress=False)
+    b = qc.compile(make_model("llama"), example_inputs("llama"), recipe="rtn-w3g128", progress=False)
+    art = tmp_path / "art"
+    a.save(art)
+    stop, mixed = threading.Event(), []
+
+    def writer():
+        while not stop.is_set():
+            for cm in (b, a):
+                cm.save(art)
+    thread = threading.Thread(target=writer)
+    thread.start()
+    try:
+        for _ in range(15):
+            loaded = qc.load(art)
+            graph_bits = {n.args[6] for n in loaded.graph_module.graph.nodes
+                          if n.target == torch.ops.qc.quant_linear.default}
+            if graph_bits != {loaded.recipe.passes[0].bits}:
+                mixed.append((loaded.recipe.name, graph_bits))
+    finally:
+        stop.set()
+        thread.join()
+    assert not mixed
