@@ -5,8 +5,10 @@
 
 Per model: a prompt of --prompt tokens, then --new greedy tokens; decode tokens/s counts the steps
 after the first token (the prefill is timed apart). Engines, all on the same weights:
-transformers ``generate`` (FP32), qcompiler eager FP32 and quantized, and qcompiler's onnxruntime
-backend (the ONNX export with past/present KV tensors) FP32 and quantized. Rounds are interleaved
+transformers ``generate`` (FP32), qcompiler eager FP32 and quantized, qcompiler's onnxruntime
+backend (the ONNX export with past/present KV tensors) FP32 and quantized, the ``onnx-genai``
+export of both run by onnxruntime-genai, and on the 0.5 B model the peer: onnxruntime-genai's own
+model builder (``python -m onnxruntime_genai.models.builder -p int4``, RTN, block 128). Rounds are interleaved
 (each round runs every engine once) and the table gives the median with min-max.
 The 0.5 B model has random weights, so it is quantized with RTN: decode speed depends only on the
 stored layout (``qc.quant_linear`` / ``MatMulNBits`` 4-bit g128), which GPTQ and RTN share.
@@ -17,8 +19,10 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import shutil
 import statistics
 import sys
+import tempfile
 import time
 import warnings
 from pathlib import Path
@@ -31,6 +35,7 @@ from quality import write_atomically  # noqa: E402
 import qcompiler as qc  # noqa: E402
 from qcompiler import models  # noqa: E402
 from qcompiler.generation import timed_generation  # noqa: E402
+from qcompiler.interop import export_onnx_genai  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results" / "generate.json"
 
@@ -65,7 +70,49 @@ def hf_engine(model):
     return HF()
 
 
-def run_model(label, model, example, calib, recipe, prompt_len, new, rounds):
+class GenaiEngine:
+    """An onnxruntime-genai model folder, one intra-op thread."""
+
+    def __init__(self, folder: Path):
+        import onnxruntime_genai as og
+        config = json.loads((folder / "genai_config.json").read_text())
+        config["model"]["decoder"]["session_options"].update(intra_op_num_threads=1, inter_op_num_threads=1)
+        (folder / "genai_config.json").write_text(json.dumps(config, indent=1))
+        self.og, self.model = og, og.Model(str(folder))
+
+    def stream(self, ids, new, **_):
+        import numpy as np
+        params = self.og.GeneratorParams(self.model)
+        params.set_search_options(max_length=ids.shape[1] + new, min_length=ids.shape[1] + new, do_sample=False)
+        generator = self.og.Generator(self.model, params)
+        generator.append_tokens(np.asarray(ids, dtype=np.int32))
+        for _ in range(new):
+            generator.generate_next_token()
+            yield torch.from_numpy(generator.get_next_tokens().astype("int64"))
+
+
+def builder_int4(model, workdir: Path, group_size: int = 128) -> Path:
+    """The peer: onnxruntime-genai's own model builder, int4 RTN with the same group size."""
+    import subprocess
+    src, out = workdir / "hf", workdir / "builder"
+    model.save_pretrained(src)
+    _byte_tokenizer(model.config.vocab_size).save_pretrained(src)
+    subprocess.run([sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(src), "-o", str(out),
+                    "-p", "int4", "-e", "cpu", "-c", str(workdir / "cache"), "--extra_options",
+                    f"int4_block_size={group_size}"], check=True, capture_output=True)
+    return out
+
+
+def _byte_tokenizer(vocab: int):
+    """A throwaway word-level tokenizer: the builder insists on copying one."""
+    from tokenizers import Tokenizer, models as tok_models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    tok = Tokenizer(tok_models.WordLevel({f"t{i}": i for i in range(vocab)}, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0", bos_token="t1", eos_token="t2")
+
+
+def run_model(label, model, example, calib, recipe, prompt_len, new, rounds, peer: bool):
     vocab = model.config.vocab_size
     ids = torch.randint(3, vocab, (1, prompt_len), generator=torch.Generator().manual_seed(0))
     with warnings.catch_warnings():
@@ -79,23 +126,30 @@ def run_model(label, model, example, calib, recipe, prompt_len, new, rounds):
             "onnxruntime FP32": fp.with_backend("onnxruntime", threads=1),
             f"onnxruntime {recipe}": quant.with_backend("onnxruntime", threads=1),
         }
+        work = Path(tempfile.mkdtemp(prefix="qc-generate-bench-"))
+        for name, cm in (("FP32", fp), (recipe, quant)):
+            export_onnx_genai(cm, work / name, progress=lambda _: None)
+            engines[f"onnxruntime-genai, qcompiler {name}"] = GenaiEngine(work / name)
+        if peer:
+            engines["onnxruntime-genai, builder int4 g128"] = GenaiEngine(builder_int4(model, work))
     speeds = {name: [] for name in engines}
     for _ in range(rounds):
         for name, engine in engines.items():
-            if name == "transformers FP32":
+            if isinstance(engine, GenaiEngine) or name == "transformers FP32":
                 stamps = [time.perf_counter() for _ in engine.stream(ids, new)]
                 speeds[name].append((len(stamps) - 1) / (stamps[-1] - stamps[0]))
             else:
                 speeds[name].append(timed_generation(engine, ids, new)["decode_tokens_per_second"])
     rows = []
-    fp32 = statistics.median(speeds["onnxruntime FP32"])
+    fp32 = statistics.median(speeds["onnxruntime-genai, qcompiler FP32"])
     for name, values in speeds.items():
         med = statistics.median(values)
         rows.append({"model": label, "engine": name, "decode_tok_s": round(med, 2),
                      "min": round(min(values), 2), "max": round(max(values), 2),
-                     "vs_onnxruntime_fp32": round(med / fp32, 3)})
-        print(f"{label:10s} {name:32s} {med:9.1f} tok/s  [{min(values):.1f}-{max(values):.1f}]  "
-              f"{med / fp32:5.2f}x ORT FP32", flush=True)
+                     "vs_genai_fp32": round(med / fp32, 3)})
+        print(f"{label:12s} {name:40s} {med:9.1f} tok/s  [{min(values):.1f}-{max(values):.1f}]  "
+              f"{med / fp32:5.2f}x genai FP32", flush=True)
+    shutil.rmtree(work, ignore_errors=True)
     return rows
 
 
@@ -111,11 +165,12 @@ def main(argv=None) -> int:
     rows = []
     tiny = models.load("tinylm")
     rows += run_model("tinylm", tiny.model, tiny.example_inputs()["input_ids"], tiny.calibration(16),
-                      "gptq-w4g128", args.prompt, new, 1 if args.quick else args.rounds)
+                      "gptq-w4g128", args.prompt, new, 1 if args.quick else args.rounds, peer=False)
     if not args.quick:
         model, example, calib, recipe = llama_05b()
         params = sum(p.numel() for p in model.parameters()) / 1e9
-        rows += run_model(f"llama-{params:.2f}B", model, example, calib, recipe, args.prompt, new, args.rounds)
+        rows += run_model(f"llama-{params:.2f}B", model, example, calib, recipe, args.prompt, new, args.rounds,
+                          peer=True)
     record = {"threads": 1, "batch": 1, "prompt_tokens": args.prompt, "new_tokens": new,
               "machine": f"{platform.machine()}, {platform.processor() or 'cpu'}, torch {torch.__version__}",
               "rows": rows}

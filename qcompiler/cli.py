@@ -30,6 +30,7 @@ err = Console(stderr=True)
 
 class ExportFormat(str, Enum):
     onnx = "onnx"
+    onnx_genai = "onnx-genai"
     gptq = "gptq"
     compressed_tensors = "compressed-tensors"
 
@@ -158,21 +159,23 @@ def evaluate(target: str = typer.Argument(..., help="an artifact folder, or a mo
 @app.command()
 def export(artifact: Path = typer.Argument(..., help="artifact folder written by 'quantize'"),
            format: ExportFormat = typer.Option(..., "--format"),
-           dest: Path = typer.Option(..., "--out", help="file (onnx) or folder (gptq, compressed-tensors)"),
+           dest: Path = typer.Option(..., "--out", help="file (onnx) or folder (onnx-genai, gptq, compressed-tensors)"),
            zero_format: str = typer.Option("auto", help="gptq only: auto | v1 | v2 zero points"),
-           accuracy_level: Optional[int] = typer.Option(None, help="onnx only: MatMulNBits accuracy_level "
+           accuracy_level: Optional[int] = typer.Option(None, help="onnx, onnx-genai: MatMulNBits accuracy_level "
                                                         "(default 4: int8 activations, fastest on CPU; 0: exact)"),
            overwrite: bool = typer.Option(False, help="replace --out even if qcompiler did not write it")):
-    """Export a saved artifact to ONNX, a GPTQ checkpoint or a compressed-tensors checkpoint."""
+    """Export a saved artifact to ONNX, an onnxruntime-genai folder, a GPTQ or a compressed-tensors checkpoint."""
     import qcompiler as qc
     from qcompiler.atomic import check_output_folder
-    from qcompiler.interop import export_compressed_tensors, export_gptq
+    from qcompiler.interop import export_compressed_tensors, export_gptq, export_onnx_genai
 
     if format is not ExportFormat.onnx:  # refuse a bad target before the work
         check_output_folder(dest, format.value, overwrite=overwrite, protect=[artifact])
     cm = qc.load(artifact)
     if format is ExportFormat.onnx:
         cm.export_onnx(dest, accuracy_level=accuracy_level, overwrite=overwrite)
+    elif format is ExportFormat.onnx_genai:
+        export_onnx_genai(cm, dest, accuracy_level=accuracy_level, overwrite=overwrite, progress=out.print)
     elif format is ExportFormat.gptq:
         export_gptq(cm, dest, zero_format=zero_format, progress=out.print, overwrite=overwrite)
     else:

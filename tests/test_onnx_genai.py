@@ -1,0 +1,62 @@
+"""The onnx-genai export runs in the real onnxruntime-genai and generates what cm.generate does."""
+import json
+import warnings
+
+import numpy as np
+import pytest
+import torch
+
+import qcompiler as qc
+from qcompiler.cli import main
+from qcompiler.interop import ExportError, export_onnx_genai
+from qcompiler.models import load
+
+og = pytest.importorskip("onnxruntime_genai")
+
+
+def genai_tokens(folder, prompt: list[int], new: int) -> list[int]:
+    model = og.Model(str(folder))
+    params = og.GeneratorParams(model)
+    params.set_search_options(max_length=len(prompt) + new, do_sample=False)
+    generator = og.Generator(model, params)
+    generator.append_tokens(np.array([prompt], dtype=np.int32))
+    out = []
+    while not generator.is_done() and len(out) < new:
+        generator.generate_next_token()
+        out.append(int(generator.get_next_tokens()[0]))
+    return out
+
+
+@pytest.fixture(scope="module")
+def tinylm():
+    return load("tinylm")
+
+
+@pytest.mark.parametrize("recipe", ["gptq-w4g128", "w8a8-smoothquant", pytest.param("spqr-w3g16", marks=pytest.mark.slow)])
+def test_onnxruntime_genai_generates_the_same_32_greedy_tokens(recipe, tinylm, tmp_path):
+    cm = qc.compile(tinylm.model, tinylm.example_inputs(), recipe=recipe, calibration=tinylm.calibration(8),
+                    progress=False)
+    export_onnx_genai(cm, tmp_path / "genai", accuracy_level=0, progress=lambda _: None)
+    config = json.loads((tmp_path / "genai" / "genai_config.json").read_text())
+    assert config["model"]["decoder"]["num_hidden_layers"] == 4 and not config["search"]["past_present_share_buffer"]
+    prompt = tinylm.encode("class Parser:\n    def __init__(self")
+    expected = cm.generate(prompt, 32)[0, prompt.shape[1]:].tolist()
+    assert genai_tokens(tmp_path / "genai", prompt[0].tolist(), 32) == expected
+
+
+def test_cli_export_onnx_genai_and_refusals(tinylm, tmp_path, capsys):
+    cm = qc.compile(tinylm.model, tinylm.example_inputs(), recipe="rtn-w4g128", progress=False)
+    cm.save(tmp_path / "art", metadata={"source": "bundled:tinylm"})
+    assert main(["export", str(tmp_path / "art"), "--format", "onnx-genai", "--out", str(tmp_path / "g")]) == 0
+    assert sorted(p.name for p in (tmp_path / "g").iterdir()) == [".qcompiler-output.json", "genai_config.json",
+                                                                  "generation_config.json", "model.onnx"]
+    prompt = tinylm.encode("import os")[0].tolist()
+    assert genai_tokens(tmp_path / "g", prompt, 8) == \
+        cm.with_backend("onnxruntime").generate(torch.tensor([prompt]), 8)[0, len(prompt):].tolist()
+    from tiny_models import example_inputs, make_model
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        encoder = qc.compile(make_model("bert"), example_inputs("bert"), recipe="none", progress=False)
+    with pytest.raises(ExportError, match="needs a causal LM captured with its KV cache"):
+        export_onnx_genai(encoder, tmp_path / "e")
+    assert not (tmp_path / "e").exists()
