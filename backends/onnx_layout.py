@@ -28,9 +28,7 @@ from qcompiler.ops import dequantize_gptq, spqr_group_stats
 from qcompiler.packing import pack_rows, unpack_cols, unpack_rows
 
 __all__ = ["to_matmul_nbits_layout", "dequantize_matmul_nbits", "lower_for_onnx", "matmul_nbits",
-           "gathered_outlier_linear", "NBITS"]
-
-NBITS = (2, 4, 8)
+           "gathered_outlier_linear"]
 
 
 def _pack_bytes(codes: Tensor, bits: int) -> Tensor:

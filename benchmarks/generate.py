@@ -8,9 +8,11 @@ after the first token (the prefill is timed apart). Engines, all on the same wei
 transformers ``generate`` (FP32), qcompiler eager FP32 and quantized, qcompiler's onnxruntime
 backend (the ONNX export with past/present KV tensors) FP32 and quantized, the ``onnx-genai``
 export of both run by onnxruntime-genai, and on the 0.5 B model the peer: onnxruntime-genai's own
-model builder (``python -m onnxruntime_genai.models.builder -p int4``, RTN, block 128). Rounds are interleaved
+model builder (``python -m onnxruntime_genai.models.builder -p int4``, RTN, block 128, which also
+stores ``lm_head`` in int4) beside qcompiler's ``rtn-w4g128-head`` (the same: ``lm_head`` in 4 bits). Rounds are interleaved
 (each round runs every engine once) and the table gives the median with min-max.
-The 0.5 B model has random weights, so it is quantized with RTN: decode speed depends only on the
+The eager backend (the plain-torch reference, which dequantizes every weight on every call) is
+timed on tinylm only. The 0.5 B model has random weights, so it is quantized with RTN: decode speed depends only on the
 stored layout (``qc.quant_linear`` / ``MatMulNBits`` 4-bit g128), which GPTQ and RTN share.
 Writes benchmarks/results/generate.json.
 """
@@ -51,23 +53,37 @@ def llama_05b():
     return model, ids, calib, "rtn-w4g128"
 
 
-def hf_engine(model):
-    class HF:
-        def stream(self, ids, new, **_):
-            # transformers generate has no per-token timing hook without a streamer; use one
-            from transformers.generation.streamers import BaseStreamer
-            stamps = []
+def _rate(stamps: list[float]) -> float:
+    """Decode tokens/s from the time each new token appeared (the first one ends the prefill)."""
+    return (len(stamps) - 1) / (stamps[-1] - stamps[0])
 
-            class Clock(BaseStreamer):
-                def put(self, value):
-                    stamps.append((time.perf_counter(), value))
 
-                def end(self):
-                    pass
-            model.generate(ids, max_new_tokens=new, min_new_tokens=new, do_sample=False, streamer=Clock())
-            for _, value in stamps[1:]:       # the first put() is the prompt
-                yield value.reshape(-1)
-    return HF()
+class HFEngine:
+    """transformers ``generate``; a streamer stamps each token as it is produced."""
+
+    def __init__(self, model):
+        self.model = model
+
+    def decode_rate(self, ids, new) -> float:
+        from transformers.generation.streamers import BaseStreamer
+        stamps = []
+
+        class Clock(BaseStreamer):
+            def put(self, value):
+                stamps.append(time.perf_counter())
+
+            def end(self):
+                pass
+        self.model.generate(ids, max_new_tokens=new, min_new_tokens=new, do_sample=False, streamer=Clock())
+        return _rate(stamps[1:])          # the first put() is the prompt
+
+
+class QCEngine:
+    def __init__(self, cm):
+        self.cm = cm
+
+    def decode_rate(self, ids, new) -> float:
+        return timed_generation(self.cm, ids, new, eos_token_id=-1)["decode_tokens_per_second"]
 
 
 class GenaiEngine:
@@ -80,15 +96,17 @@ class GenaiEngine:
         (folder / "genai_config.json").write_text(json.dumps(config, indent=1))
         self.og, self.model = og, og.Model(str(folder))
 
-    def stream(self, ids, new, **_):
+    def decode_rate(self, ids, new) -> float:
         import numpy as np
         params = self.og.GeneratorParams(self.model)
         params.set_search_options(max_length=ids.shape[1] + new, min_length=ids.shape[1] + new, do_sample=False)
         generator = self.og.Generator(self.model, params)
         generator.append_tokens(np.asarray(ids, dtype=np.int32))
+        stamps = []
         for _ in range(new):
             generator.generate_next_token()
-            yield torch.from_numpy(generator.get_next_tokens().astype("int64"))
+            stamps.append(time.perf_counter())
+        return _rate(stamps)
 
 
 def builder_int4(model, workdir: Path, group_size: int = 128) -> Path:
@@ -112,22 +130,25 @@ def _byte_tokenizer(vocab: int):
     return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0", bos_token="t1", eos_token="t2")
 
 
-def run_model(label, model, example, calib, recipe, prompt_len, new, rounds, peer: bool):
+def run_model(label, model, example, calib, recipe, prompt_len, new, rounds, peer: bool, eager: bool = True,
+              genai_only: tuple[str, ...] = ()):
     vocab = model.config.vocab_size
     ids = torch.randint(3, vocab, (1, prompt_len), generator=torch.Generator().manual_seed(0))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         fp = qc.compile(model, {"input_ids": example}, recipe="none", progress=False)
         quant = qc.compile(model, {"input_ids": example}, recipe=recipe, calibration=calib, progress=False)
-        engines = {
-            "transformers FP32": hf_engine(model),
-            "qcompiler eager FP32": fp,
-            f"qcompiler eager {recipe}": quant,
-            "onnxruntime FP32": fp.with_backend("onnxruntime", threads=1),
-            f"onnxruntime {recipe}": quant.with_backend("onnxruntime", threads=1),
-        }
+        engines = {"transformers FP32": HFEngine(model)}
+        if eager:  # the plain-torch reference: dequantizes every weight on every call
+            engines.update({"qcompiler eager FP32": QCEngine(fp), f"qcompiler eager {recipe}": QCEngine(quant)})
+        engines.update({
+            "onnxruntime FP32": QCEngine(fp.with_backend("onnxruntime", threads=1)),
+            f"onnxruntime {recipe}": QCEngine(quant.with_backend("onnxruntime", threads=1)),
+        })
         work = Path(tempfile.mkdtemp(prefix="qc-generate-bench-"))
-        for name, cm in (("FP32", fp), (recipe, quant)):
+        extra = [(name, qc.compile(model, {"input_ids": example}, recipe=name, calibration=calib, progress=False))
+                 for name in genai_only]
+        for name, cm in (("FP32", fp), (recipe, quant), *extra):
             export_onnx_genai(cm, work / name, progress=lambda _: None)
             engines[f"onnxruntime-genai, qcompiler {name}"] = GenaiEngine(work / name)
         if peer:
@@ -135,11 +156,7 @@ def run_model(label, model, example, calib, recipe, prompt_len, new, rounds, pee
     speeds = {name: [] for name in engines}
     for _ in range(rounds):
         for name, engine in engines.items():
-            if isinstance(engine, GenaiEngine) or name == "transformers FP32":
-                stamps = [time.perf_counter() for _ in engine.stream(ids, new)]
-                speeds[name].append((len(stamps) - 1) / (stamps[-1] - stamps[0]))
-            else:
-                speeds[name].append(timed_generation(engine, ids, new)["decode_tokens_per_second"])
+            speeds[name].append(engine.decode_rate(ids, new))
     rows = []
     fp32 = statistics.median(speeds["onnxruntime-genai, qcompiler FP32"])
     for name, values in speeds.items():
@@ -170,7 +187,7 @@ def main(argv=None) -> int:
         model, example, calib, recipe = llama_05b()
         params = sum(p.numel() for p in model.parameters()) / 1e9
         rows += run_model(f"llama-{params:.2f}B", model, example, calib, recipe, args.prompt, new, args.rounds,
-                          peer=True)
+                          peer=True, eager=False, genai_only=("rtn-w4g128-head",))
     record = {"threads": 1, "batch": 1, "prompt_tokens": args.prompt, "new_tokens": new,
               "machine": f"{platform.machine()}, {platform.processor() or 'cpu'}, torch {torch.__version__}",
               "rows": rows}

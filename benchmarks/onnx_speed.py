@@ -182,7 +182,8 @@ def layer_bench(k, n, ms, threads_list, repeats, density):
 
 
 def model_bench(recipes, threads, repeats):
-    """Bundled tinylm: decode step (M = 1 token, batch 1) and a 512-token prefill, per recipe's export."""
+    """Bundled tinylm without its KV cache: a 1-token forward and a 512-token prefill, per recipe's export
+    (real decoding with the cache: benchmarks/generate.py)."""
     import torch
     import qcompiler as qc
     from qcompiler import models
@@ -194,12 +195,13 @@ def model_bench(recipes, threads, repeats):
     with tempfile.TemporaryDirectory() as tmp:
         sessions, sizes = {}, {}
         for recipe in ["none"] + recipes:
-            cm = qc.compile(loaded.model, loaded.example_inputs(), recipe=recipe, calibration=calib, progress=False)
+            cm = qc.compile(loaded.model, {**loaded.example_inputs(), "use_cache": False}, recipe=recipe,
+                            calibration=calib, progress=False)
             path = Path(tmp) / f"{recipe}.onnx"
             cm.export_onnx(path, accuracy_level=4)
             sessions["fp32" if recipe == "none" else recipe] = session_for(path, threads=threads)
             sizes["fp32" if recipe == "none" else recipe] = os.path.getsize(path)
-        for label, seq in (("decode step (1 token)", 1), ("prefill (512 tokens)", 512)):
+        for label, seq in (("1-token forward, no cache", 1), ("prefill (512 tokens)", 512)):
             ids = torch.randint(0, 256, (1, seq)).numpy()
             for name, figures in paired(sessions, {"input_ids": ids}, repeats).items():
                 rows.append(dict(model="tinylm", phase=label, threads=threads, variant=name,

@@ -12,7 +12,7 @@ from typing import ClassVar
 from torch.fx import GraphModule
 
 from qcompiler.errors import QuantizationError
-from qcompiler.gptq import check_spec, gptq_quantize
+from qcompiler.gptq import check_spec, gptq_quantize, rtn_quantize
 from qcompiler.pass_base import GraphProperty, Pass, PassContext
 from qcompiler.weight_only import gptq_layer_quant, quantize_block_linears
 
@@ -31,8 +31,11 @@ class GPTQ(Pass):
     damp: float = 0.01            # λ = damp · mean(diag H), raised ×10 while H is not PD
     block_size: int = 128         # lazy-batch width
     true_sequential: bool = False  # True: q/k/v, then o, then gate/up, then down, re-running inputs between
+    lm_head: bool = False         # also the output head, by RTN on the same grid (it has no block Hessian)
 
+    requires: ClassVar = frozenset()
     provides: ClassVar = frozenset({GraphProperty.QUANTIZED_WEIGHTS})
+    noop_after: ClassVar = frozenset({GraphProperty.QUANTIZED_WEIGHTS, GraphProperty.INT8_LOWERED})
     needs_calibration: ClassVar = True
 
     def __post_init__(self):
@@ -48,5 +51,8 @@ class GPTQ(Pass):
                                 act_order=self.act_order, static_groups=self.static_groups,
                                 damp=self.damp, block_size=self.block_size)
             return gptq_layer_quant(layer, W, res, self.bits)
+        def head(layer, W, H):
+            res = rtn_quantize(W, bits=self.bits, group_size=self.group_size, sym=self.sym)
+            return gptq_layer_quant(layer, W, res, self.bits)
         return quantize_block_linears(gm, ctx, quantize=quantize, true_sequential=self.true_sequential,
-                                      needs_hessian=True)
+                                      needs_hessian=True, head=head if self.lm_head else None)

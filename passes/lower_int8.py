@@ -39,7 +39,9 @@ class LowerInt8(Pass):
     activations: str = "dynamic_per_token"
     weights: str = "per_channel"
 
+    requires: ClassVar = frozenset()
     provides: ClassVar = frozenset({GraphProperty.INT8_LOWERED})
+    noop_after: ClassVar = frozenset({GraphProperty.QUANTIZED_WEIGHTS, GraphProperty.INT8_LOWERED})
 
     def __post_init__(self):
         if self.activations not in ACTIVATIONS:

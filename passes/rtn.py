@@ -24,8 +24,11 @@ class RTN(Pass):
     bits: int = 4
     group_size: int = 128
     sym: bool = False
+    lm_head: bool = False         # also the output head (RTN), as onnxruntime-genai's int4 builder does
 
+    requires: ClassVar = frozenset()
     provides: ClassVar = frozenset({GraphProperty.QUANTIZED_WEIGHTS})
+    noop_after: ClassVar = frozenset({GraphProperty.QUANTIZED_WEIGHTS, GraphProperty.INT8_LOWERED})
 
     def __post_init__(self):
         check_spec(self.bits, self.group_size)
@@ -35,4 +38,5 @@ class RTN(Pass):
         def quantize(layer, W, H):
             res = rtn_quantize(W, bits=self.bits, group_size=self.group_size, sym=self.sym)
             return gptq_layer_quant(layer, W, res, self.bits)
-        return quantize_block_linears(gm, ctx, quantize=quantize, true_sequential=False, needs_hessian=False)
+        return quantize_block_linears(gm, ctx, quantize=quantize, true_sequential=False, needs_hessian=False,
+                                      head=quantize if self.lm_head else None)

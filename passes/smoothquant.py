@@ -68,7 +68,9 @@ class SmoothQuant(Pass):
     alpha: Union[float, str] = 0.5   # migration strength in [0, 1], or "auto" (per-group search)
     sample_rows: int = 512           # calibration rows kept per group for the "auto" search
 
+    requires: ClassVar = frozenset()
     provides: ClassVar = frozenset({GraphProperty.SMOOTHED})
+    noop_after: ClassVar = frozenset({GraphProperty.QUANTIZED_WEIGHTS, GraphProperty.INT8_LOWERED})
     needs_calibration: ClassVar = True
 
     def __post_init__(self):

@@ -63,10 +63,16 @@ class SpQR(Pass):
     block_size: int = 128
     true_sequential: bool = True
 
+    requires: ClassVar = frozenset()
     provides: ClassVar = frozenset({GraphProperty.QUANTIZED_WEIGHTS, GraphProperty.OUTLIERS_SPLIT})
+    noop_after: ClassVar = frozenset({GraphProperty.QUANTIZED_WEIGHTS, GraphProperty.INT8_LOWERED})
     needs_calibration: ClassVar = True
 
     def __post_init__(self):
+        if self.stat_bits is None:  # the algorithm allows fp16 statistics; the stored layout does not
+            raise QuantizationError("SpQR(stat_bits=None): the SpQR pass stores quantized group statistics; "
+                                    "choose stat_bits 2, 3, 4 or 8 (fp16 statistics exist only in "
+                                    "qcompiler.spqr.spqr_quantize)")
         check_spqr_spec(self.bits, self.group_size, self.stat_bits, self.stat_group_size)
         if self.outlier_fraction is not None and not 0 <= self.outlier_fraction < 1:
             raise QuantizationError(f"outlier_fraction must be in [0, 1), got {self.outlier_fraction}")

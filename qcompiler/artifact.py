@@ -27,7 +27,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load as load_safetensors, save_file
 
 from .atomic import publish_directory
-from .capture import CaptureInfo
+from .capture import OPTIONAL_INPUTS, CaptureInfo
 from .graph_format import ArtifactError, graph_from_data, graph_to_data
 from .pass_base import PassRecord
 from .recipe_files import pass_classes, recipe_from_dict
@@ -232,7 +232,9 @@ def load(path, backend: str = "eager", *, backend_options: Optional[dict] = None
         gm.meta["qcompiler"] = CaptureInfo(str(capture["model_class"]), int(capture["arg_count"]),
                                            tuple(capture["kwarg_names"]), dict(capture.get("constant_kwargs", {})),
                                            capture.get("model_config"), capture.get("source_path"),
-                                           capture.get("cache"))
+                                           capture.get("cache"), {
+                                               str(k): v for k, v in (capture.get("optional_inputs") or {}).items()
+                                               if k in OPTIONAL_INPUTS and v in ("ones", "zeros")})
         layout = manifest["example_inputs"]
         example_inputs = (tuple(examples[k] for k in layout["args"]),
                           {k: examples[v["tensor"]] if "tensor" in v else

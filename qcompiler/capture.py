@@ -34,6 +34,7 @@ class CaptureInfo:
     model_config: Optional[dict] = None  # a transformers model's config (for checkpoint export)
     source_path: Optional[str] = None    # the folder the model was loaded from (never overwritten)
     cache: Optional[dict] = None         # a causal LM captured with its KV cache: causal_lm.CacheLayout
+    optional_inputs: dict = field(default_factory=dict)  # inputs filled in when the caller omits them
 
 
 def normalize_inputs(example_inputs) -> tuple[tuple, dict]:
@@ -117,6 +118,7 @@ def capture(model: torch.nn.Module, example_inputs) -> torch.fx.GraphModule:
     args = tuple(a.contiguous() if isinstance(a, torch.Tensor) else a for a in args)
     kwargs = {k: v.contiguous() if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
     _check_signature(model, args, kwargs)
+    optional = _add_optional_inputs(model, args, kwargs)
     model.eval()
     shapes = dynamic_shapes_for(args, kwargs, list(inspect.signature(model.forward).parameters))
     try:
@@ -134,8 +136,32 @@ def capture(model: torch.nn.Module, example_inputs) -> torch.fx.GraphModule:
     gm.meta["qcompiler"] = CaptureInfo(
         model_class=type(model).__name__, arg_count=len(args), kwarg_names=tuple(kwargs),
         constant_kwargs={k: v for k, v in kwargs.items() if not isinstance(v, torch.Tensor)},
-        model_config=_config_dict(model), source_path=_source_folder(model))
+        model_config=_config_dict(model), source_path=_source_folder(model), optional_inputs=optional)
     return gm
+
+
+# Inputs an encoder's callers may or may not pass: captured always (with the value that means
+# "absent"), so the compiled model accepts them either way and a backend never drops one.
+OPTIONAL_INPUTS = {"attention_mask": "ones", "token_type_ids": "zeros"}
+
+
+def optional_value(kind: str, input_ids: torch.Tensor) -> torch.Tensor:
+    return torch.ones_like(input_ids) if kind == "ones" else torch.zeros_like(input_ids)
+
+
+def _add_optional_inputs(model, args: tuple, kwargs: dict) -> dict:
+    """For a (non-generating) transformers model called by keyword: add the optional inputs its
+    forward takes and the example lacks. Returns ``{name: "ones" | "zeros"}`` of those added."""
+    can_generate = getattr(model, "can_generate", None)
+    ids = kwargs.get("input_ids")
+    if args or not isinstance(ids, torch.Tensor) or getattr(model, "config", None) is None \
+            or (callable(can_generate) and can_generate()):
+        return {}
+    params = inspect.signature(model.forward).parameters
+    added = {name: kind for name, kind in OPTIONAL_INPUTS.items() if name in params and name not in kwargs}
+    for name, kind in added.items():
+        kwargs[name] = optional_value(kind, ids)
+    return added
 
 
 def _capture_with_cache(model: torch.nn.Module, kwargs: dict) -> torch.fx.GraphModule:

@@ -6,7 +6,7 @@ from typing import Any, Callable, Iterable, Iterator, Optional
 import torch
 from torch.fx import GraphModule
 
-from .capture import CaptureInfo, capture, normalize_inputs
+from .capture import CaptureInfo, capture, normalize_inputs, optional_value
 from .causal_lm import CacheLayout, example_graph_inputs, graph_inputs, wrap_output
 from .errors import CalibrationError
 from .generation import SamplingConfig, generate_tokens
@@ -59,6 +59,9 @@ class CompiledModel:
         for name, value in self.capture_info.constant_kwargs.items():
             kwargs.setdefault(name, value)
         ids = kwargs.get("input_ids", args[0] if args and self.capture_info.model_config else None)
+        for name, kind in (self.capture_info.optional_inputs or {}).items():
+            if kwargs.get(name) is None and isinstance(ids, torch.Tensor):
+                kwargs[name] = optional_value(kind, ids)
         if isinstance(ids, torch.Tensor):
             self._check_token_ids(ids)
         layout = self.cache_layout
@@ -169,6 +172,10 @@ def normalize_calibration(calibration: Optional[Iterable], info: CaptureInfo) ->
         args, kwargs = normalize_inputs(item)
         for name, value in info.constant_kwargs.items():
             kwargs.setdefault(name, value)
+        ids = kwargs.get("input_ids")
+        for name, kind in (info.optional_inputs or {}).items():
+            if kwargs.get(name) is None and isinstance(ids, torch.Tensor):
+                kwargs[name] = optional_value(kind, ids)
         if layout is not None:  # the cache graph, run with an empty past
             kwargs.pop("use_cache", None)
             ids = kwargs.pop("input_ids", args[0] if args else None)
@@ -197,6 +204,8 @@ def compile(model: torch.nn.Module, example_inputs, recipe="none", calibration: 
     gm = capture(model, example_inputs)
     info: CaptureInfo = gm.meta["qcompiler"]
     examples = normalize_inputs(example_inputs)
+    for name, kind in info.optional_inputs.items():  # the graph takes them; backends see them
+        examples[1][name] = optional_value(kind, examples[1]["input_ids"])
     if info.cache:  # backends and exports see the graph's own inputs
         user = examples[1]
         examples = ((), example_graph_inputs(CacheLayout.from_dict(info.cache), user["input_ids"],

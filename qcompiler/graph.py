@@ -108,10 +108,12 @@ def find_linears(gm: GraphModule) -> list[LinearLayer]:
             continue
         if node.target is aten.linear.default and _is_attr(node.args[1]):
             bias = node.args[2] if len(node.args) > 2 and _is_attr(node.args[2]) else None
-            layers.append(LinearLayer(node, module_path(node), node.args[0], node.args[1], bias, False))
+            path = module_path(node) or module_path(node.args[1])  # a reloaded graph has no module stack
+            layers.append(LinearLayer(node, path, node.args[0], node.args[1], bias, False))
         elif node.target is aten.addmm.default and _is_attr(node.args[2]) and _is_attr(node.args[0]) \
                 and not node.kwargs:  # Conv1D: addmm(bias, x2d, weight[in, out])
-            layers.append(LinearLayer(node, module_path(node), node.args[1], node.args[2], node.args[0], True))
+            path = module_path(node) or module_path(node.args[2])
+            layers.append(LinearLayer(node, path, node.args[1], node.args[2], node.args[0], True))
     for layer in layers:
         if "val" not in layer.weight_node.meta:
             layer.weight_node.meta["val"] = get_tensor(gm, layer.weight_node.target)

@@ -42,10 +42,6 @@ class GPTQWeight(NamedTuple):
     def out_features(self) -> int:
         return self.scales.shape[1]
 
-    def storage_bits(self) -> int:
-        """Bits held by the stored tensors (g_idx counted: it is part of the format)."""
-        return sum(t.numel() * t.element_size() * 8 for t in (self.qweight, self.qzeros, self.scales, self.g_idx))
-
 
 def pack_gptq(codes: Tensor, scales: Tensor, zeros: Tensor, g_idx: Tensor, bits: int, group_size: int) -> GPTQWeight:
     """Pack codes ``[out, in]`` and per-group ``scales``/``zeros`` ``[groups, out]`` into the layout."""

@@ -2,7 +2,8 @@
 
 A pass is a small frozen dataclass (its fields are its config, validated in ``__post_init__``)
 that transforms a ``GraphModule`` in place and returns whether it changed anything. It declares
-the graph properties it ``requires`` and ``provides``; the pass manager checks the whole list
+the graph properties it ``requires`` and ``provides``, and those after which it would find nothing
+to do (``noop_after``: a weight quantizer after another one); the pass manager checks the whole list
 before anything runs.
 """
 from __future__ import annotations
@@ -13,6 +14,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Optional
 
+import torch
 from torch.fx import GraphModule
 
 __all__ = ["GraphProperty", "Pass", "PassContext", "PassRecord"]
@@ -46,7 +48,7 @@ class PassContext:
 
     example_inputs: tuple[tuple, dict]
     calibration: Optional[list[tuple[tuple, dict]]] = None  # normalized (args, kwargs) batches
-    record: Optional[PassRecord] = None
+    record: PassRecord = field(default_factory=lambda: PassRecord("standalone", {}))  # pass.run(gm, ctx) alone
     progress: bool = True
 
     def log(self, message: str) -> None:
@@ -60,7 +62,14 @@ class Pass:
 
     requires: ClassVar[frozenset[GraphProperty]] = frozenset()
     provides: ClassVar[frozenset[GraphProperty]] = frozenset()
+    noop_after: ClassVar[frozenset[GraphProperty]] = frozenset()  # would change nothing once these hold
     needs_calibration: ClassVar[bool] = False
+
+    def __init_subclass__(cls, **kwargs):
+        """Every ``run`` works without autograd, under the manager or called on its own."""
+        super().__init_subclass__(**kwargs)
+        if "run" in cls.__dict__:
+            cls.run = torch.no_grad()(cls.__dict__["run"])
 
     @property
     def name(self) -> str:

@@ -52,6 +52,13 @@ class PassManager:
                        else "no known pass provides it")
                 raise PipelineError(f"pass #{i + 1} {p.name} requires {prop.name}, which no earlier pass "
                                     f"in the pipeline provides; {fix}")
+            done = [prop for prop in p.noop_after if prop in have]
+            if done:
+                earlier = next((q.name for q in self.passes[:i] if done[0] in q.provides), "an earlier pass")
+                raise PipelineError(f"pass #{i + 1} {p.name} would change nothing: "
+                                    f"{earlier} already made the graph "
+                                    f"{done[0].name} (it rewrites the linear layers {p.name} works on); "
+                                    f"remove one of them or reorder")
             if p.needs_calibration and not has_calibration:
                 raise PipelineError(f"pass #{i + 1} {p.name} needs calibration data: pass calibration=[...] "
                                     f"(inputs shaped like example_inputs)")
@@ -75,7 +82,7 @@ class PassManager:
             record.seconds = time.perf_counter() - start
             lint_graph(gm, p.name)
             report.passes.append(record)
-        ctx.record = None
+        ctx.record = PassRecord("standalone", {})
         return report
 
 

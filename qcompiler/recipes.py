@@ -97,7 +97,7 @@ def _register_builtins() -> None:
 def _describe(name: str, kw: dict) -> str:
     method = "GPTQ" if name.startswith("gptq") else "round-to-nearest"
     group = "per channel" if kw["group_size"] == -1 else f"groups of {kw['group_size']}"
-    extra = ", act-order" if kw.get("act_order") else ""
+    extra = (", act-order" if kw.get("act_order") else "") + (", lm_head in 4 bits (RTN)" if kw.get("lm_head") else "")
     return f"{method} W{kw['bits']}A16, {group}, asymmetric{extra}"
 
 
@@ -116,4 +116,7 @@ _WEIGHT_ONLY = {
     "gptq-w3g128-act": dict(bits=3, group_size=128, sym=False, act_order=True),
     "gptq-w2g128-act": dict(bits=2, group_size=128, sym=False, act_order=True),
     "gptq-w4g128-static": dict(bits=4, group_size=128, sym=False, act_order=True, static_groups=True),
+    # the output head in 4 bits too (RTN), as onnxruntime-genai's int4 builder: faster decoding
+    "rtn-w4g128-head": dict(bits=4, group_size=128, sym=False, lm_head=True),
+    "gptq-w4g128-head": dict(bits=4, group_size=128, sym=False, lm_head=True),
 }

@@ -27,7 +27,7 @@ from .gptq import _prepare, inverse_hessian_cholesky, lazy_sweep
 from .quant_grid import Grid, fit_grid
 
 __all__ = ["SpQRResult", "spqr_quantize", "spqr_quantize_reference", "leave_one_out_reduction",
-           "quantize_stats", "spqr_bits_formula", "check_spqr_spec"]
+           "quantize_stats", "check_spqr_spec"]
 
 
 class SpQRResult(NamedTuple):
@@ -210,11 +210,3 @@ def spqr_quantize_reference(W: torch.Tensor, H: torch.Tensor, *, bits: int = 3, 
         err = (w - (dense[:, j] + residual[:, j].float())) / U[j, j]
         Wp[:, j + 1:] -= err.unsqueeze(1) * U[j, j + 1:].unsqueeze(0)
     return _finish(codes, dense, residual, outlier, perm, state, tau, damp_used, steps)
-
-
-def spqr_bits_formula(bits: int, group_size: int, stat_bits: int, stat_group_size: int, outlier_fraction: float,
-                      out_features: int, in_features: int) -> float:
-    """ALGORITHMS.md: ``b_w + (b_s + b_z)/β1 + 64/(β1·β2) + 32·r``, plus the CSR row pointers
-    (``32·(out+1)`` bits per layer) that the paper's 32.03–32.1 bits per outlier include."""
-    return (bits + 2 * stat_bits / group_size + 64 / (group_size * stat_group_size) + 32 * outlier_fraction
-            + 32 * (out_features + 1) / (out_features * in_features))

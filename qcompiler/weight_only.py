@@ -21,7 +21,7 @@ from .ops import pack_gptq
 from .packing import packed_length
 from .pass_base import PassContext
 
-__all__ = ["LayerQuant", "quantize_block_linears", "gptq_layer_quant", "replace_linear", "check_packable",
+__all__ = ["LayerQuant", "quantize_block_linears", "is_output_head", "gptq_layer_quant", "replace_linear", "check_packable",
            "UnpackableLayer"]
 
 
@@ -49,13 +49,20 @@ def check_packable(layer: LinearLayer, W: torch.Tensor, bits: int) -> None:
                                   f"layout at {bits} bits ({exc})") from None
 
 
-def _store_dequantized(gm: GraphModule, layer: LinearLayer, W_hat: torch.Tensor) -> None:
-    set_tensor(gm, layer.weight_node.target, (W_hat.t() if layer.transposed else W_hat).contiguous())
+def _store_dequantized(gm: GraphModule, layer: LinearLayer, W_hat: torch.Tensor, dtype: torch.dtype) -> None:
+    """Quantization runs in fp32; the stored weight keeps the model's dtype (fp16/bf16 models)."""
+    set_tensor(gm, layer.weight_node.target, (W_hat.t() if layer.transposed else W_hat).to(dtype).contiguous())
+
+
+def is_output_head(path: str) -> bool:
+    """The output projection to the vocabulary (``lm_head``; GPT-NeoX's ``embed_out``)."""
+    return path.rsplit(".", 1)[-1] in ("lm_head", "embed_out")
 
 
 def quantize_block_linears(gm: GraphModule, ctx: PassContext, *, quantize: QuantizeFn,
-                           true_sequential: bool, needs_hessian: bool) -> bool:
-    """Quantize every linear inside a transformer block; returns True if any was quantized."""
+                           true_sequential: bool, needs_hessian: bool, head: Optional[QuantizeFn] = None) -> bool:
+    """Quantize every linear inside a transformer block, and the output head with ``head`` when
+    given (it sees no Hessian: RTN); returns True if any layer was quantized."""
     record = ctx.record
     done: list[tuple[LinearLayer, LayerQuant]] = []
 
@@ -66,16 +73,22 @@ def quantize_block_linears(gm: GraphModule, ctx: PassContext, *, quantize: Quant
         record.notes.append(f"{layer.path}: kept in full precision ({why})")
         ctx.log(f"  {layer.path}: kept in full precision ({why})")
 
-    def finish(layer: LinearLayer, W: torch.Tensor, H: Optional[torch.Tensor], start: float) -> None:
+    def finish(layer: LinearLayer, W: torch.Tensor, H: Optional[torch.Tensor], start: float, *,
+               method: QuantizeFn = quantize, store: bool = True) -> None:
         if is_router(layer.path):
             return skip(layer, "mixture-of-experts router")
+        if not bool(torch.isfinite(W).all()):
+            bad = int((~torch.isfinite(W)).sum())
+            raise QuantizationError(f"layer {layer.path}: {bad} of its {W.numel()} weights are NaN or Inf; the "
+                                    f"checkpoint is damaged (nothing was written)")
         try:
-            result = quantize(layer, W, H)
+            result = method(layer, W, H)
         except UnpackableLayer as exc:
             return skip(layer, str(exc).split(": ", 1)[-1])
         except QuantizationError as exc:
             raise QuantizationError(exc.args[0] if str(exc).startswith("layer ") else f"layer {layer.path}: {exc}") from None
-        _store_dequantized(gm, layer, result.dequantized)
+        if store:  # later blocks must see the quantized weights; nothing runs after the head
+            _store_dequantized(gm, layer, result.dequantized, layer.weight(gm).dtype)
         figures = dict(result.figures)
         if H is not None:
             figures["rel_error"] = output_error(W, result.dequantized, H)
@@ -104,6 +117,12 @@ def quantize_block_linears(gm: GraphModule, ctx: PassContext, *, quantize: Quant
                 stats = engine.collect(seg, group)
                 for layer in group:
                     finish(layer, layer.weight(gm).detach().float(), stats[layer.path].hessian, start)
+    if head is not None:  # not stored back: a tied embedding keeps reading the FP weight
+        heads = [layer for layer in find_linears(gm) if is_output_head(layer.path)]
+        if not heads:
+            record.notes.append("asked to quantize the output head, but the graph has no lm_head/embed_out linear")
+        for layer in heads:
+            finish(layer, layer.weight(gm).detach().float(), None, time.perf_counter(), method=head, store=False)
     for layer, result in done:
         result.rewrite(gm, layer)
     gm.graph.eliminate_dead_code()

@@ -188,3 +188,11 @@ def test_example_recipe_files_parse():
     folder = Path(__file__).parents[1] / "examples" / "recipes"
     assert load_recipe_file(folder / "gptq-w4-act.yaml").passes == qc.get_recipe("gptq-w4g128-static").passes
     assert load_recipe_file(folder / "w8a8-smoothquant-auto.toml").passes == qc.get_recipe("w8a8-smoothquant-auto").passes
+
+
+def test_exports_from_a_reloaded_artifact_keep_the_true_ignore_list(tmp_path):
+    """A reloaded graph has no module-stack metadata; layer paths come from the weight names."""
+    _compile("rtn-w4g128").save(tmp_path / "a")
+    export_compressed_tensors(qc.load(tmp_path / "a"), tmp_path / "ct", progress=lambda _: None)
+    config = json.loads((tmp_path / "ct" / "config.json").read_text())
+    assert config["quantization_config"]["ignore"] == ["lm_head"]

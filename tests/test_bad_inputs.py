@@ -227,7 +227,20 @@ def _ids(*shape, low=0, high=96, dtype=torch.long):
     return torch.randint(low, high, shape, generator=torch.Generator().manual_seed(0)).to(dtype)
 
 
+def _nan_model():
+    model = make_model("llama")
+    with torch.no_grad():
+        model.model.layers[1].mlp.up_proj.weight[3, 5] = float("nan")
+    return model
+
+
 API_ROWS = [
+    ("NaN weight with RTN", lambda cm: qc.compile(_nan_model(), example_inputs("llama"), recipe="rtn-w4g128",
+                                                  progress=False), qc.PassError,
+     "layer model.layers.1.mlp.up_proj: 1 of its 8192 weights are NaN or Inf"),
+    ("NaN weight with SpQR", lambda cm: qc.compile(_nan_model(), example_inputs("llama"), recipe="spqr-w3g16",
+                                                   calibration=[example_inputs("llama")], progress=False),
+     qc.PassError, "NaN or Inf"),
     ("token id -1", lambda cm: cm(input_ids=_ids(1, 4) - 1 - _ids(1, 4).max()), ValueError, "token id -"),
     ("token id >= vocab", lambda cm: cm(input_ids=_ids(1, 4) + 96), ValueError, "outside the model's vocabulary"),
     ("float token ids", lambda cm: cm(input_ids=_ids(1, 4, dtype=torch.float32)), ValueError, "integer token ids"),

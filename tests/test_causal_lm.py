@@ -145,3 +145,20 @@ def test_generate_on_an_encoder_is_refused():
     cm = qc.compile(make_model("bert"), example_inputs("bert"), recipe="none", progress=False)
     with pytest.raises(ValueError, match="generate needs a causal LM.*BertModel"):
         cm.generate(prompt(), 4)
+
+
+def test_triton_backend_generates_the_eager_tokens(llama_w4):
+    """Kernels on the GPU when there is one, else under TRITON_INTERPRET=1 (conftest sets it)."""
+    on_triton = llama_w4.with_backend("triton")
+    assert torch.equal(on_triton.generate(prompt(), 5), llama_w4.generate(prompt(), 5))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_models_calibrate_and_quantize_in_their_dtype(dtype):
+    """Hessians and GPTQ run in fp32; the graph keeps the model's dtype."""
+    model = causal_lm("llama").to(dtype)
+    q = qc.compile(model, {"input_ids": prompt()}, recipe="gptq-w4g128", calibration=calibration(), progress=False)
+    out, ref = q(input_ids=prompt()).logits, model(input_ids=prompt()).logits
+    assert out.dtype == dtype
+    assert 0 < ((out.float() - ref.float()).norm() / ref.float().norm()).item() < 0.3
+    assert q.generate(prompt(), 4).shape == (1, 10)

@@ -143,3 +143,18 @@ def test_large_models_go_to_external_data(tmp_path, monkeypatch):
     (logits,) = session.run(None, {k: v.numpy() for k, v in inputs.items()})
     expected = main_output(cm(**inputs))
     assert (torch.from_numpy(logits) - expected).abs().max() <= 1e-5 * expected.abs().max()
+
+
+def test_an_encoder_compiled_without_a_mask_accepts_one_on_every_backend():
+    """Optional inputs are captured whether or not the example had them; no backend drops one."""
+    model = make_model("bert")
+    ids = example_inputs("bert")["input_ids"]
+    cm = qc.compile(model, {"input_ids": ids}, recipe="none", progress=False)
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0                                                       # a padded row
+    expected = model(input_ids=ids, attention_mask=mask).last_hidden_state
+    for backend in ("eager", "onnxruntime"):
+        got = cm.with_backend(backend)(input_ids=ids, attention_mask=mask).last_hidden_state
+        assert (got - expected).abs().max() / expected.abs().max() < 1e-5, backend
+    plain = model(input_ids=ids).last_hidden_state                        # and without it, as before
+    assert (cm(input_ids=ids).last_hidden_state - plain).abs().max() / plain.abs().max() < 1e-5

@@ -138,6 +138,8 @@ def test_bad_settings_and_narrow_layers():
             qc.passes.SpQR(outlier_fraction=bad)
     with pytest.raises(qc.QuantizationError, match="selects every weight"):
         qc.passes.SpQR(outlier_threshold=0)
+    with pytest.raises(qc.QuantizationError, match=r"SpQR\(stat_bits=None\)"):
+        qc.passes.SpQR(stat_bits=None)
     W, H = problem()
     with pytest.raises(qc.QuantizationError, match="selects every weight"):
         spqr_quantize(W, H, outlier_threshold=0.0)

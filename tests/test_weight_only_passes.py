@@ -92,11 +92,49 @@ def test_pass_settings_are_validated_when_made():
         qc.passes.RTN(group_size=-2)
 
 
-def test_a_second_quantization_pass_changes_nothing():
-    cm = qc.compile(make_model("llama"), example_inputs("llama"),
-                    recipe=[qc.passes.RTN(bits=4, group_size=32), qc.passes.GPTQ(bits=3, group_size=32),
-                            qc.passes.LowerInt8()], calibration=calib(), progress=False)
-    first, second, third = cm.report.passes
-    assert first.modified and len(first.layers) == 14
-    assert not second.modified and not second.layers and not third.modified
-    assert sum(n.target is QL for n in cm.graph_module.graph.nodes) == 14
+def test_orders_that_make_a_pass_a_no_op_are_refused_before_anything_runs():
+    for recipe, words in (([qc.passes.RTN(), qc.passes.GPTQ()], "pass #2 GPTQ would change nothing: RTN already"),
+                          ([qc.passes.GPTQ(), qc.passes.SmoothQuant(), qc.passes.LowerInt8()],
+                           "pass #2 SmoothQuant would change nothing: GPTQ already"),
+                          ([qc.passes.LowerInt8(), qc.passes.SpQR()], "pass #2 SpQR would change nothing")):
+        with pytest.raises(qc.PipelineError, match=words):
+            qc.compile(make_model("llama"), example_inputs("llama"), recipe=recipe, calibration=calib(),
+                       progress=False)
+
+
+def test_a_pass_runs_standalone_with_a_default_context():
+    from qcompiler.capture import capture
+    from qcompiler.compiler import normalize_calibration
+    gm = capture(make_model("llama"), example_inputs("llama"))
+    ctx = qc.PassContext(example_inputs=((), example_inputs("llama")),
+                         calibration=normalize_calibration(calib(), gm.meta["qcompiler"]), progress=False)
+    assert qc.passes.SmoothQuant().run(gm, ctx) and ctx.record.layers
+    assert qc.passes.RTN(bits=4, group_size=32).run(gm, ctx)
+    assert sum(n.target is QL for n in gm.graph.nodes) == 14
+
+
+def test_a_model_with_nothing_to_quantize_says_so():
+    model = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.ReLU(), torch.nn.Linear(32, 32))
+    with pytest.warns(UserWarning, match="RTN quantized no layer"):
+        cm = qc.compile(model, (torch.randn(2, 32),), recipe="rtn-w4g128", progress=False)
+    assert "nothing was quantized" in " ".join(cm.report.passes[0].notes)
+
+
+def test_lm_head_option_quantizes_the_head_and_leaves_a_tied_embedding_alone():
+    from qcompiler.graph import get_tensor
+    model = make_model("gpt2")                              # lm_head.weight is tied to transformer.wte.weight
+    assert model.lm_head.weight is model.transformer.wte.weight
+    plain = qc.compile(model, example_inputs("gpt2"), recipe=[qc.passes.RTN(bits=4, group_size=32)], progress=False)
+    head = qc.compile(model, example_inputs("gpt2"), recipe=[qc.passes.RTN(bits=4, group_size=32, lm_head=True)],
+                      progress=False)
+    assert "lm_head" in head.report.passes[0].layers and "lm_head" not in plain.report.passes[0].layers
+    assert sum(n.target is QL for n in head.graph_module.graph.nodes) == \
+        sum(n.target is QL for n in plain.graph_module.graph.nodes) + 1
+    tables = [get_tensor(head.graph_module, n.args[0].target) for n in head.graph_module.graph.nodes
+              if n.target is torch.ops.aten.embedding.default]
+    token_table = next(t for t in tables if t.shape[0] == 96)
+    assert torch.equal(token_table, model.transformer.wte.weight)   # the tied embedding still reads FP weights
+    inputs = example_inputs("gpt2", batch=1, seq=6, seed=4)
+    a, b = main_output(plain(**inputs)), main_output(head(**inputs))
+    assert not torch.equal(a, b)                                  # the head really is 4-bit now
+    assert ((b - a).norm() / a.norm()).item() < 0.2                # and its 4-bit error is bounded

@@ -72,6 +72,7 @@ def export_gptq(cm, out_dir, *, zero_format: str = "auto", progress=print, overw
                     == (1 << (bits - 1))).all()) for layer in layers)
     quant = {"quant_method": "gptq", "bits": bits, "group_size": group_size, "desc_act": desc_act, "sym": sym,
              "checkpoint_format": "gptq" if v1 else "gptq_v2", "pack_dtype": "int32",
+             "lm_head": any(layer.path.rsplit(".", 1)[-1] in ("lm_head", "embed_out") for layer in layers),
              "meta": {"quantizer": ["qcompiler"], "zero_points": "stored minus 1 (v1)" if v1 else "real (v2)"}}
     config["quantization_config"] = quant
     progress(f"GPTQ checkpoint: {len(layers)} layers, {bits}-bit, group {group_size}, "
