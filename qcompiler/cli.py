@@ -46,22 +46,11 @@ def _options(debug: bool = typer.Option(False, "--debug", help="show tracebacks"
     """(--debug is read by main(), which decides how errors are shown.)"""
 
 
-def _calibration(loaded, calib: str, count: int):
+def _calibration(loaded, calib: str, count: int, seqlen: int, seed: int, packing: str, field: str):
     if calib == "bundled":
-        return loaded.calibration(count)
-    path = Path(calib)
-    if not path.is_file():
-        raise ValueError(f"calibration file {path} does not exist")
-    raw = path.read_bytes()
-    if b"\0" in raw:
-        raise ValueError(f"calibration file {path} is not text (it contains NUL bytes)")
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise ValueError(f"calibration file {path} is not UTF-8 text (byte {e.start})") from None
-    if not text.strip():
-        raise ValueError(f"calibration file {path} is empty")
-    return loaded.calibration_from_text(text, count)
+        return loaded.calibration(count, seed=seed)
+    from qcompiler.calibration_data import calibration_batches
+    return calibration_batches(loaded, calib, nsamples=count, seqlen=seqlen, seed=seed, packing=packing, field=field)
 
 
 def _layer_table(report, title: str) -> Table:
@@ -83,8 +72,15 @@ def _fmt(value) -> str:
 @app.command()
 def quantize(model: str = typer.Argument(..., help="bundled:tinylm, bundled:minilm or a Hugging Face model folder"),
              recipe: str = typer.Option("gptq-w4g128", help="built-in recipe name or a .yaml/.toml recipe file"),
-             calib: str = typer.Option("bundled", help="'bundled' (the model's own calibration set) or a text file"),
-             samples: int = typer.Option(32, help="calibration windows / sentences"),
+             calib: str = typer.Option("bundled", help="'bundled' (the bundled text through the model's tokenizer), "
+                                       "a text file, a folder of text files, .jsonl, .parquet or a saved dataset"),
+             samples: int = typer.Option(32, "--samples", "--nsamples", help="calibration windows / documents / "
+                                         "sentences (the GPTQ paper: 128)"),
+             seqlen: int = typer.Option(2048, help="tokens per window, capped by the model's context (bundled: 128)"),
+             seed: int = typer.Option(0, help="seed of the random windows"),
+             packing: str = typer.Option("windows", help="windows (random windows of the joined text) | none (one "
+                                         "padded sample per document)"),
+             calib_field: str = typer.Option("text", help="JSONL / Parquet / dataset field holding the text"),
              out_dir: Path = typer.Option(..., "--out", help="artifact folder to write (replaced atomically)"),
              overwrite: bool = typer.Option(False, help="replace --out even if it holds other files")):
     """Quantize MODEL with RECIPE and save the result to --out."""
@@ -98,11 +94,13 @@ def quantize(model: str = typer.Argument(..., help="bundled:tinylm, bundled:mini
     protect = [model] if Path(model).is_dir() else []
     check_output_folder(out_dir, "artifact", overwrite=overwrite, protect=protect)
     loaded = load(model)
-    calibration = _calibration(loaded, calib, samples) if any(p.needs_calibration for p in resolved.passes) else None
+    calibration = _calibration(loaded, calib, samples, seqlen, seed, packing, calib_field) \
+        if any(p.needs_calibration for p in resolved.passes) else None
     start = time.perf_counter()
     cm = qc.compile(loaded.model, loaded.example_inputs(), recipe=resolved, calibration=calibration)
     seconds = time.perf_counter() - start
-    cm.save(out_dir, metadata={"source": model, "calibration": calib, "samples": samples}, overwrite=overwrite,
+    cm.save(out_dir, metadata={"source": model, "calibration": calib, "samples": samples, "seqlen": seqlen,
+                               "seed": seed, "packing": packing}, overwrite=overwrite,
             protect=protect)
     out.print(_layer_table(cm.report, f"{model} · {resolved.name}"))
     try:

@@ -114,8 +114,8 @@ class CompiledModel:
         if layout is None:
             raise ValueError(f"generate needs a causal LM captured with its KV cache; this graph of "
                              f"{self.capture_info.model_class} has none (an encoder, or captured with use_cache=False)")
-        if isinstance(input_ids, torch.Tensor):
-            self._check_token_ids(input_ids) if input_ids.numel() else None
+        if isinstance(input_ids, torch.Tensor) and input_ids.numel():
+            self._check_token_ids(input_ids)
         config = self.capture_info.model_config or {}
         if eos_token_id is None:
             eos_token_id = config.get("eos_token_id")

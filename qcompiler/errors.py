@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 __all__ = ["QCompilerError", "CaptureError", "PipelineError", "PassError", "GraphLintError",
-           "RecipeError", "BackendError", "CalibrationError", "QuantizationError"]
+           "RecipeError", "BackendError", "CalibrationError", "QuantizationError", "ArtifactError"]
 
 
 class QCompilerError(Exception):
@@ -35,6 +35,10 @@ class BackendError(QCompilerError, ValueError):
 
 class CalibrationError(QCompilerError, ValueError):
     """Calibration data that cannot be used (empty, non-finite, wrong shape)."""
+
+
+class ArtifactError(QCompilerError):
+    """A saved artifact is missing, damaged, or holds something this version cannot load."""
 
 
 class QuantizationError(QCompilerError, ValueError):

@@ -12,15 +12,13 @@ output object it returns) is the pytree spec, serialized with ``torch.utils._pyt
 torch.fx turns a graph into Python source and runs it, so on load every string that would reach
 that source — node names, inputs, tensor names, keyword names, the spec's argument names and
 keys — must be a plain identifier (or a dotted path of them); the spec is checked node by node
-against the schema ``treespec_dumps`` writes before it is rebuilt. The file is untrusted data.
+against the schema ``treespec_dumps`` writes before it is rebuilt (``graph_spec.py``). The file is
+untrusted data.
 
 torch.export's runtime guard module (``_guards_fn``) is not kept: it only re-checks input shapes.
 """
 from __future__ import annotations
 
-import importlib
-import json
-import keyword
 import operator
 import re
 from typing import Any
@@ -28,10 +26,11 @@ from typing import Any
 import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
-from torch.fx.graph import _PyTreeCodeGen, _PyTreeInfo
+from torch.fx.graph import _PyTreeCodeGen
 
-from .errors import QCompilerError
+from .errors import ArtifactError
 from .graph import get_tensor, set_tensor
+from .graph_spec import call_structure, check_dotted, check_identifier, short
 
 __all__ = ["graph_to_data", "graph_from_data", "ArtifactError"]
 
@@ -39,10 +38,6 @@ FORMAT_VERSION = 1
 _OP_NAMESPACES = ("aten", "qc")
 _LAYOUTS = {str(v): v for v in (torch.strided, torch.sparse_coo, torch.sparse_csr)}
 _MEMORY_FORMATS = {str(v): v for v in (torch.contiguous_format, torch.preserve_format, torch.channels_last)}
-
-
-class ArtifactError(QCompilerError):
-    """A saved artifact is missing, damaged, or holds something this version cannot load."""
 
 
 def _encode(value: Any) -> Any:
@@ -71,19 +66,19 @@ def _decode(value: Any, nodes: dict[str, fx.Node]) -> Any:
     if isinstance(value, _SCALARS):
         return value
     if not isinstance(value, dict) or len(value) != 1:
-        raise ArtifactError(f"malformed graph argument {_short(value)}")
+        raise ArtifactError(f"malformed graph argument {short(value)}")
     (kind, payload), = value.items()
     if kind == "node":
         if not isinstance(payload, str) or payload not in nodes:
-            raise ArtifactError(f"graph argument names node {_short(payload)}, which is not defined before it")
+            raise ArtifactError(f"graph argument names node {short(payload)}, which is not defined before it")
         return nodes[payload]
     if kind in ("list", "tuple"):
         if not isinstance(payload, list):
-            raise ArtifactError(f"malformed graph argument {_short(value)}")
+            raise ArtifactError(f"malformed graph argument {short(value)}")
         items = [_decode(v, nodes) for v in payload]
         return items if kind == "list" else tuple(items)
     if not isinstance(payload, str):
-        raise ArtifactError(f"malformed graph argument {_short(value)}")
+        raise ArtifactError(f"malformed graph argument {short(value)}")
     if kind == "dtype":
         dtype = getattr(torch, payload, None) if payload.isidentifier() else None
         if not isinstance(dtype, torch.dtype):
@@ -91,20 +86,15 @@ def _decode(value: Any, nodes: dict[str, fx.Node]) -> Any:
         return dtype
     if kind == "device":
         if not re.fullmatch(r"[a-z]+(:\d+)?", payload):
-            raise ArtifactError(f"unknown device {_short(payload)} in the graph")
+            raise ArtifactError(f"unknown device {short(payload)} in the graph")
         try:
             return torch.device(payload)
         except RuntimeError:
-            raise ArtifactError(f"unknown device {_short(payload)} in the graph") from None
+            raise ArtifactError(f"unknown device {short(payload)} in the graph") from None
     table = {"layout": _LAYOUTS, "memory_format": _MEMORY_FORMATS}.get(kind)
     if table is None or payload not in table:
-        raise ArtifactError(f"unknown graph argument {_short(value)}")
+        raise ArtifactError(f"unknown graph argument {short(value)}")
     return table[payload]
-
-
-def _short(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 80 else text[:77] + "..."
 
 
 # Pure arithmetic, comparison and indexing only: no attrgetter/methodcaller/call, which reach
@@ -138,25 +128,7 @@ def _resolve_target(name: str):
             raise ArtifactError(f"operator {name} does not exist in this torch / qcompiler version") from None
         if isinstance(op, torch._ops.OpOverload):
             return op
-    raise ArtifactError(f"refusing to load call target {_short(name)}: not an allowed operator")
-
-
-def _is_identifier(text: Any) -> bool:
-    """A plain Python name (what fx may put into generated source without quoting)."""
-    return isinstance(text, str) and text.isidentifier() and not keyword.iskeyword(text) \
-        and not text.startswith("__")
-
-
-def _check_identifier(text: Any, what: str) -> str:
-    if not _is_identifier(text):
-        raise ArtifactError(f"refusing to load {what} {_short(text)}: not a plain identifier")
-    return text
-
-
-def _check_dotted(text: Any, what: str) -> str:
-    if not isinstance(text, str) or not all(_is_identifier(p) or re.fullmatch(r"[0-9]+", p) for p in text.split(".")):
-        raise ArtifactError(f"refusing to load {what} {_short(text)}: not a dotted name of identifiers")
-    return text
+    raise ArtifactError(f"refusing to load call target {short(name)}: not an allowed operator")
 
 
 def graph_to_data(gm: fx.GraphModule) -> tuple[dict, dict[str, torch.Tensor]]:
@@ -201,93 +173,6 @@ def graph_to_data(gm: fx.GraphModule) -> tuple[dict, dict[str, torch.Tensor]]:
             "tensor_kinds": kinds}, tensors
 
 
-_CONTAINERS = {"builtins.tuple", "builtins.list", "builtins.dict", "collections.OrderedDict"}
-_TYPE_NAME = re.compile(r"transformers(\.[A-Za-z_][A-Za-z0-9_]*)+")
-
-
-def _output_class(name: str):
-    """A transformers ``ModelOutput`` subclass named in the spec (importing only transformers' own,
-    installed modules, whose classes pytree must know to rebuild the output object)."""
-    import transformers.utils
-    if not _TYPE_NAME.fullmatch(name):
-        raise ArtifactError(f"refusing output type {_short(name)} in the graph's pytree spec")
-    module_name, cls_name = name.rsplit(".", 1)
-    try:
-        cls = getattr(importlib.import_module(module_name), cls_name, None)
-    except ImportError:
-        cls = None
-    if not (isinstance(cls, type) and issubclass(cls, transformers.utils.ModelOutput)):
-        raise ArtifactError(f"output type {name} in the graph's pytree spec is not a transformers ModelOutput "
-                            f"in this transformers version")
-    return cls
-
-
-def _checked_spec(text: Any, what: str) -> pytree.TreeSpec:
-    """Rebuild a pytree spec after checking every field against the schema ``treespec_dumps`` writes:
-    known container types, identifier keys, nothing else."""
-    try:
-        protocol, root = json.loads(text)
-    except (TypeError, ValueError):
-        raise ArtifactError(f"the graph's {what} spec is not a serialized pytree spec") from None
-    if protocol != 1:
-        raise ArtifactError(f"the graph's {what} spec has protocol {_short(protocol)}; this qcompiler reads 1")
-
-    def walk(node, depth):
-        if depth > 32 or not isinstance(node, dict) or set(node) != {"type", "context", "children_spec"}:
-            raise ArtifactError(f"malformed {what} spec node {_short(node)}")
-        kind, context, children = node["type"], node["context"], node["children_spec"]
-        if not isinstance(children, list):
-            raise ArtifactError(f"malformed {what} spec node {_short(node)}")
-        if kind is None:
-            if context is not None or children:
-                raise ArtifactError(f"malformed {what} spec leaf {_short(node)}")
-            return
-        if kind in ("builtins.tuple", "builtins.list"):
-            if context != "null":
-                raise ArtifactError(f"malformed {what} spec node {_short(node)}")
-        else:
-            if kind not in _CONTAINERS:
-                _output_class(kind)
-            try:
-                keys = json.loads(context)
-            except (TypeError, ValueError):
-                keys = None
-            if not isinstance(keys, list) or len(keys) != len(children) or \
-                    not all(_is_identifier(k) for k in keys):
-                raise ArtifactError(f"refusing {what} spec keys {_short(context)}: not a list of identifiers")
-        for child in children:
-            walk(child, depth + 1)
-
-    walk(root, 0)
-    try:
-        return pytree.treespec_loads(text)
-    except Exception as exc:  # pytree raises several types for specs it cannot rebuild
-        raise ArtifactError(f"the graph's {what} spec cannot be rebuilt: {exc}") from None
-
-
-def _codegen(spec: Any, placeholders: list[str]) -> _PyTreeCodeGen:
-    """The call structure; its argument names become the generated forward()'s signature, so they
-    must be identifiers, and the keyword names must be exactly the input spec's keys."""
-    if not isinstance(spec, dict) or set(spec) != {"orig_args", "in_spec", "out_spec"}:
-        raise ArtifactError("malformed pytree entry in the graph")
-    orig_args = spec["orig_args"]
-    if not isinstance(orig_args, list) or not all(_is_identifier(a) for a in orig_args) \
-            or len(set(orig_args)) != len(orig_args):
-        raise ArtifactError(f"refusing the pytree spec's arguments {_short(orig_args)}: not distinct identifiers")
-    in_spec = _checked_spec(spec["in_spec"], "input")
-    if in_spec.num_leaves != len(placeholders):
-        raise ArtifactError(f"the input spec has {in_spec.num_leaves} leaves for {len(placeholders)} inputs")
-    if in_spec.type is tuple and in_spec.num_children == 2 and in_spec.child(1).type is dict:
-        positional = in_spec.child(0).num_children
-        expected = list(in_spec.child(1).context)
-        if len(orig_args) != positional + len(expected) or orig_args[positional:] != expected:
-            raise ArtifactError(f"the pytree spec's arguments {_short(orig_args)} are not the graph's inputs "
-                                f"({positional} positional, then {expected})")
-    elif len(orig_args) != in_spec.num_children:
-        raise ArtifactError(f"the pytree spec's arguments {_short(orig_args)} do not match its input spec")
-    return _PyTreeCodeGen(_PyTreeInfo(orig_args, in_spec, _checked_spec(spec["out_spec"], "output")))
-
-
 def graph_from_data(structure: dict, tensors: dict[str, torch.Tensor]) -> fx.GraphModule:
     """Rebuild the GraphModule written by :func:`graph_to_data`, treating the file as untrusted:
     every name that fx would place into generated source is checked to be a plain identifier, every
@@ -297,54 +182,54 @@ def graph_from_data(structure: dict, tensors: dict[str, torch.Tensor]) -> fx.Gra
     except ArtifactError:
         raise
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
-        raise ArtifactError(f"the graph file is malformed ({type(exc).__name__}: {_short(str(exc))})") from None
+        raise ArtifactError(f"the graph file is malformed ({type(exc).__name__}: {short(str(exc))})") from None
 
 
 def _graph_from_data(structure: dict, tensors: dict[str, torch.Tensor]) -> fx.GraphModule:
     if not isinstance(structure, dict) or structure.get("format_version") != FORMAT_VERSION:
         version = structure.get("format_version") if isinstance(structure, dict) else None
-        raise ArtifactError(f"graph format version {_short(version)} is not supported "
+        raise ArtifactError(f"graph format version {short(version)} is not supported "
                             f"(this qcompiler reads version {FORMAT_VERSION})")
     root = torch.nn.Module()
     aliases = structure["aliases"]
     for target, kind in structure["tensor_kinds"].items():
-        _check_dotted(target, "tensor name")
+        check_dotted(target, "tensor name")
         name = aliases.get(target, target)
         if not isinstance(name, str) or name not in tensors:
-            raise ArtifactError(f"tensor {_short(name)} is missing from the artifact's weights")
+            raise ArtifactError(f"tensor {short(name)} is missing from the artifact's weights")
         set_tensor(root, target, tensors[name], parameter=kind == "parameter")
     graph = fx.Graph()
     nodes: dict[str, fx.Node] = {}
     placeholders = []
     for entry in structure["nodes"]:
-        op, name = entry["op"], _check_identifier(entry["name"], "node name")
+        op, name = entry["op"], check_identifier(entry["name"], "node name")
         if name in nodes:
             raise ArtifactError(f"node name {name} appears twice in the graph")
         args = _decode(entry["args"], nodes)
         if not isinstance(args, tuple) or not isinstance(entry["kwargs"], dict):
             raise ArtifactError(f"node {name}: malformed arguments")
-        kwargs = {_check_identifier(k, f"keyword argument of node {name}"): _decode(v, nodes)
+        kwargs = {check_identifier(k, f"keyword argument of node {name}"): _decode(v, nodes)
                   for k, v in entry["kwargs"].items()}
         if op == "call_function":
             target = _resolve_target(entry["target"])
         elif op == "placeholder":
-            target = _check_identifier(entry["target"], "graph input")
+            target = check_identifier(entry["target"], "graph input")
             if args or kwargs:
                 raise ArtifactError(f"graph input {name} has default values; artifacts store none")
             placeholders.append(target)
         elif op == "get_attr":
-            target = _check_dotted(entry["target"], f"tensor of node {name}")
+            target = check_dotted(entry["target"], f"tensor of node {name}")
             if target not in structure["tensor_kinds"]:
                 raise ArtifactError(f"node {name} reads tensor {target}, which the artifact does not list")
         elif op == "output":
             target = "output"
         else:
-            raise ArtifactError(f"node {name}: unsupported op kind {_short(op)}")
+            raise ArtifactError(f"node {name}: unsupported op kind {short(op)}")
         node = graph.create_node(op, target, args, kwargs, name=name)  # registers the name in the namespace
         nodes[name] = node
     spec = structure.get("pytree")
     if spec is not None:
-        graph.set_codegen(_codegen(spec, placeholders))
+        graph.set_codegen(call_structure(spec, placeholders))
     gm = fx.GraphModule(root, graph)
     gm.graph.lint()
     return gm

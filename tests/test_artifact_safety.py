@@ -85,6 +85,13 @@ ROUTES = {
 }
 
 
+def test_the_untampered_copy_loads_and_runs(saved, tmp_path):
+    """The control for every attack below: only the tampering makes loading fail."""
+    path = _copy(saved, tmp_path)
+    _tamper_graph(path, lambda g: None)                       # rewritten and re-signed, unchanged
+    _load_and_call(path)
+
+
 @pytest.mark.parametrize("route", list(ROUTES))
 def test_code_execution_routes_are_refused(route, saved, tmp_path):
     path, marker = _copy(saved, tmp_path), tmp_path / "PWNED"

@@ -7,7 +7,6 @@ docs/reliability.md lists the same cases with their outcomes.
 """
 import hashlib
 import json
-import os
 import shutil
 from pathlib import Path
 
