@@ -216,8 +216,7 @@ def _tensors(blob: bytes, what: str) -> dict[str, torch.Tensor]:
 
 def load(path, backend: str = "eager", *, backend_options: Optional[dict] = None):
     """A CompiledModel from a folder written by :func:`save`; no calibration, no original model code."""
-    from .backends import get_backend
-    from .compiler import CompiledModel
+    from .compiler import on_backend
 
     path = Path(path)
     manifest, blobs = _read_all(path)
@@ -245,14 +244,7 @@ def load(path, backend: str = "eager", *, backend_options: Optional[dict] = None
             else Recipe(str(r["name"]), (), str(r.get("description", "")) + " (custom passes; settings in the manifest)")
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise ArtifactError(f"{path / MANIFEST} is malformed ({type(exc).__name__}: {exc})") from None
-    report = report_from_manifest(manifest)
-    options = dict(backend_options or {})
-    if backend == "onnxruntime":
-        options.setdefault("recipe", recipe.name)
-    runner = get_backend(backend)(gm, example_inputs, **options)
-    if getattr(runner, "record", None) is not None:  # the backend's plan joins the report, as in compile()
-        report.passes.append(runner.record)
-    return CompiledModel(gm, recipe, report, backend, runner, example_inputs)
+    return on_backend(gm, recipe, report_from_manifest(manifest), backend, example_inputs, backend_options)
 
 
 def _version() -> str:

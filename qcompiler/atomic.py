@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
+import glob
 import json
 import os
 import shutil
@@ -166,17 +167,13 @@ def _clean_stale(parent: Path, name: str) -> None:
     """Remove temporary siblings that a killed writer (PID gone) left behind; an output set aside
     by the two-rename fallback is put back first if the target is missing."""
     prefix = f".{name}.qc-"
-    for entry in parent.glob(f"{glob_escape(prefix)}*"):
+    for entry in parent.glob(f"{glob.escape(prefix)}*"):
         pid = entry.name[len(prefix):].split("-", 1)[0]
         if not (pid.isdigit() and not _pid_alive(int(pid)) and entry.is_dir() and not entry.is_symlink()):
             continue
         if entry.name.endswith(".old") and (entry / "previous").is_dir() and not (parent / name).exists():
             os.rename(entry / "previous", parent / name)
         shutil.rmtree(entry, ignore_errors=True)
-
-
-def glob_escape(text: str) -> str:
-    return "".join(f"[{c}]" if c in "*?[" else c for c in text)
 
 
 @contextlib.contextmanager

@@ -99,19 +99,6 @@ def read_texts(source: Union[str, Path, Sequence[str]], *, field: str = "text") 
     return texts
 
 
-def _token_stream(tokenizer, texts: list[str]) -> list[torch.Tensor]:
-    docs = []
-    for text in texts:
-        try:
-            ids = tokenizer.encode(text, add_special_tokens=False)
-        except TypeError:  # the byte tokenizer takes no options
-            ids = tokenizer.encode(text)
-        ids = torch.as_tensor(ids, dtype=torch.long).reshape(-1)
-        if ids.numel():
-            docs.append(ids)
-    return docs
-
-
 def calibration_batches(loaded, source, *, nsamples: int = 128, seqlen: int = 2048, seed: int = 0,
                         packing: str = "windows", field: str = "text", batch_size: int = 8) -> list[dict]:
     """Calibration batches for ``loaded`` (a ``qc.models.LoadedModel``) from ``source``."""
@@ -123,15 +110,8 @@ def calibration_batches(loaded, source, *, nsamples: int = 128, seqlen: int = 20
     if loaded.kind != "causal-lm":  # encoders: one sentence per line
         lines = [line.strip() for t in texts for line in t.splitlines() if line.strip()]
         return loaded._sentence_batches(lines[:nsamples], min(seqlen, loaded.max_length), batch_size)
-    if loaded.tokenizer is None:
-        raise ValueError(f"model {loaded.name} has no tokenizer to turn calibration text into tokens")
-    if seqlen > loaded.max_length:
-        seqlen = loaded.max_length  # the GPTQ paper's 2048 capped by the model's context
-    docs = _token_stream(loaded.tokenizer, texts)
-    vocab = loaded.model.config.vocab_size
-    if docs and max(int(d.max()) for d in docs) >= vocab:
-        raise ValueError(f"the tokenizer yields ids beyond the model's vocab_size {vocab} (tokenizer and weights do "
-                         f"not match)")
+    seqlen = min(seqlen, loaded.max_length)  # the GPTQ paper's 2048 capped by the model's context
+    docs = [ids for ids in map(loaded.tokenize, texts) if ids.numel()]
     if packing == "none":
         return _documents(docs, nsamples, seqlen, seed, batch_size)
     stream = torch.cat(docs) if docs else torch.zeros(0, dtype=torch.long)

@@ -149,6 +149,16 @@ def optional_value(kind: str, input_ids: torch.Tensor) -> torch.Tensor:
     return torch.ones_like(input_ids) if kind == "ones" else torch.zeros_like(input_ids)
 
 
+def fill_optional_inputs(info: CaptureInfo, kwargs: dict) -> dict:
+    """Fill in place the optional inputs the caller left out (or passed as None), from input_ids."""
+    ids = kwargs.get("input_ids")
+    if isinstance(ids, torch.Tensor):
+        for name, kind in (info.optional_inputs or {}).items():
+            if kwargs.get(name) is None:
+                kwargs[name] = optional_value(kind, ids)
+    return kwargs
+
+
 def _add_optional_inputs(model, args: tuple, kwargs: dict) -> dict:
     """For a (non-generating) transformers model called by keyword: add the optional inputs its
     forward takes and the example lacks. Returns ``{name: "ones" | "zeros"}`` of those added."""

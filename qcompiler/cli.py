@@ -53,6 +53,19 @@ def _calibration(loaded, calib: str, count: int, seqlen: int, seed: int, packing
     return calibration_batches(loaded, calib, nsamples=count, seqlen=seqlen, seed=seed, packing=packing, field=field)
 
 
+def _artifact_source(target: str, needed_for: str) -> tuple[bool, str]:
+    """``(is_artifact, model source)``: an artifact names the model it was made from."""
+    from qcompiler.artifact import MANIFEST, read_manifest
+
+    path = Path(target)
+    if not (path / MANIFEST).is_file():
+        return False, target
+    source = read_manifest(path)["metadata"].get("source")
+    if not source:
+        raise ValueError(f"artifact {path} does not record its source model; {needed_for}")
+    return True, source
+
+
 def _layer_table(report, title: str) -> Table:
     table = Table(title=title)
     rows = report.layer_table()
@@ -127,17 +140,13 @@ def evaluate(target: str = typer.Argument(..., help="an artifact folder, or a mo
              json_out: Optional[Path] = typer.Option(None, "--json", help="also write the figures as JSON")):
     """Perplexity (causal LMs) or embedding cosine vs FP32 (encoders), FP32 beside quantized."""
     import qcompiler as qc
-    from qcompiler.artifact import MANIFEST, read_manifest
     from qcompiler.models import load
     from qcompiler.quality import QualityJudge
 
     if backend is Backend.triton:
         _triton_runtime()
     path = Path(target)
-    is_artifact = (path / MANIFEST).is_file()
-    source = read_manifest(path)["metadata"].get("source") if is_artifact else target
-    if not source:
-        raise ValueError(f"artifact {path} does not record its source model; evaluate needs the FP32 model")
+    is_artifact, source = _artifact_source(target, "evaluate needs the FP32 model")
     loaded = load(source)
     judge = QualityJudge(loaded, max_windows=windows, sentences=windows)
     figures = {"model": source, "metric": judge.metric, "fp32": judge.score(loaded.model)}
@@ -195,7 +204,6 @@ def generate(target: str = typer.Argument(..., help="an artifact folder, or a mo
     import torch
 
     import qcompiler as qc
-    from qcompiler.artifact import MANIFEST, read_manifest
     from qcompiler.generation import SamplingConfig
     from qcompiler.models import load, tokenizer_for
 
@@ -204,12 +212,9 @@ def generate(target: str = typer.Argument(..., help="an artifact folder, or a mo
     SamplingConfig(do_sample, temperature, top_k, top_p)  # bad values fail before any loading
     if backend is Backend.triton:
         _triton_runtime()
-    path = Path(target)
-    if (path / MANIFEST).is_file():
-        source = read_manifest(path)["metadata"].get("source")
-        if not source:
-            raise ValueError(f"artifact {path} does not record its source model, so there is no tokenizer for it")
-        tokenizer, cm = tokenizer_for(source), qc.load(path, backend=backend.value)
+    is_artifact, source = _artifact_source(target, "so there is no tokenizer for it")
+    if is_artifact:
+        tokenizer, cm = tokenizer_for(source), qc.load(target, backend=backend.value)
     else:
         loaded = load(target)
         tokenizer = loaded.tokenizer

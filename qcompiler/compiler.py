@@ -6,7 +6,7 @@ from typing import Any, Callable, Iterable, Iterator, Optional
 import torch
 from torch.fx import GraphModule
 
-from .capture import CaptureInfo, capture, normalize_inputs, optional_value
+from .capture import CaptureInfo, capture, fill_optional_inputs, normalize_inputs
 from .causal_lm import CacheLayout, example_graph_inputs, graph_inputs, wrap_output
 from .errors import CalibrationError
 from .generation import SamplingConfig, generate_tokens
@@ -58,10 +58,8 @@ class CompiledModel:
         previous call returned) and returns ``.logits`` and ``.past_key_values``."""
         for name, value in self.capture_info.constant_kwargs.items():
             kwargs.setdefault(name, value)
+        fill_optional_inputs(self.capture_info, kwargs)
         ids = kwargs.get("input_ids", args[0] if args and self.capture_info.model_config else None)
-        for name, kind in (self.capture_info.optional_inputs or {}).items():
-            if kwargs.get(name) is None and isinstance(ids, torch.Tensor):
-                kwargs[name] = optional_value(kind, ids)
         if isinstance(ids, torch.Tensor):
             self._check_token_ids(ids)
         layout = self.cache_layout
@@ -95,7 +93,6 @@ class CompiledModel:
         Batches of prompts are left-padded (``attention_mask`` zeros on the left). ``streamer`` is
         called with each step's tokens ``[B]`` as they are made; :meth:`stream` yields them instead.
         """
-        prompt = input_ids
         tokens = []
         for token in self.stream(input_ids, max_new_tokens, do_sample=do_sample, temperature=temperature,
                                  top_k=top_k, top_p=top_p, eos_token_id=eos_token_id, pad_token_id=pad_token_id,
@@ -103,7 +100,7 @@ class CompiledModel:
             tokens.append(token[:, None])
             if streamer is not None:
                 streamer(token)
-        return torch.cat([prompt, *tokens], 1)
+        return torch.cat([input_ids, *tokens], 1)
 
     def stream(self, input_ids: torch.Tensor, max_new_tokens: int = 32, *, do_sample: bool = False,
                temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, eos_token_id=None,
@@ -131,14 +128,8 @@ class CompiledModel:
 
     def with_backend(self, backend: str, **options) -> "CompiledModel":
         """The same quantized graph on another backend: no recapture, no calibration, weights shared."""
-        from .backends import get_backend
-        if backend == "onnxruntime":
-            options.setdefault("recipe", self.recipe.name)
-        runner = get_backend(backend)(self.graph_module, self.example_inputs, **options)
         report = Report([p for p in self.report.passes if not p.name.startswith("backend:")])
-        if getattr(runner, "record", None) is not None:
-            report.passes.append(runner.record)
-        return CompiledModel(self.graph_module, self.recipe, report, backend, runner, self.example_inputs)
+        return on_backend(self.graph_module, self.recipe, report, backend, self.example_inputs, options)
 
     def export_onnx(self, path, *, accuracy_level: Optional[int] = None, overwrite: bool = False):
         """Write the graph as an ONNX model that ONNX Runtime runs (see docs/backends/onnx.md)."""
@@ -160,6 +151,21 @@ class CompiledModel:
                 f"backend={self.backend!r}, passes=[{passes}])")
 
 
+def on_backend(gm: GraphModule, recipe: Recipe, report: Report, backend: str, example_inputs: tuple[tuple, dict],
+               options: Optional[dict] = None) -> CompiledModel:
+    """Prepare ``backend`` for ``gm``; its plan (kernels, fallbacks), if it records one, joins ``report``.
+    Shared by ``compile``, ``qc.load`` and ``with_backend``."""
+    from .backends import get_backend  # qcompiler.backends imports this module's package
+
+    options = dict(options or {})
+    if backend == "onnxruntime":
+        options.setdefault("recipe", recipe.name)
+    runner = get_backend(backend)(gm, example_inputs, **options)
+    if getattr(runner, "record", None) is not None:
+        report.passes.append(runner.record)
+    return CompiledModel(gm, recipe, report, backend, runner, example_inputs)
+
+
 def normalize_calibration(calibration: Optional[Iterable], info: CaptureInfo) -> Optional[list[tuple[tuple, dict]]]:
     """Calibration batches as ``(args, kwargs)``, with the capture's constant kwargs filled in."""
     if calibration is None:
@@ -172,10 +178,7 @@ def normalize_calibration(calibration: Optional[Iterable], info: CaptureInfo) ->
         args, kwargs = normalize_inputs(item)
         for name, value in info.constant_kwargs.items():
             kwargs.setdefault(name, value)
-        ids = kwargs.get("input_ids")
-        for name, kind in (info.optional_inputs or {}).items():
-            if kwargs.get(name) is None and isinstance(ids, torch.Tensor):
-                kwargs[name] = optional_value(kind, ids)
+        fill_optional_inputs(info, kwargs)
         if layout is not None:  # the cache graph, run with an empty past
             kwargs.pop("use_cache", None)
             ids = kwargs.pop("input_ids", args[0] if args else None)
@@ -198,14 +201,13 @@ def compile(model: torch.nn.Module, example_inputs, recipe="none", calibration: 
     from .backends import get_backend  # qcompiler.backends imports this module's package
 
     resolved = resolve_recipe(recipe)
-    runner_factory = get_backend(backend)  # unknown backend: fail before any work
+    get_backend(backend)  # an unknown backend fails before any work
     manager = PassManager(resolved.passes)
     manager.validate(has_calibration=calibration is not None)
     gm = capture(model, example_inputs)
     info: CaptureInfo = gm.meta["qcompiler"]
     examples = normalize_inputs(example_inputs)
-    for name, kind in info.optional_inputs.items():  # the graph takes them; backends see them
-        examples[1][name] = optional_value(kind, examples[1]["input_ids"])
+    fill_optional_inputs(info, examples[1])  # the graph takes them; backends see them
     if info.cache:  # backends and exports see the graph's own inputs
         user = examples[1]
         examples = ((), example_graph_inputs(CacheLayout.from_dict(info.cache), user["input_ids"],
@@ -213,10 +215,4 @@ def compile(model: torch.nn.Module, example_inputs, recipe="none", calibration: 
     ctx = PassContext(example_inputs=examples,
                       calibration=normalize_calibration(calibration, info), progress=progress)
     report = manager.run(gm, ctx)
-    options = dict(backend_options or {})
-    if backend == "onnxruntime":
-        options.setdefault("recipe", resolved.name)
-    runner = runner_factory(gm, ctx.example_inputs, **options)
-    if getattr(runner, "record", None) is not None:  # the backend's plan (kernels, fallbacks) joins the report
-        report.passes.append(runner.record)
-    return CompiledModel(gm, resolved, report, backend, runner, ctx.example_inputs)
+    return on_backend(gm, resolved, report, backend, ctx.example_inputs, backend_options)

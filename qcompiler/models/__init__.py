@@ -59,19 +59,25 @@ class LoadedModel:
         ids = [int(i) for i in torch.as_tensor(ids).reshape(-1)]
         return self.tokenizer.decode(ids) if self.tokenizer is not None else " ".join(map(str, ids))
 
-    def tokens(self, split: str) -> torch.Tensor:
-        """The bundled text's ``split`` as token ids of *this model's* tokenizer (byte ids only for a
-        byte-level model); a model without a tokenizer is refused rather than fed byte ids."""
-        if isinstance(self.tokenizer, ByteTokenizer):
-            return stdlib_tokens(split)
+    def tokenize(self, text: str) -> torch.Tensor:
+        """``text`` as 1-D token ids of *this model's* tokenizer, without special tokens; a model
+        without a tokenizer, or whose tokenizer yields ids beyond its vocabulary, is refused."""
         if self.tokenizer is None:
-            raise ValueError(f"model {self.name} has no tokenizer files, so the bundled text cannot be turned "
-                             f"into its tokens; pass token ids, or add the tokenizer to the folder")
-        ids = torch.as_tensor(self.tokenizer.encode(stdlib_text(split), add_special_tokens=False), dtype=torch.long)
+            raise ValueError(f"model {self.name} has no tokenizer files, so text cannot be turned into its tokens; "
+                             f"pass token ids, or add the tokenizer to the folder")
+        if isinstance(self.tokenizer, ByteTokenizer):
+            return self.tokenizer.encode(text)
+        ids = torch.as_tensor(self.tokenizer.encode(text, add_special_tokens=False), dtype=torch.long).reshape(-1)
         if ids.numel() and int(ids.max()) >= self.model.config.vocab_size:
             raise ValueError(f"model {self.name}: its tokenizer yields id {int(ids.max())} but the model's vocab_size "
                              f"is {self.model.config.vocab_size} (tokenizer and weights do not match)")
         return ids
+
+    def tokens(self, split: str) -> torch.Tensor:
+        """The bundled text's ``split`` as this model's token ids."""
+        if isinstance(self.tokenizer, ByteTokenizer):
+            return stdlib_tokens(split)
+        return self.tokenize(stdlib_text(split))
 
     def calibration(self, count: int = 32, length: int = 128, *, seed: int = 0, batch_size: int = 8) -> list[dict]:
         """Calibration batches from the training split (token windows, or tokenized sentences)."""
@@ -82,22 +88,6 @@ class LoadedModel:
             windows = random_windows(self.tokens("train"), count, length, seed=seed)
             return [{"input_ids": w} for w in windows.split(batch_size)]
         return self._sentence_batches(stdlib_sentences("train", count), length, batch_size)
-
-    def calibration_from_text(self, text: str, count: int = 32, length: int = 128, *,
-                              batch_size: int = 8) -> list[dict]:
-        """Calibration batches from the user's own text: token windows, or one sentence per line."""
-        if not text.strip():
-            raise ValueError("the calibration text is empty")
-        if self.kind != "causal-lm":
-            lines = [line.strip() for line in text.splitlines() if line.strip()]
-            return self._sentence_batches(lines[:count], length, batch_size)
-        if self.tokenizer is None:
-            raise ValueError(f"model {self.name} has no tokenizer to turn calibration text into tokens")
-        ids = self.tokenizer.encode(text)
-        ids = torch.as_tensor(ids, dtype=torch.long).reshape(-1)
-        length = min(length, self.max_length, ids.numel())
-        windows = ids[: (ids.numel() // length) * length].reshape(-1, length)[:count]
-        return [{"input_ids": w} for w in windows.split(batch_size)]
 
     def _sentence_batches(self, sentences: list[str], length: int, batch_size: int) -> list[dict]:
         batches = []
@@ -120,8 +110,8 @@ def _check_folder(path: Path) -> None:
         raise FileNotFoundError(f"model folder {path} has no safetensors weights{detail}")
 
 
-def load(name_or_path: str | Path) -> LoadedModel:
-    """``"tinylm"``, ``"minilm"`` (also as ``bundled:NAME``) or a local Hugging Face model folder."""
+def _checked_folder(name_or_path: str | Path) -> tuple[Path, str, Any]:
+    """``(folder, label, config)`` of a bundled model or a local folder, after the safety checks."""
     from transformers import AutoConfig
 
     name = str(name_or_path).removeprefix("bundled:")
@@ -133,13 +123,27 @@ def load(name_or_path: str | Path) -> LoadedModel:
         path, label = Path(name_or_path).expanduser(), str(name_or_path)
     _check_folder(path)
     _refuse_custom_code(path)
-    config = AutoConfig.from_pretrained(path, trust_remote_code=False)  # never run a folder's own code
+    return path, label, AutoConfig.from_pretrained(path, trust_remote_code=False)  # never run a folder's own code
+
+
+def load(name_or_path: str | Path) -> LoadedModel:
+    """``"tinylm"``, ``"minilm"`` (also as ``bundled:NAME``) or a local Hugging Face model folder."""
+    path, label, config = _checked_folder(name_or_path)
     return loaded_from_model(label, config, path, weights=True)
+
+
+def _tokenizer_of(path: Path, config) -> Optional[Any]:
+    """The folder's own tokenizer; the byte tokenizer for a 256-token model without one; else None."""
+    from transformers import AutoTokenizer
+
+    if (path / "tokenizer.json").is_file() or (path / "tokenizer_config.json").is_file():
+        return AutoTokenizer.from_pretrained(path, trust_remote_code=False)
+    return ByteTokenizer() if config.vocab_size == ByteTokenizer.vocab_size else None
 
 
 def loaded_from_model(label: str, config, path: Path, *, weights: bool = False) -> LoadedModel:
     """A LoadedModel for ``config``: weights from the folder ``path``, or freshly initialized."""
-    from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModel, AutoModelForCausalLM
 
     causal = any(a.endswith("ForCausalLM") for a in (config.architectures or []))
     cls = AutoModelForCausalLM if causal else AutoModel
@@ -150,30 +154,18 @@ def loaded_from_model(label: str, config, path: Path, *, weights: bool = False) 
     else:
         model = cls.from_config(config, dtype=torch.float32)
     model.eval()
-    tokenizer: Optional[Any]
-    if (path / "tokenizer.json").is_file() or (path / "tokenizer_config.json").is_file():
-        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=False)
-    elif config.vocab_size == ByteTokenizer.vocab_size:
-        tokenizer = ByteTokenizer()
-    else:
-        tokenizer = None
+    tokenizer = _tokenizer_of(path, config)
     max_length = int(getattr(config, "max_position_embeddings", 512))
     return LoadedModel(label, model, tokenizer, "causal-lm" if causal else "encoder", max_length)
 
 
 def tokenizer_for(name_or_path: str):
     """The tokenizer of a bundled model or a local folder, without loading its weights."""
-    from transformers import AutoConfig, AutoTokenizer
-
-    name = str(name_or_path).removeprefix("bundled:")
-    path = TINYLM_DIR if name == "tinylm" else minilm_dir() if name == "minilm" else Path(name_or_path).expanduser()
-    _check_folder(path)
-    _refuse_custom_code(path)
-    if (path / "tokenizer.json").is_file() or (path / "tokenizer_config.json").is_file():
-        return AutoTokenizer.from_pretrained(path, trust_remote_code=False)
-    if AutoConfig.from_pretrained(path, trust_remote_code=False).vocab_size == ByteTokenizer.vocab_size:
-        return ByteTokenizer()
-    raise ValueError(f"model folder {path} has no tokenizer files (tokenizer.json / tokenizer_config.json)")
+    path, _, config = _checked_folder(name_or_path)
+    tokenizer = _tokenizer_of(path, config)
+    if tokenizer is None:
+        raise ValueError(f"model folder {path} has no tokenizer files (tokenizer.json / tokenizer_config.json)")
+    return tokenizer
 
 
 def _refuse_custom_code(path: Path) -> None:
