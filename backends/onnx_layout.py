@@ -52,9 +52,13 @@ def _unpack_bytes(data: Tensor, bits: int, k: int) -> Tensor:
 
 def to_matmul_nbits_layout(codes: Tensor, scales: Tensor, zeros: Tensor, bits: int, block_size: int,
                            float_zeros: bool) -> dict[str, Tensor]:
-    """Codes [N, K] and per-block scales/zeros [N, K/block] (columns already in processing order)."""
+    """Codes [N, K] and per-block scales/zeros [N, ceil(K/block)] (columns already in processing
+    order). A K that is not a multiple of the block pads the last block with zero codes, as
+    MatMulNBits defines (``n_blocks_per_col = ceil(K / block_size)``)."""
     n, k = codes.shape
-    blocks = k // block_size
+    blocks = -(-k // block_size)
+    if blocks * block_size != k:
+        codes = torch.cat([codes, codes.new_zeros(n, blocks * block_size - k)], dim=1)
     b = _pack_bytes(codes, bits).reshape(n, blocks, block_size * bits // 8)
     zp = zeros.float().reshape(-1) if float_zeros else _pack_bytes(zeros.round().to(torch.int64), bits).reshape(-1)
     return {"B": b.contiguous(), "scales": scales.float().reshape(-1).contiguous(), "zero_points": zp.contiguous()}
@@ -62,15 +66,16 @@ def to_matmul_nbits_layout(codes: Tensor, scales: Tensor, zeros: Tensor, bits: i
 
 def dequantize_matmul_nbits(B: Tensor, scales: Tensor, zero_points: Tensor, K: int, N: int, bits: int,
                             block_size: int) -> Tensor:
-    """The float32 weight [N, K] that a MatMulNBits node computes with (ORT's definition)."""
-    blocks = K // block_size
+    """The float32 weight [N, K] that a MatMulNBits node computes with (ORT's definition; the last
+    block may be partial)."""
+    blocks = -(-K // block_size)
     codes = _unpack_bytes(B.reshape(N, -1), bits, K).float()
-    s = scales.float().reshape(N, blocks).repeat_interleave(block_size, dim=1)
+    s = scales.float().reshape(N, blocks).repeat_interleave(block_size, dim=1)[:, :K]
     if zero_points.dtype == torch.uint8:
         z = _unpack_bytes(zero_points.reshape(N, -1), bits, blocks).float()
     else:
         z = zero_points.float().reshape(N, blocks)
-    return (codes - z.repeat_interleave(block_size, dim=1)) * s
+    return (codes - z.repeat_interleave(block_size, dim=1)[:, :K]) * s
 
 
 @torch.library.custom_op("qc::matmul_nbits", mutates_args=())
@@ -105,10 +110,13 @@ def _gathered_fake(x, cols, block_t):
 
 
 def _block_size_for(group: int, k: int) -> Optional[int]:
-    """The MatMulNBits block (a power of two >= 16) that tiles ``group``; None if none does."""
-    g = k if group == -1 else group
+    """The MatMulNBits block (a power of two >= 16) that tiles ``group`` (a shorter last group
+    becomes the padded last block); per-channel: 128 (every block of a row has its scale).
+    None if no block tiles the group."""
+    if group == -1:
+        return 128
     for b in (128, 64, 32, 16):
-        if g % b == 0 and k % b == 0:
+        if group % b == 0:
             return b
     return None
 

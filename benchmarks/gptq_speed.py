@@ -32,17 +32,21 @@ RESULTS = Path(__file__).resolve().parent / "results" / "gptq_speed.json"
 PROBE_HIDDEN, PROBE_FFN, PROBE_WINDOWS, PROBE_SEQ = 512, 2048, 64, 512
 
 
-def layer_speed(n: int) -> dict:
+def layer_speed(n: int, device: str = "cpu") -> dict:
     from qcompiler.gptq import gptq_quantize, gptq_quantize_reference, output_error
 
     gen = torch.Generator().manual_seed(0)
     X = torch.randn(2 * n, n, generator=gen)
-    H = 2 * X.T @ X / X.shape[0]
-    W = torch.randn(n, n, generator=gen)
-    out = {"shape": f"{n}x{n}"}
+    H = (2 * X.T @ X / X.shape[0]).to(device)
+    W = torch.randn(n, n, generator=gen).to(device)
+    out = {"shape": f"{n}x{n}", "device": device}
     for name, fn in (("lazy", gptq_quantize), ("reference", gptq_quantize_reference)):
+        fn(W[:256, :256], H[:256, :256], bits=4, group_size=128)  # warm-up (CUDA context, kernels)
+        sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+        sync()
         start = time.perf_counter()
         res = fn(W, H, bits=4, group_size=128)
+        sync()
         out[f"{name}_seconds"] = time.perf_counter() - start
         out[f"{name}_rel_error"] = output_error(W, res.dequantized, H)
         print(f"{n}x{n} {name:9s} {out[f'{name}_seconds']:.2f}s", file=sys.stderr, flush=True)
@@ -64,7 +68,7 @@ def model_speed() -> dict:
             def quantize(layer, W, H):
                 res = gptq_quantize_reference(W, H, bits=self.bits, group_size=self.group_size, sym=self.sym,
                                               act_order=self.act_order, damp=self.damp)
-                return gptq_layer_quant(layer, W, res, self.bits)
+                return gptq_layer_quant(layer, W, res, self.bits, self.group_size)
             return quantize_block_linears(gm, ctx, quantize=quantize, true_sequential=self.true_sequential,
                                           needs_hessian=True)
 
@@ -123,9 +127,14 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--memory-probe", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--out", type=Path, default=RESULTS)
+    ap.add_argument("--layer-only", metavar="DEVICE",
+                    help="only the one-layer timing, on DEVICE (e.g. cuda); prints JSON, writes nothing")
     args = ap.parse_args()
     if args.memory_probe:
         print(json.dumps(memory_probe(args.memory_probe)))
+        return
+    if args.layer_only:
+        print(json.dumps([layer_speed(n, args.layer_only) for n in ((1024,) if args.quick else (4096, 8192))]))
         return
     layer = layer_speed(1024 if args.quick else 4096)
     model = model_speed()

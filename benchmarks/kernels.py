@@ -72,7 +72,8 @@ def bench(fn, smoke: bool) -> float:
     return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
 
 
-def run(shapes, rows, device, smoke: bool) -> list[dict]:
+def run(shapes, rows, device, smoke: bool, partial=lambda rows: None) -> list[dict]:
+    """Every (shape, M) row; ``partial(rows_so_far)`` after each (a time limit keeps what was measured)."""
     from qcompiler import kernels, ops
     gen = torch.Generator().manual_seed(0)
     peak_bw, peak_flops = next((v for k, v in PEAKS.items() if k in torch.cuda.get_device_name()), (None, None)) \
@@ -103,7 +104,12 @@ def run(shapes, rows, device, smoke: bool) -> list[dict]:
             base_ms = bench(lambda: torch.nn.functional.linear(x, w16), smoke)
             row = {"in": k, "out": n, "M": m, "fp16_ms": base_ms}
             for label, (kernel, reference, stored) in cases.items():
-                got, want = kernel(x).float(), reference(x)
+                try:
+                    got, want = kernel(x).float(), reference(x)
+                except Exception as exc:  # one broken kernel must not hide the others' figures
+                    row[label] = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
+                    print(f"{label} M={m}: FAILED {row[label]['error']}", flush=True)
+                    continue
                 err = ((got - want).abs().max() / want.abs().max().clamp(min=1e-12)).item()
                 ms = bench(lambda: kernel(x), smoke)
                 moved = stored_bytes(stored) + x.numel() * 2 + m * n * 2
@@ -114,9 +120,10 @@ def run(shapes, rows, device, smoke: bool) -> list[dict]:
                     entry["flops_fraction_of_fp16_peak"] = 2 * m * k * n / ms * 1e3 / peak_flops
                 row[label] = entry
             results.append(row)
+            partial(results)
             print(f"{k:>6}x{n:<6} M={m:<4} fp16 {base_ms:8.4f} ms | " + " | ".join(
                 f"{label} {row[label]['speedup_vs_fp16']:.2f}x (err {row[label]['max_rel_err_vs_reference']:.1e})"
-                for label in cases), flush=True)
+                for label in cases if "error" not in row[label]), flush=True)
     return results
 
 
@@ -140,8 +147,11 @@ def main(argv=None) -> int:
     else:
         name = torch.cuda.get_device_name()
         print(f"device: {name}, torch {torch.__version__}")
-        rows = run(SHAPES, ROWS, torch.device("cuda"), smoke=False)
-        record = {"gpu": name, "date": date.today().isoformat(), "torch": torch.__version__, "rows": rows}
+        def record_of(rows):
+            return {"gpu": name, "date": date.today().isoformat(), "torch": torch.__version__, "rows": rows}
+        rows = run(SHAPES, ROWS, torch.device("cuda"), smoke=False,
+                   partial=lambda rows: write_text_atomically(args.out, json.dumps(record_of(rows), indent=1)))
+        record = record_of(rows)
     write_text_atomically(args.out, json.dumps(record, indent=1))
     print(f"wrote {args.out}")
     return 0

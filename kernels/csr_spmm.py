@@ -44,7 +44,10 @@ def _csr_spmm_kernel(x_ptr, row_ptr, col_idx_ptr, values_ptr, out_ptr, M, N, str
 _CSR = Tunable(_csr_spmm_kernel,
                [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w)
                 for bm, bn, w in ((2, 128, 4), (4, 128, 4), (16, 64, 4), (16, 128, 4), (64, 64, 8))],
-               key=["M", "N"], interpret_config={"BLOCK_M": 16, "BLOCK_N": 128})
+               key=["M", "N"], interpret_config={"BLOCK_M": 16, "BLOCK_N": 128},
+               # it may add into ``out``: each timed trial must start from the caller's values, or
+               # autotuning a new (M, N) adds the product dozens of times (seen on an H200: inf)
+               restore_value=["out_ptr"])
 
 
 def csr_linear(x: torch.Tensor, row_ptr: torch.Tensor, col_idx: torch.Tensor, values: torch.Tensor,

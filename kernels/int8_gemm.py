@@ -32,7 +32,7 @@ def _int8_gemm_kernel(xq_ptr, wq_ptr, x_scale_ptr, w_scale_ptr, bias_ptr, out_pt
         mask_k = rk < K
         a = tl.load(xq_ptr + rm[:, None] * K + rk[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0)
         b = tl.load(wq_ptr + rn[None, :] * K + rk[:, None], mask=mask_k[:, None] & mask_n[None, :], other=0)
-        acc = tl.dot(a, b, acc)
+        acc = tl.dot(a, b, acc, out_dtype=tl.int32)  # int8 x int8 accumulates in int32 on the GPU
     if PER_TOKEN:
         sx = tl.load(x_scale_ptr + rm, mask=mask_m, other=0.0)[:, None]
     else:

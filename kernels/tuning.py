@@ -13,6 +13,9 @@ __all__ = ["INTERPRET", "Tunable", "UnsupportedKernel", "runtime_problem", "chec
 
 # triton.jit decides interpreted vs compiled when a kernel is decorated, i.e. at import time.
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+# QC_TRITON_AUTOTUNE=0: one fixed config on the GPU too (correctness tests: one compile per kernel
+# instead of one per config and shape; the benchmark checks the tuned configs).
+AUTOTUNE = os.environ.get("QC_TRITON_AUTOTUNE", "1") != "0"
 
 ACTIVATION_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -52,13 +55,17 @@ class Tunable:
     def __init__(self, kernel, configs: list, key: list[str], interpret_config: dict, **autotune_options):
         self.kernel = kernel
         self.interpret_config = interpret_config
-        self.tuned = None if INTERPRET else triton.autotune(configs=configs, key=key, **autotune_options)(kernel)
+        self.tuned = None if INTERPRET or not AUTOTUNE else \
+            triton.autotune(configs=configs, key=key, **autotune_options)(kernel)
 
     def __getitem__(self, grid: Callable[[dict], tuple]):
         if self.tuned is not None:
             return self.tuned[grid]
         cfg = self.interpret_config
-        return lambda *args, **kwargs: self.kernel[grid(cfg)](*args, **kwargs, **cfg)
+        # On a GPU (QC_TRITON_AUTOTUNE=0) without software pipelining: the fixed tiles then fit in
+        # shared memory for every kernel (3 stages of the 16x128x128 decode tile did not on an H200).
+        launch = {} if INTERPRET else {"num_stages": 1, "num_warps": 4}
+        return lambda *args, **kwargs: self.kernel[grid(cfg)](*args, **kwargs, **cfg, **launch)
 
 
 def dot_upcast(dtype: torch.dtype) -> bool:

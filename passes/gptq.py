@@ -13,6 +13,7 @@ from torch.fx import GraphModule
 
 from qcompiler.errors import QuantizationError
 from qcompiler.gptq import check_spec, gptq_quantize, rtn_quantize
+from qcompiler.layer_filter import check_patterns
 from qcompiler.pass_base import GraphProperty, Pass, PassContext
 from qcompiler.weight_only import gptq_layer_quant, quantize_block_linears
 
@@ -32,6 +33,7 @@ class GPTQ(Pass):
     block_size: int = 128         # lazy-batch width
     true_sequential: bool = False  # True: q/k/v, then o, then gate/up, then down, re-running inputs between
     lm_head: bool = False         # also the output head, by RTN on the same grid (it has no block Hessian)
+    ignore: tuple[str, ...] = ()  # module paths kept in full precision: globs, or 're:' + a regex
 
     requires: ClassVar = frozenset()
     provides: ClassVar = frozenset({GraphProperty.QUANTIZED_WEIGHTS})
@@ -40,6 +42,7 @@ class GPTQ(Pass):
 
     def __post_init__(self):
         check_spec(self.bits, self.group_size)
+        object.__setattr__(self, "ignore", check_patterns(self.name, self.ignore))
         if not 0 < self.damp < 1:
             raise QuantizationError(f"damp must be in (0, 1), got {self.damp}")
         if self.block_size < 1:
@@ -50,9 +53,9 @@ class GPTQ(Pass):
             res = gptq_quantize(W, H, bits=self.bits, group_size=self.group_size, sym=self.sym,
                                 act_order=self.act_order, static_groups=self.static_groups,
                                 damp=self.damp, block_size=self.block_size)
-            return gptq_layer_quant(layer, W, res, self.bits)
+            return gptq_layer_quant(layer, W, res, self.bits, self.group_size)
         def head(layer, W, H):
             res = rtn_quantize(W, bits=self.bits, group_size=self.group_size, sym=self.sym)
-            return gptq_layer_quant(layer, W, res, self.bits)
+            return gptq_layer_quant(layer, W, res, self.bits, self.group_size)
         return quantize_block_linears(gm, ctx, quantize=quantize, true_sequential=self.true_sequential,
-                                      needs_hessian=True, head=head if self.lm_head else None)
+                                      needs_hessian=True, head=head if self.lm_head else None, ignore=self.ignore)

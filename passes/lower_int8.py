@@ -16,6 +16,7 @@ from torch.fx import GraphModule
 from qcompiler.calibration import CalibrationEngine
 from qcompiler.errors import QuantizationError
 from qcompiler.graph import LinearLayer, block_of, find_linears
+from qcompiler.layer_filter import check_patterns, ignore_reason, report_unmatched
 from qcompiler.pass_base import GraphProperty, Pass, PassContext
 from qcompiler.weight_only import replace_linear
 
@@ -38,12 +39,14 @@ class LowerInt8(Pass):
 
     activations: str = "dynamic_per_token"
     weights: str = "per_channel"
+    ignore: tuple[str, ...] = ()  # module paths kept in full precision: globs, or 're:' + a regex
 
     requires: ClassVar = frozenset()
     provides: ClassVar = frozenset({GraphProperty.INT8_LOWERED})
     noop_after: ClassVar = frozenset({GraphProperty.QUANTIZED_WEIGHTS, GraphProperty.INT8_LOWERED})
 
     def __post_init__(self):
+        object.__setattr__(self, "ignore", check_patterns(self.name, self.ignore))
         if self.activations not in ACTIVATIONS:
             raise QuantizationError(f"activations must be one of {ACTIVATIONS}, got {self.activations!r}")
         if self.weights != "per_channel":
@@ -54,10 +57,18 @@ class LowerInt8(Pass):
         return self.activations == "static_per_tensor"
 
     def run(self, gm: GraphModule, ctx: PassContext) -> bool:
-        layers = [layer for layer in find_linears(gm) if block_of(layer.path) is not None]
+        candidates = [layer for layer in find_linears(gm) if block_of(layer.path) is not None]
+        report_unmatched(self.name, self.ignore, [layer.path for layer in candidates], ctx.record.notes)
+        layers = []
+        for layer in candidates:
+            why = ignore_reason(layer.path, self.ignore)
+            if why:
+                ctx.record.notes.append(f"{layer.path}: kept in full precision ({why})")
+            else:
+                layers.append(layer)
         act_scales: dict[str, float] = {}
         if self.activations == "static_per_tensor":
-            engine = CalibrationEngine(gm, ctx.calibration, log=ctx.log)
+            engine = CalibrationEngine.for_pass(gm, ctx)
             for seg in engine.blocks():
                 if seg.linears:
                     for path, st in engine.collect(seg, seg.linears, hessian=False).items():

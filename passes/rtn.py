@@ -11,6 +11,7 @@ from typing import ClassVar
 from torch.fx import GraphModule
 
 from qcompiler.gptq import check_spec, rtn_quantize
+from qcompiler.layer_filter import check_patterns
 from qcompiler.pass_base import GraphProperty, Pass, PassContext
 from qcompiler.weight_only import gptq_layer_quant, quantize_block_linears
 
@@ -25,6 +26,7 @@ class RTN(Pass):
     group_size: int = 128
     sym: bool = False
     lm_head: bool = False         # also the output head (RTN), as onnxruntime-genai's int4 builder does
+    ignore: tuple[str, ...] = ()  # module paths kept in full precision: globs, or 're:' + a regex
 
     requires: ClassVar = frozenset()
     provides: ClassVar = frozenset({GraphProperty.QUANTIZED_WEIGHTS})
@@ -32,11 +34,12 @@ class RTN(Pass):
 
     def __post_init__(self):
         check_spec(self.bits, self.group_size)
+        object.__setattr__(self, "ignore", check_patterns(self.name, self.ignore))
 
     def run(self, gm: GraphModule, ctx: PassContext) -> bool:
         # With calibration data the report gets each layer's output error on it; without, none.
         def quantize(layer, W, H):
             res = rtn_quantize(W, bits=self.bits, group_size=self.group_size, sym=self.sym)
-            return gptq_layer_quant(layer, W, res, self.bits)
+            return gptq_layer_quant(layer, W, res, self.bits, self.group_size)
         return quantize_block_linears(gm, ctx, quantize=quantize, true_sequential=False, needs_hessian=False,
-                                      head=quantize if self.lm_head else None)
+                                      head=quantize if self.lm_head else None, ignore=self.ignore)

@@ -18,6 +18,7 @@ from torch.fx import GraphModule
 from qcompiler.calibration import CalibrationEngine
 from qcompiler.errors import QuantizationError
 from qcompiler.graph import LinearLayer, aten, find_linears, get_tensor, set_tensor
+from qcompiler.layer_filter import check_patterns, ignore_reason, report_unmatched
 from qcompiler.pass_base import GraphProperty, Pass, PassContext
 from qcompiler.smoothquant import ALPHA_GRID, SmoothingPlan, plan_smoothing, search_alpha, smoothing_scales
 
@@ -67,6 +68,7 @@ class SmoothQuant(Pass):
 
     alpha: Union[float, str] = 0.5   # migration strength in [0, 1], or "auto" (per-group search)
     sample_rows: int = 512           # calibration rows kept per group for the "auto" search
+    ignore: tuple[str, ...] = ()  # module paths kept in full precision: globs, or 're:' + a regex
 
     requires: ClassVar = frozenset()
     provides: ClassVar = frozenset({GraphProperty.SMOOTHED})
@@ -74,20 +76,21 @@ class SmoothQuant(Pass):
     needs_calibration: ClassVar = True
 
     def __post_init__(self):
+        object.__setattr__(self, "ignore", check_patterns(self.name, self.ignore))
         if self.alpha != "auto" and not (isinstance(self.alpha, (int, float)) and 0.0 <= self.alpha <= 1.0):
             raise QuantizationError(f"alpha must be in [0, 1] or 'auto', got {self.alpha!r}")
 
     def run(self, gm: GraphModule, ctx: PassContext) -> bool:
         record = ctx.record
         all_layers = find_linears(gm)
-        engine = CalibrationEngine(gm, ctx.calibration, log=ctx.log)
+        engine = CalibrationEngine.for_pass(gm, ctx)
         changed = False
         pending: list = []  # explicit multiplies go in after calibration (the engine walks a fixed node list)
         for seg in engine.blocks():
             groups = seg.sibling_groups()
             if not groups:
                 continue
-            plans = [(group, plan_smoothing(group, all_layers)) for group in groups]
+            plans = [(group, self._plan(group, all_layers)) for group in groups]
             active = [layer for group, plan in plans if plan.form != "none" for layer in group]
             stats = engine.collect(seg, active, hessian=False,
                                    keep_rows=self.sample_rows if self.alpha == "auto" else 0) if active else {}
@@ -101,19 +104,30 @@ class SmoothQuant(Pass):
             _insert_explicit(gm, group, inv, label)
             for layer in group:
                 _scale_input_columns(gm, layer, 1.0 / inv)
+        report_unmatched(self.name, self.ignore, [layer.path for layer in all_layers], record.notes)
         if not changed:
             record.notes.append("no producer group could be smoothed; the graph is unchanged")
         return changed
 
+    def _plan(self, group: list[LinearLayer], all_layers: list[LinearLayer]) -> SmoothingPlan:
+        """Smoothing rescales every consumer of the producer: a group with an ignored layer is left alone."""
+        for layer in group:
+            why = ignore_reason(layer.path, self.ignore)
+            if why:
+                return SmoothingPlan("none", reason=f"{layer.path} is {why}")
+        return plan_smoothing(group, all_layers)
+
     def _apply(self, gm: GraphModule, group: list[LinearLayer], plan: SmoothingPlan, st, record, pending: list) -> None:
-        weights = [layer.weight(gm).detach().float() for layer in group]
-        act = st.absmax
+        act = st.absmax  # on the compute device; the scales found go back to where the weights live
+        stored = [layer.weight(gm) for layer in group]  # one read each (a streamed weight comes from disk)
+        home = stored[0].device
+        weights = [w.detach().float().to(act.device) for w in stored]
         if self.alpha == "auto":
             alpha, err = search_alpha(st.sample, weights, act, ALPHA_GRID)
         else:
             alpha, err = float(self.alpha), None
         wmax = torch.stack([W.abs().amax(dim=0) for W in weights]).amax(dim=0)
-        s = smoothing_scales(act, wmax, alpha)
+        s = smoothing_scales(act, wmax, alpha).to(home)
         inv = 1.0 / s
         if plan.form == "norm":
             _replace(gm, plan.norm.weight_node.target, get_tensor(gm, plan.norm.weight_node.target).detach() * inv)

@@ -16,6 +16,7 @@ from torch.fx import GraphModule
 
 from qcompiler.errors import QuantizationError
 from qcompiler.graph import LinearLayer, aten, set_tensor
+from qcompiler.layer_filter import check_patterns
 from qcompiler.ops import to_csr
 from qcompiler.packing import pack_cols, pack_rows
 from qcompiler.pass_base import GraphProperty, Pass, PassContext
@@ -62,6 +63,7 @@ class SpQR(Pass):
     damp: float = 0.01
     block_size: int = 128
     true_sequential: bool = True
+    ignore: tuple[str, ...] = ()  # module paths kept in full precision: globs, or 're:' + a regex
 
     requires: ClassVar = frozenset()
     provides: ClassVar = frozenset({GraphProperty.QUANTIZED_WEIGHTS, GraphProperty.OUTLIERS_SPLIT})
@@ -69,6 +71,7 @@ class SpQR(Pass):
     needs_calibration: ClassVar = True
 
     def __post_init__(self):
+        object.__setattr__(self, "ignore", check_patterns(self.name, self.ignore))
         if self.stat_bits is None:  # the algorithm allows fp16 statistics; the stored layout does not
             raise QuantizationError("SpQR(stat_bits=None): the SpQR pass stores quantized group statistics; "
                                     "choose stat_bits 2, 3, 4 or 8 (fp16 statistics exist only in "
@@ -115,9 +118,10 @@ class SpQR(Pass):
                        "outlier_fraction": res.outliers.float().mean().item(), "tau": tau,
                        "top_outlier_columns": _top_columns(res.outliers), "damp": res.damp,
                        "damp_steps": res.damp_steps}
-            return LayerQuant(res.dequantized, figures, lambda gm, layer: self._rewrite(gm, layer, tensors, W.shape[0]))
+            return LayerQuant(res.dequantized, figures, tensors,
+                              lambda gm, layer, stored: self._rewrite(gm, layer, stored, W.shape[0]))
         return quantize_block_linears(gm, ctx, quantize=quantize, true_sequential=self.true_sequential,
-                                      needs_hessian=True)
+                                      needs_hessian=True, ignore=self.ignore)
 
     def _rewrite(self, gm: GraphModule, layer: LinearLayer, tensors: dict, out_features: int) -> None:
         dense_names = ("codes", "scale_codes", "zero_codes", "scale_stats", "zero_stats", "perm")

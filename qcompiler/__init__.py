@@ -2,9 +2,8 @@
 from __future__ import annotations
 
 from . import ops  # registers the qc:: operator library
-from .artifact import load
 from .capture import capture
-from .compiler import CompiledModel, compile
+from .compiler import CompiledModel, compile, load
 from .errors import (BackendError, CalibrationError, CaptureError, GraphLintError, PassError,
                      PipelineError, QCompilerError, QuantizationError, RecipeError)
 from .pass_base import GraphProperty, Pass, PassContext, PassRecord

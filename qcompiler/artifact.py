@@ -20,7 +20,7 @@ import json
 import os
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 from safetensors import SafetensorError
@@ -34,7 +34,7 @@ from .recipe_files import pass_classes, recipe_from_dict
 from .recipes import Recipe
 from .report import Report
 
-__all__ = ["save", "load", "read_manifest", "report_from_manifest", "ArtifactError", "MANIFEST"]
+__all__ = ["save", "read", "StoredModel", "read_manifest", "report_from_manifest", "ArtifactError", "MANIFEST"]
 
 FORMAT = "qcompiler-artifact"
 VERSION = 2            # 2: per-file SHA-256 in the manifest
@@ -214,10 +214,18 @@ def _tensors(blob: bytes, what: str) -> dict[str, torch.Tensor]:
         raise ArtifactError(f"{what} is not a readable safetensors file ({exc})") from None
 
 
-def load(path, backend: str = "eager", *, backend_options: Optional[dict] = None):
-    """A CompiledModel from a folder written by :func:`save`; no calibration, no original model code."""
-    from .compiler import on_backend
+class StoredModel(NamedTuple):
+    """What an artifact folder holds; ``qc.load`` puts it on a backend."""
 
+    graph_module: torch.fx.GraphModule
+    recipe: Recipe
+    report: Report
+    example_inputs: tuple
+
+
+def read(path) -> StoredModel:
+    """The graph, recipe, report and example inputs of a folder written by :func:`save`; no
+    calibration, no original model code."""
     path = Path(path)
     manifest, blobs = _read_all(path)
     try:
@@ -244,7 +252,7 @@ def load(path, backend: str = "eager", *, backend_options: Optional[dict] = None
             else Recipe(str(r["name"]), (), str(r.get("description", "")) + " (custom passes; settings in the manifest)")
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise ArtifactError(f"{path / MANIFEST} is malformed ({type(exc).__name__}: {exc})") from None
-    return on_backend(gm, recipe, report_from_manifest(manifest), backend, example_inputs, backend_options)
+    return StoredModel(gm, recipe, report_from_manifest(manifest), example_inputs)
 
 
 def _version() -> str:

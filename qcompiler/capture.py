@@ -18,6 +18,7 @@ import torch
 
 from .causal_lm import wants_cache
 from .errors import CaptureError
+from . import lazy_weights
 from .graph import canonicalize_linears
 
 __all__ = ["capture", "CaptureInfo", "normalize_inputs", "dynamic_shapes_for"]
@@ -123,7 +124,8 @@ def capture(model: torch.nn.Module, example_inputs) -> torch.fx.GraphModule:
     shapes = dynamic_shapes_for(args, kwargs, list(inspect.signature(model.forward).parameters))
     try:
         with _quiet_export_logs(), torch.no_grad():
-            exported = torch.export.export(model, args, kwargs, dynamic_shapes=shapes, strict=False)
+            exported = torch.export.export(model, *_in_fake_mode_of(model, args, kwargs), dynamic_shapes=shapes,
+                                           strict=False)
     except Exception as exc:  # torch.export raises many types; we re-raise one that explains
         text = str(exc)
         hint = next((h for key, h in _HINTS if key in text), "simplify the failing construct in forward(), "
@@ -131,8 +133,7 @@ def capture(model: torch.nn.Module, example_inputs) -> torch.fx.GraphModule:
         first = text.strip().splitlines()[0] if text.strip() else type(exc).__name__
         raise CaptureError(f"torch.export could not capture {type(model).__name__}: {first} "
                            f"({type(exc).__name__}). Hint: {hint}.") from exc
-    gm = exported.module()
-    canonicalize_linears(gm)
+    gm = _unlift(exported, model)
     gm.meta["qcompiler"] = CaptureInfo(
         model_class=type(model).__name__, arg_count=len(args), kwarg_names=tuple(kwargs),
         constant_kwargs={k: v for k, v in kwargs.items() if not isinstance(v, torch.Tensor)},
@@ -188,8 +189,8 @@ def _capture_with_cache(model: torch.nn.Module, kwargs: dict) -> torch.fx.GraphM
     model.forward = causal_lm.cache_forward(model, layout)  # an instance attribute: traced instead of the class's
     try:
         with _quiet_export_logs(), torch.no_grad():
-            exported = torch.export.export(model, (), inputs, dynamic_shapes=causal_lm.dynamic_shapes(inputs),
-                                           strict=False)
+            exported = torch.export.export(model, *_in_fake_mode_of(model, (), inputs),
+                                           dynamic_shapes=causal_lm.dynamic_shapes(inputs), strict=False)
     except Exception as exc:
         text = str(exc).strip()
         raise CaptureError(f"torch.export could not capture {type(model).__name__} with its KV cache: "
@@ -197,15 +198,33 @@ def _capture_with_cache(model: torch.nn.Module, kwargs: dict) -> torch.fx.GraphM
                            f"Hint: pass use_cache=False in the example to capture it without a cache.") from exc
     finally:
         del model.forward
-    gm = exported.module()
+    gm = _unlift(exported, model)
     for node in list(gm.graph.nodes):  # assumes sizes >= 2; the graph itself runs P = 0 and S = 1
         if node.op == "call_module" and node.target == "_guards_fn":
             gm.graph.erase_node(node)
     gm.recompile()
-    canonicalize_linears(gm)
     gm.meta["qcompiler"] = CaptureInfo(
         model_class=type(model).__name__, arg_count=0, kwarg_names=tuple(inputs), constant_kwargs={},
         model_config=_config_dict(model), source_path=_source_folder(model), cache=layout.to_dict())
+    return gm
+
+
+def _in_fake_mode_of(model: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """A streamed skeleton's parameters are fake tensors: export must see its inputs in their mode."""
+    mode = lazy_weights.fake_mode_of(model)
+    if mode is None:
+        return args, kwargs
+    from torch.utils._pytree import tree_map
+    return tree_map(lambda v: mode.from_tensor(v) if isinstance(v, torch.Tensor) else v, (args, kwargs))
+
+
+def _unlift(exported, model: torch.nn.Module) -> torch.fx.GraphModule:
+    """The exported program as a GraphModule with ``get_attr`` weights (placeholders read on demand
+    for a streamed skeleton)."""
+    gm = exported.module()
+    if lazy_weights.fake_mode_of(model) is not None:
+        lazy_weights.attach(gm, model)
+    canonicalize_linears(gm)
     return gm
 
 

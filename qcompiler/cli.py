@@ -95,7 +95,15 @@ def quantize(model: str = typer.Argument(..., help="bundled:tinylm, bundled:mini
                                          "padded sample per document)"),
              calib_field: str = typer.Option("text", help="JSONL / Parquet / dataset field holding the text"),
              out_dir: Path = typer.Option(..., "--out", help="artifact folder to write (replaced atomically)"),
-             overwrite: bool = typer.Option(False, help="replace --out even if it holds other files")):
+             overwrite: bool = typer.Option(False, help="replace --out even if it holds other files"),
+             device: str = typer.Option("auto", help="where calibration and GPTQ/SpQR run, one block at a time: "
+                                        "auto (cuda when available) | cpu | cuda | cuda:N"),
+             offload: bool = typer.Option(False, help="keep cached calibration activations on the CPU"),
+             stream: bool = typer.Option(True, help="read each block's weights from the safetensors files when it is "
+                                         "calibrated, in the checkpoint's dtype (--no-stream: load the whole model "
+                                         "in float32 first)"),
+             trust_remote_code: bool = typer.Option(False, help="run the model folder's own Python code (auto_map); "
+                                                    "off by default: only for folders you trust")):
     """Quantize MODEL with RECIPE and save the result to --out."""
     import qcompiler as qc
     from qcompiler.eval import bits_per_parameter
@@ -103,14 +111,16 @@ def quantize(model: str = typer.Argument(..., help="bundled:tinylm, bundled:mini
 
     from qcompiler.atomic import check_output_folder
 
-    resolved = qc.recipes.resolve_recipe(recipe)  # a bad recipe or output path fails before any loading
+    resolved = qc.recipe_files.resolve_recipe(recipe)  # a bad recipe, device or output path fails before any loading
+    compute = qc.compiler.resolve_device(device)
     protect = [model] if Path(model).is_dir() else []
     check_output_folder(out_dir, "artifact", overwrite=overwrite, protect=protect)
-    loaded = load(model)
+    loaded = load(model, stream=stream, trust_remote_code=trust_remote_code)
     calibration = _calibration(loaded, calib, samples, seqlen, seed, packing, calib_field) \
         if any(p.needs_calibration for p in resolved.passes) else None
     start = time.perf_counter()
-    cm = qc.compile(loaded.model, loaded.example_inputs(), recipe=resolved, calibration=calibration)
+    cm = qc.compile(loaded.model, loaded.example_inputs(), recipe=resolved, calibration=calibration,
+                    device=compute, offload=offload)
     seconds = time.perf_counter() - start
     cm.save(out_dir, metadata={"source": model, "calibration": calib, "samples": samples, "seqlen": seqlen,
                                "seed": seed, "packing": packing}, overwrite=overwrite,

@@ -8,14 +8,16 @@ from torch.fx import GraphModule
 
 from .capture import CaptureInfo, capture, fill_optional_inputs, normalize_inputs
 from .causal_lm import CacheLayout, example_graph_inputs, graph_inputs, wrap_output
+from . import artifact, lazy_weights
 from .errors import CalibrationError
 from .generation import SamplingConfig, generate_tokens
 from .pass_base import PassContext
 from .pass_manager import PassManager
-from .recipes import Recipe, resolve_recipe
+from .recipe_files import resolve_recipe
+from .recipes import Recipe
 from .report import Report
 
-__all__ = ["compile", "CompiledModel", "normalize_calibration"]
+__all__ = ["compile", "load", "CompiledModel", "normalize_calibration"]
 
 
 class CompiledModel:
@@ -142,8 +144,7 @@ class CompiledModel:
 
         An existing folder is replaced only if it is empty or an earlier artifact, unless
         ``overwrite``; the model's own source folder and ``protect`` paths never are."""
-        from .artifact import save
-        return save(self, path, metadata=metadata, overwrite=overwrite, protect=protect)
+        return artifact.save(self, path, metadata=metadata, overwrite=overwrite, protect=protect)
 
     def __repr__(self) -> str:
         passes = ", ".join(repr(p) for p in self.recipe.passes) or "none"
@@ -189,19 +190,47 @@ def normalize_calibration(calibration: Optional[Iterable], info: CaptureInfo) ->
     return batches
 
 
+def load(path, backend: str = "eager", *, backend_options: Optional[dict] = None) -> CompiledModel:
+    """A CompiledModel from a folder written by ``cm.save``; no calibration, no original model code."""
+    stored = artifact.read(path)
+    return on_backend(stored.graph_module, stored.recipe, stored.report, backend, stored.example_inputs,
+                      backend_options)
+
+
+def resolve_device(device) -> Optional[torch.device]:
+    """``"auto"``: the GPU when there is one, else where the weights are (None); a name must exist."""
+    if device is None or isinstance(device, torch.device):
+        return device
+    if device == "auto":
+        return torch.device("cuda") if torch.cuda.is_available() else None
+    try:
+        resolved = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise ValueError(f"device={device!r} is not a torch device name (cpu, cuda, cuda:1, auto)") from exc
+    if resolved.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device={device!r}: no CUDA GPU is available to this torch "
+                         f"({torch.__version__}); use device='cpu'")
+    return resolved
+
+
 def compile(model: torch.nn.Module, example_inputs, recipe="none", calibration: Optional[Iterable] = None,
-            backend: str = "eager", *, backend_options: Optional[dict] = None, progress: bool = True) -> CompiledModel:
+            backend: str = "eager", *, backend_options: Optional[dict] = None, progress: bool = True,
+            device="auto", offload: bool = False) -> CompiledModel:
     """Capture ``model``, apply ``recipe``'s passes in order, and prepare ``backend`` to run it.
 
     ``recipe``: a built-in name (see ``qc.list_recipes()``), a ``qc.Recipe``, or a list of passes.
     ``calibration``: an iterable of inputs shaped like ``example_inputs`` (needed by data-driven passes).
     ``backend``: ``eager`` (reference ops), ``triton`` (GPU kernels; CPU only under TRITON_INTERPRET=1) or
     ``onnxruntime``. ``backend_options``: passed to the backend (onnxruntime: ``path``, ``threads``, ``accuracy_level``).
+    ``device``: where calibration and the solvers run, one block at a time (``auto``: the GPU when
+    there is one); the model's weights stay where they are. ``offload``: keep the cached block inputs
+    on the CPU (for calibration sets larger than the device's memory).
     """
     from .backends import get_backend  # qcompiler.backends imports this module's package
 
     resolved = resolve_recipe(recipe)
     get_backend(backend)  # an unknown backend fails before any work
+    compute = resolve_device(device)
     manager = PassManager(resolved.passes)
     manager.validate(has_calibration=calibration is not None)
     gm = capture(model, example_inputs)
@@ -213,6 +242,8 @@ def compile(model: torch.nn.Module, example_inputs, recipe="none", calibration: 
         examples = ((), example_graph_inputs(CacheLayout.from_dict(info.cache), user["input_ids"],
                                              user.get("attention_mask")))
     ctx = PassContext(example_inputs=examples,
-                      calibration=normalize_calibration(calibration, info), progress=progress)
+                      calibration=normalize_calibration(calibration, info), progress=progress,
+                      device=compute, offload=offload)
     report = manager.run(gm, ctx)
+    lazy_weights.materialize_all(gm, ctx.log)  # streamed weights no pass replaced
     return on_backend(gm, resolved, report, backend, ctx.example_inputs, backend_options)

@@ -55,7 +55,7 @@ def group_index(in_features: int, group_size: int, perm: Optional[torch.Tensor] 
 def inverse_hessian_cholesky(H: torch.Tensor, damp: float, max_steps: int = 6) -> tuple[torch.Tensor, float, int]:
     """Upper Cholesky factor of ``(H + λI)⁻¹`` with ``λ = damp·mean(diag H)``; damping ×10 until it works."""
     mean_diag = torch.diagonal(H).mean().item()
-    eye = torch.eye(H.shape[0], dtype=H.dtype)
+    eye = torch.eye(H.shape[0], dtype=H.dtype, device=H.device)
     for step in range(max_steps + 1):
         lam = damp * (10 ** step) * mean_diag
         L, info = torch.linalg.cholesky_ex(H + lam * eye)
@@ -86,12 +86,13 @@ class _Groups:
         self.bits, self.group_size, self.sym = bits, group_size, sym
         n_in = W0.shape[1]
         self.static = static and group_size != -1
-        order = perm if perm is not None else torch.arange(n_in)
+        # Group bookkeeping stays on the CPU (read per column: no device sync); grids live with W.
+        order = perm.cpu() if perm is not None else torch.arange(n_in)
         self.g_idx = group_index(n_in, group_size, None if self.static else order)
-        self.col_group = self.g_idx[order].long()           # group of the j-th processed column
+        self.col_group = self.g_idx[order].tolist()           # group of the j-th processed column
         n_groups = int(self.g_idx.max().item()) + 1
-        self.scales = torch.zeros(n_groups, W0.shape[0])
-        self.zeros = torch.zeros(n_groups, W0.shape[0])
+        self.scales = torch.zeros(n_groups, W0.shape[0], device=W0.device)
+        self.zeros = torch.zeros(n_groups, W0.shape[0], device=W0.device)
         if self.static:  # every grid from the original weights, groups contiguous in original order
             W_orig = W0 if perm is None else W0[:, torch.argsort(perm)]
             for g in range(n_groups):
@@ -102,8 +103,8 @@ class _Groups:
 
     def grid_for(self, j: int, upcoming: torch.Tensor) -> Grid:
         """``upcoming``: current weights of the processed columns ``j, j+1, …`` (at least one group)."""
-        g = int(self.col_group[j])
-        starts_group = j == 0 or int(self.col_group[j - 1]) != g
+        g = self.col_group[j]
+        starts_group = j == 0 or self.col_group[j - 1] != g
         if not self.static and starts_group:
             width = upcoming.shape[1] if self.group_size == -1 else min(self.group_size, upcoming.shape[1])
             self._store(g, fit_grid(upcoming[:, :width], self.bits, self.sym))
@@ -114,7 +115,7 @@ def _finish(Q: torch.Tensor, codes: torch.Tensor, perm, groups: _Groups, damp: f
     if perm is not None:
         inv = torch.argsort(perm)
         Q, codes = Q[:, inv], codes[:, inv]
-    return QuantResult(codes, groups.scales, groups.zeros, groups.g_idx, Q, damp, steps)
+    return QuantResult(codes, groups.scales, groups.zeros, groups.g_idx.to(Q.device), Q, damp, steps)
 
 
 def lazy_sweep(W: torch.Tensor, U: torch.Tensor, block_size: int, step) -> None:
@@ -149,7 +150,7 @@ def gptq_quantize(W: torch.Tensor, H: torch.Tensor, *, bits: int, group_size: in
     if group_size != -1 and not groups.static:  # blocks hold whole groups
         block_size = max(group_size, block_size // group_size * group_size)
     Q = torch.zeros_like(W)
-    codes = torch.zeros(n_out, n_in, dtype=torch.int32)
+    codes = torch.zeros(n_out, n_in, dtype=torch.int32, device=W.device)
 
     def step(j: int, i: int, W1: torch.Tensor, U1: torch.Tensor) -> torch.Tensor:
         grid = groups.grid_for(j, W1[:, i:] if group_size != -1 else W[:, j:])
@@ -172,7 +173,7 @@ def gptq_quantize_reference(W: torch.Tensor, H: torch.Tensor, *, bits: int, grou
     groups = _Groups(W, bits, group_size, sym, static_groups, perm)
     U, damp_used, steps = inverse_hessian_cholesky(H, damp)
     Q = torch.zeros_like(W)
-    codes = torch.zeros(n_out, n_in, dtype=torch.int32)
+    codes = torch.zeros(n_out, n_in, dtype=torch.int32, device=W.device)
     for j in range(n_in):
         grid = groups.grid_for(j, W[:, j:])
         q = quantize(W[:, j:j + 1], grid, bits)
@@ -190,10 +191,11 @@ def rtn_quantize(W: torch.Tensor, *, bits: int, group_size: int = 128, sym: bool
     groups = _Groups(W, bits, group_size, sym, static=group_size != -1, perm=None)
     if group_size == -1:
         groups._store(0, fit_grid(W, bits, sym))
-    g = groups.g_idx.long()
+    g_idx = groups.g_idx.to(W.device)
+    g = g_idx.long()
     scale, zero = groups.scales[g].t(), groups.zeros[g].t()       # [out, in]
     codes = torch.clamp(torch.round(W / scale) + zero, 0, 2 ** bits - 1).to(torch.int32)
-    return QuantResult(codes, groups.scales, groups.zeros, groups.g_idx, scale * (codes.float() - zero), 0.0, 0)
+    return QuantResult(codes, groups.scales, groups.zeros, g_idx, scale * (codes.float() - zero), 0.0, 0)
 
 
 def output_error(W: torch.Tensor, W_hat: torch.Tensor, H: torch.Tensor) -> float:

@@ -37,12 +37,31 @@ def module_path(node: Node) -> str:
     return ""
 
 
-def get_tensor(gm: GraphModule, target: str) -> torch.Tensor:
-    """The parameter or buffer a ``get_attr`` target names."""
+def get_raw_tensor(gm: GraphModule, target: str):
+    """What the dotted ``target`` names in ``gm``, as stored (a streamed weight: its placeholder)."""
     obj = gm
     for part in target.split("."):
         obj = getattr(obj, part)
     return obj
+
+
+LAZY_META_KEY = "qcompiler_lazy"  # gm.meta: where a streamed graph's placeholders come from (lazy_weights.py)
+
+
+def get_tensor(gm: GraphModule, target: str) -> torch.Tensor:
+    """The parameter or buffer a ``get_attr`` target names; a streamed weight's placeholder is read
+    from its checkpoint (lazy_weights.py), not kept."""
+    obj = get_raw_tensor(gm, target)
+    if isinstance(obj, torch.Tensor) and obj.is_meta:
+        source = gm.meta.get(LAZY_META_KEY)
+        if source is not None and target in source.keys:
+            return source.read(target)
+    return obj
+
+
+def drop_tensor(gm: GraphModule, target: str) -> None:
+    *parent, leaf = target.split(".")
+    delattr(get_raw_tensor(gm, ".".join(parent)) if parent else gm, leaf)
 
 
 def set_tensor(gm: GraphModule, target: str, tensor: torch.Tensor, *, parameter: bool = False) -> None:
@@ -65,10 +84,8 @@ def drop_attr_if_unused(gm: GraphModule, attr_node: Node) -> None:
     """Erase a ``get_attr`` node nobody reads any more, and the tensor it names."""
     if attr_node.users:
         return
-    target = attr_node.target
     gm.graph.erase_node(attr_node)
-    *parent, leaf = target.split(".")
-    delattr(get_tensor(gm, ".".join(parent)) if parent else gm, leaf)
+    drop_tensor(gm, attr_node.target)
 
 
 @dataclass
@@ -135,7 +152,7 @@ def canonicalize_linears(gm: GraphModule) -> int:
         if not (isinstance(rhs, Node) and rhs.op == "call_function" and rhs.target in _TRANSPOSES
                 and _is_attr(rhs.args[0]) and len(rhs.users) == 1):
             continue
-        weight = get_tensor(gm, rhs.args[0].target)
+        weight = get_raw_tensor(gm, rhs.args[0].target)
         if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
             continue
         with gm.graph.inserting_before(node):

@@ -83,8 +83,11 @@ def quantize_per_token(x: Tensor) -> tuple[Tensor, Tensor]:
 
 
 def int8_matmul(xq: Tensor, wq: Tensor) -> Tensor:
-    """Exact int8 × int8 → int32 product ``xq @ wq.T`` (int32 accumulation)."""
-    return xq.to(torch.int32) @ wq.to(torch.int32).t()
+    """Exact int8 × int8 → int32 product ``xq @ wq.T`` (int32 accumulation). CUDA has no int32
+    matmul; there float64 is exact (every partial sum is an integer below 2^53)."""
+    if xq.device.type == "cpu":
+        return xq.to(torch.int32) @ wq.to(torch.int32).t()
+    return (xq.double() @ wq.double().t()).to(torch.int32)
 
 
 @torch.library.custom_op("qc::int8_linear", mutates_args=())
@@ -133,7 +136,7 @@ def dequantize_spqr_dense(codes: Tensor, scale_codes: Tensor, zero_codes: Tensor
     scales = spqr_group_stats(scale_codes, scale_stats, stat_bits, stat_group_size).clamp(min=1e-8)
     zeros = spqr_group_stats(zero_codes, zero_stats, stat_bits, stat_group_size)
     q = unpack_rows(codes, bits, n_in).float()                      # [in (permuted order), out]
-    g = torch.arange(n_in) // group_size
+    g = torch.arange(n_in, device=q.device) // group_size
     w_perm = scales[g] * (q - zeros[g])                              # [in permuted, out]
     w = torch.empty_like(w_perm)
     w[perm.long()] = w_perm
@@ -159,7 +162,7 @@ def _spqr_dense_fake(x, codes, scale_codes, zero_codes, scale_stats, zero_stats,
 @torch.library.custom_op("qc::sparse_outlier_linear", mutates_args=())
 def sparse_outlier_linear(x: Tensor, row_ptr: Tensor, col_idx: Tensor, values: Tensor, out_features: int) -> Tensor:
     """``x @ Sᵀ`` for a CSR matrix S (int32 row pointers, int16 columns, fp16 values)."""
-    rows = torch.repeat_interleave(torch.arange(out_features), (row_ptr[1:] - row_ptr[:-1]).long())
+    rows = torch.repeat_interleave(torch.arange(out_features, device=x.device), (row_ptr[1:] - row_ptr[:-1]).long())
     contrib = x[..., col_idx.long()] * values.to(x.dtype)           # [..., nnz]
     y = x.new_zeros((*x.shape[:-1], out_features))
     return y.index_add_(-1, rows, contrib)
@@ -175,7 +178,7 @@ def to_csr(values: Tensor, mask: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     if mask.shape[1] > 32768:
         raise ValueError(f"in_features={mask.shape[1]} does not fit 16-bit column indices")
     rows, cols = mask.nonzero(as_tuple=True)
-    row_ptr = torch.zeros(mask.shape[0] + 1, dtype=torch.int32)
+    row_ptr = torch.zeros(mask.shape[0] + 1, dtype=torch.int32, device=mask.device)
     row_ptr[1:] = torch.cumsum(mask.sum(1), 0).to(torch.int32)
     return row_ptr, cols.to(torch.int16), values[rows, cols].to(torch.float16)
 

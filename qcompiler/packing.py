@@ -26,8 +26,8 @@ def packed_length(n: int, bits: int) -> int:
     return n * bits // 32
 
 
-def _positions(n: int, bits: int):
-    start = torch.arange(n, dtype=torch.int64) * bits
+def _positions(n: int, bits: int, device=None):
+    start = torch.arange(n, dtype=torch.int64, device=device) * bits
     return start // 32, start % 32
 
 
@@ -39,8 +39,8 @@ def pack_rows(codes: torch.Tensor, bits: int) -> torch.Tensor:
     if c.numel() and (c.min() < 0 or c.max() >= (1 << bits)):
         raise ValueError(f"codes must lie in [0, {1 << bits}) for {bits} bits, "
                          f"got range [{c.min().item()}, {c.max().item()}]")
-    word, shift = _positions(n, bits)
-    out = torch.zeros((words + 1, *c.shape[1:]), dtype=torch.int64)
+    word, shift = _positions(n, bits, c.device)
+    out = torch.zeros((words + 1, *c.shape[1:]), dtype=torch.int64, device=c.device)
     shape = (-1,) + (1,) * (c.dim() - 1)
     low = (c << shift.view(shape)) & 0xFFFFFFFF
     out.index_add_(0, word, low)
@@ -57,7 +57,7 @@ def unpack_rows(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
         raise ValueError(f"packed tensor has {packed.shape[0]} rows, expected {words} for {n} values of {bits} bits")
     p = packed.to(torch.int64) & 0xFFFFFFFF
     p = torch.cat([p, torch.zeros_like(p[:1])])  # a zero word after the last, for spills
-    word, shift = _positions(n, bits)
+    word, shift = _positions(n, bits, p.device)
     shape = (-1,) + (1,) * (p.dim() - 1)
     value = (p[word] >> shift.view(shape)) | (p[word + 1] << (32 - shift).view(shape))
     return (value & ((1 << bits) - 1)).to(torch.int32)

@@ -50,6 +50,8 @@ class PassContext:
     calibration: Optional[list[tuple[tuple, dict]]] = None  # normalized (args, kwargs) batches
     record: PassRecord = field(default_factory=lambda: PassRecord("standalone", {}))  # pass.run(gm, ctx) alone
     progress: bool = True
+    device: Optional[torch.device] = None   # where calibration and solvers run (None: where the weights are)
+    offload: bool = False                   # keep cached block inputs on the CPU, move them per batch
 
     def log(self, message: str) -> None:
         """Progress line (stderr), shown unless the user turned progress off."""

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import os
 try:
     import tomllib
 except ImportError:  # Python 3.10
@@ -25,9 +26,10 @@ from pathlib import Path
 from typing import Any
 
 from .errors import RecipeError
-from .recipes import Recipe
+from .pass_base import Pass
+from .recipes import Recipe, get_recipe
 
-__all__ = ["load_recipe_file", "recipe_from_dict", "recipe_to_dict", "pass_classes"]
+__all__ = ["load_recipe_file", "recipe_from_dict", "recipe_to_dict", "pass_classes", "resolve_recipe"]
 
 _TOP_KEYS = ("name", "description", "passes")
 
@@ -45,6 +47,10 @@ def _suggest(word: str, options) -> str:
 def _check_type(where: str, field: dataclasses.Field, value: Any, hints: dict) -> Any:
     """Values from a file arrive as YAML/TOML scalars; catch the mismatches the pass would not."""
     expected = hints.get(field.name, field.type)
+    if typing.get_origin(expected) is tuple:  # a list of strings in the file (ignore patterns)
+        if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
+            raise RecipeError(f"{where}: {field.name}={value!r} must be a list of strings")
+        return tuple(value)
     allowed = typing.get_args(expected) or (expected,)
     allowed = tuple(typing.get_origin(a) or a for a in allowed)
     if isinstance(value, bool) and bool not in allowed:
@@ -145,3 +151,19 @@ def load_recipe_file(path) -> Recipe:
         raise RecipeError(f"recipe file {path} is not valid {path.suffix[1:].upper()}: "
                           f"{' '.join(line.strip() for line in first[:3])}") from None
     return recipe_from_dict(data, source=str(path))
+
+
+def resolve_recipe(recipe) -> Recipe:
+    """A recipe name, a recipe file (.yaml/.toml), a Recipe, or a list of passes, as a Recipe."""
+    if isinstance(recipe, Recipe):
+        return recipe
+    if isinstance(recipe, str) and (recipe.endswith((".yaml", ".yml", ".toml")) or "/" in recipe
+                                    or os.path.isfile(recipe)):
+        return load_recipe_file(recipe)
+    if isinstance(recipe, str):
+        return get_recipe(recipe)
+    if isinstance(recipe, Pass):
+        return Recipe("custom", (recipe,))
+    if isinstance(recipe, (list, tuple)):
+        return Recipe("custom", tuple(recipe))
+    raise RecipeError(f"recipe must be a name, a qc.Recipe or a list of passes, got {type(recipe).__name__}")

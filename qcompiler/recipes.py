@@ -6,14 +6,13 @@ name, a :class:`Recipe`, or a plain list of passes (including user-written ones)
 from __future__ import annotations
 
 import difflib
-import os
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
 from .errors import RecipeError
 from .pass_base import Pass
 
-__all__ = ["Recipe", "register_recipe", "get_recipe", "list_recipes", "resolve_recipe"]
+__all__ = ["Recipe", "register_recipe", "get_recipe", "list_recipes"]
 
 
 @dataclass(frozen=True)
@@ -44,23 +43,6 @@ def get_recipe(name: str) -> Recipe:
 def list_recipes() -> list[Recipe]:
     _register_builtins()
     return [get_recipe(name) for name in _REGISTRY]
-
-
-def resolve_recipe(recipe) -> Recipe:
-    """A recipe name, a recipe file (.yaml/.toml), a Recipe, or a list of passes, as a Recipe."""
-    if isinstance(recipe, Recipe):
-        return recipe
-    if isinstance(recipe, str) and (recipe.endswith((".yaml", ".yml", ".toml")) or "/" in recipe
-                                    or os.path.isfile(recipe)):
-        from .recipe_files import load_recipe_file
-        return load_recipe_file(recipe)
-    if isinstance(recipe, str):
-        return get_recipe(recipe)
-    if isinstance(recipe, Pass):
-        return Recipe("custom", (recipe,))
-    if isinstance(recipe, (list, tuple)):
-        return Recipe("custom", tuple(recipe))
-    raise RecipeError(f"recipe must be a name, a qc.Recipe or a list of passes, got {type(recipe).__name__}")
 
 
 _BUILTINS_DONE = False

@@ -85,7 +85,7 @@ def leave_one_out_reduction(G: torch.Tensor, d: torch.Tensor, bits: int) -> torc
     """For each weight of group ``G`` [out, k]: how much the group's OBS error (weights scaled by
     ``1/d``) drops when that weight is left out of the min-max fit and not quantized."""
     out, k = G.shape
-    idx = torch.arange(k)
+    idx = torch.arange(k, device=G.device)
     others = torch.stack([torch.cat([idx[:i], idx[i + 1:]]) for i in range(k)])      # [k, k-1]
     loo = G[:, others]                                                               # [out, k, k-1]
     flat = loo.reshape(-1, k - 1)
@@ -100,15 +100,16 @@ def leave_one_out_reduction(G: torch.Tensor, d: torch.Tensor, bits: int) -> torc
 class _GroupState:
     """Fits one group's statistics (outlier-aware, optionally bi-level) and remembers them."""
 
-    def __init__(self, n_out: int, n_groups: int, bits: int, stat_bits: Optional[int], stat_group: int, tau: float):
+    def __init__(self, n_out: int, n_groups: int, bits: int, stat_bits: Optional[int], stat_group: int, tau: float,
+                 device: torch.device):
         self.bits, self.stat_bits, self.stat_group, self.tau = bits, stat_bits, stat_group, tau
-        self.scales = torch.zeros(n_groups, n_out)
-        self.zeros = torch.zeros(n_groups, n_out)
-        self.scale_codes = torch.zeros(n_groups, n_out, dtype=torch.int32)
-        self.zero_codes = torch.zeros(n_groups, n_out, dtype=torch.int32)
+        self.scales = torch.zeros(n_groups, n_out, device=device)
+        self.zeros = torch.zeros(n_groups, n_out, device=device)
+        self.scale_codes = torch.zeros(n_groups, n_out, dtype=torch.int32, device=device)
+        self.zero_codes = torch.zeros(n_groups, n_out, dtype=torch.int32, device=device)
         n_runs = n_out // stat_group if stat_bits is not None else 0
-        self.scale_stats = torch.zeros(n_groups, n_runs, 2, dtype=torch.float16)
-        self.zero_stats = torch.zeros(n_groups, n_runs, 2, dtype=torch.float16)
+        self.scale_stats = torch.zeros(n_groups, n_runs, 2, dtype=torch.float16, device=device)
+        self.zero_stats = torch.zeros(n_groups, n_runs, 2, dtype=torch.float16, device=device)
 
     def fit(self, g: int, G: torch.Tensor, d: torch.Tensor) -> Grid:
         if self.tau != float("inf"):
@@ -146,12 +147,12 @@ def _setup(W, H, bits, group_size, stat_bits, stat_group_size, outlier_threshold
         raise QuantizationError(f"outlier_threshold={outlier_threshold} selects every weight as an outlier; "
                                 f"use a positive relative threshold (0.1-1.0 is typical) or outlier_fraction")
     Wp, Hp, perm = _prepare(W, H, act_order)
-    perm = torch.arange(n_in) if perm is None else perm
+    perm = torch.arange(n_in, device=Wp.device) if perm is None else perm
     U, damp_used, steps = inverse_hessian_cholesky(Hp, damp)
     diag = torch.diagonal(U)
     scale = (Wp.var(dim=0) / diag.pow(2)).mean().item()
     tau = outlier_threshold * scale if outlier_threshold != float("inf") else float("inf")
-    state = _GroupState(n_out, n_in // group_size, bits, stat_bits, stat_group_size, tau)
+    state = _GroupState(n_out, n_in // group_size, bits, stat_bits, stat_group_size, tau, Wp.device)
     return Wp, U, perm, state, tau, damp_used, steps
 
 
@@ -174,10 +175,9 @@ def spqr_quantize(W: torch.Tensor, H: torch.Tensor, *, bits: int = 3, group_size
                                                         outlier_threshold, act_order, damp)
     n_out, n_in = Wp.shape
     block_size = max(group_size, block_size // group_size * group_size)
-    codes = torch.zeros(n_out, n_in)
-    dense = torch.zeros(n_out, n_in)
-    residual = torch.zeros(n_out, n_in, dtype=torch.float16)
-    outlier = torch.zeros(n_out, n_in, dtype=torch.bool)
+    codes, dense = torch.zeros_like(Wp), torch.zeros_like(Wp)
+    residual = torch.zeros_like(Wp, dtype=torch.float16)
+    outlier = torch.zeros_like(Wp, dtype=torch.bool)
     grid: list[Grid] = []
 
     def step(j: int, i: int, W1: torch.Tensor, U1: torch.Tensor) -> torch.Tensor:
@@ -198,10 +198,9 @@ def spqr_quantize_reference(W: torch.Tensor, H: torch.Tensor, *, bits: int = 3, 
     Wp, U, perm, state, tau, damp_used, steps = _setup(W, H, bits, group_size, stat_bits, stat_group_size,
                                                         outlier_threshold, act_order, damp)
     n_out, n_in = Wp.shape
-    codes = torch.zeros(n_out, n_in)
-    dense = torch.zeros(n_out, n_in)
-    residual = torch.zeros(n_out, n_in, dtype=torch.float16)
-    outlier = torch.zeros(n_out, n_in, dtype=torch.bool)
+    codes, dense = torch.zeros_like(Wp), torch.zeros_like(Wp)
+    residual = torch.zeros_like(Wp, dtype=torch.float16)
+    outlier = torch.zeros_like(Wp, dtype=torch.bool)
     for j in range(n_in):
         if j % group_size == 0:
             grid = state.fit(j // group_size, Wp[:, j:j + group_size], torch.diagonal(U)[j:j + group_size])

@@ -13,10 +13,12 @@ from typing import Callable, NamedTuple, Optional
 import torch
 from torch.fx import GraphModule
 
+from . import lazy_weights
 from .calibration import CalibrationEngine
 from .errors import QuantizationError
 from .gptq import QuantResult, output_error
 from .graph import LinearLayer, block_of, drop_attr_if_unused, find_linears, is_router, set_tensor
+from .layer_filter import ignore_reason, report_unmatched
 from .ops import pack_gptq
 from .packing import packed_length
 from .pass_base import PassContext
@@ -26,11 +28,13 @@ __all__ = ["LayerQuant", "quantize_block_linears", "is_output_head", "gptq_layer
 
 
 class LayerQuant(NamedTuple):
-    """What a method made of one layer."""
+    """What a method made of one layer (its tensors may live on the compute device: the caller moves
+    ``tensors`` to where the graph's weights live before ``rewrite`` stores them)."""
 
     dequantized: torch.Tensor                                 # [out, in]: what the stored tensors stand for
     figures: dict                                             # per-layer report entries
-    rewrite: Callable[[GraphModule, LinearLayer], None]       # swaps the node for the method's op(s)
+    tensors: dict                                             # name -> tensor the rewrite stores
+    rewrite: Callable[[GraphModule, LinearLayer, dict], None]  # swaps the node for the method's op(s)
 
 
 QuantizeFn = Callable[[LinearLayer, torch.Tensor, Optional[torch.Tensor]], LayerQuant]
@@ -49,9 +53,19 @@ def check_packable(layer: LinearLayer, W: torch.Tensor, bits: int) -> None:
                                   f"layout at {bits} bits ({exc})") from None
 
 
-def _store_dequantized(gm: GraphModule, layer: LinearLayer, W_hat: torch.Tensor, dtype: torch.dtype) -> None:
-    """Quantization runs in fp32; the stored weight keeps the model's dtype (fp16/bf16 models)."""
-    set_tensor(gm, layer.weight_node.target, (W_hat.t() if layer.transposed else W_hat).to(dtype).contiguous())
+def _store_dequantized(gm: GraphModule, layer: LinearLayer, W_hat: torch.Tensor, like: torch.Tensor) -> None:
+    """Quantization runs in fp32 (on the compute device); the stored weight keeps the model's dtype
+    (fp16/bf16 models) and stays where the model's weights live."""
+    W_hat = W_hat.t() if layer.transposed else W_hat
+    set_tensor(gm, layer.weight_node.target, W_hat.to(device=like.device, dtype=like.dtype).contiguous())
+
+
+def _release(gm: GraphModule, layers: list[LinearLayer]) -> None:
+    """Streamed weights: a calibrated block's dequantized weights become placeholders again (its
+    nodes are rewritten to the packed tensors at the end), so memory does not grow with depth."""
+    for layer in layers:
+        if len(layer.weight_node.users) == 1:
+            lazy_weights.release(gm, layer.weight_node.target)
 
 
 def is_output_head(path: str) -> bool:
@@ -60,11 +74,15 @@ def is_output_head(path: str) -> bool:
 
 
 def quantize_block_linears(gm: GraphModule, ctx: PassContext, *, quantize: QuantizeFn,
-                           true_sequential: bool, needs_hessian: bool, head: Optional[QuantizeFn] = None) -> bool:
+                           true_sequential: bool, needs_hessian: bool, head: Optional[QuantizeFn] = None,
+                           ignore: tuple[str, ...] = ()) -> bool:
     """Quantize every linear inside a transformer block, and the output head with ``head`` when
-    given (it sees no Hessian: RTN); returns True if any layer was quantized."""
+    given (it sees no Hessian: RTN); returns True if any layer was quantized.
+
+    Layers are solved on ``ctx.device`` (one at a time: only that layer's weight, Hessian and result
+    are there); what is stored goes back to where the graph's weights live."""
     record = ctx.record
-    done: list[tuple[LinearLayer, LayerQuant]] = []
+    done: list[tuple[LinearLayer, dict, Callable]] = []
 
     skipped: list[str] = []
 
@@ -73,14 +91,21 @@ def quantize_block_linears(gm: GraphModule, ctx: PassContext, *, quantize: Quant
         record.notes.append(f"{layer.path}: kept in full precision ({why})")
         ctx.log(f"  {layer.path}: kept in full precision ({why})")
 
-    def finish(layer: LinearLayer, W: torch.Tensor, H: Optional[torch.Tensor], start: float, *,
+    def finish(layer: LinearLayer, H: Optional[torch.Tensor], start: float, *,
                method: QuantizeFn = quantize, store: bool = True) -> None:
         if is_router(layer.path):
             return skip(layer, "mixture-of-experts router")
+        why = ignore_reason(layer.path, ignore)
+        if why:
+            return skip(layer, why)
+        stored = layer.weight(gm)  # read once (a streamed weight comes from disk)
+        W = stored.detach().float()
         if not bool(torch.isfinite(W).all()):
             bad = int((~torch.isfinite(W)).sum())
             raise QuantizationError(f"layer {layer.path}: {bad} of its {W.numel()} weights are NaN or Inf; the "
                                     f"checkpoint is damaged (nothing was written)")
+        compute = ctx.device or stored.device
+        W, H = W.to(compute), (None if H is None else H.to(compute))
         try:
             result = method(layer, W, H)
         except UnpackableLayer as exc:
@@ -88,7 +113,7 @@ def quantize_block_linears(gm: GraphModule, ctx: PassContext, *, quantize: Quant
         except QuantizationError as exc:
             raise QuantizationError(exc.args[0] if str(exc).startswith("layer ") else f"layer {layer.path}: {exc}") from None
         if store:  # later blocks must see the quantized weights; nothing runs after the head
-            _store_dequantized(gm, layer, result.dequantized, layer.weight(gm).dtype)
+            _store_dequantized(gm, layer, result.dequantized, stored)
         figures = dict(result.figures)
         if H is not None:
             figures["rel_error"] = output_error(W, result.dequantized, H)
@@ -99,32 +124,37 @@ def quantize_block_linears(gm: GraphModule, ctx: PassContext, *, quantize: Quant
         record.layers[layer.path] = figures
         error = f", relative output error {figures['rel_error']:.3g}" if "rel_error" in figures else ""
         ctx.log(f"  {layer.path}: {figures.get('bits', '?')}-bit{error}, {figures['seconds']:.2f}s")
-        done.append((layer, result))
+        # Only what is stored is kept (on the weights' device), not the fp32 dequantized weight.
+        done.append((layer, {k: v.to(stored.device) for k, v in result.tensors.items()}, result.rewrite))
 
     if ctx.calibration is None:
         if needs_hessian:
             raise QuantizationError("calibration data is required")
-        for layer in find_linears(gm):
+        for layer in find_linears(gm):  # nothing runs the graph: no need to store what stands for the codes
             if block_of(layer.path) is not None:
-                finish(layer, layer.weight(gm).detach().float(), None, time.perf_counter())
+                finish(layer, None, time.perf_counter(), store=False)
     else:
-        engine = CalibrationEngine(gm, ctx.calibration, log=ctx.log)
+        engine = CalibrationEngine.for_pass(gm, ctx)
+        previous: list[LinearLayer] = []
         for seg in engine.blocks():
+            _release(gm, previous)  # the previous block has run with them: nothing reads them again
             for group in (seg.sibling_groups() if true_sequential else [seg.linears]):
                 if not group:
                     continue
                 start = time.perf_counter()
                 stats = engine.collect(seg, group)
                 for layer in group:
-                    finish(layer, layer.weight(gm).detach().float(), stats[layer.path].hessian, start)
+                    finish(layer, stats[layer.path].hessian, start)
+            previous = [layer for layer in seg.linears if layer.path in record.layers]  # quantized, not skipped
     if head is not None:  # not stored back: a tied embedding keeps reading the FP weight
         heads = [layer for layer in find_linears(gm) if is_output_head(layer.path)]
         if not heads:
             record.notes.append("asked to quantize the output head, but the graph has no lm_head/embed_out linear")
         for layer in heads:
-            finish(layer, layer.weight(gm).detach().float(), None, time.perf_counter(), method=head, store=False)
-    for layer, result in done:
-        result.rewrite(gm, layer)
+            finish(layer, None, time.perf_counter(), method=head, store=False)
+    report_unmatched(record.name, ignore, [layer.path for layer in find_linears(gm)], record.notes)
+    for layer, tensors, rewrite in done:
+        rewrite(gm, layer, tensors)
     gm.graph.eliminate_dead_code()
     if not done:
         record.notes.append("nothing was quantized: " + (f"every eligible layer was kept in full precision "
@@ -135,27 +165,28 @@ def quantize_block_linears(gm: GraphModule, ctx: PassContext, *, quantize: Quant
     return bool(done)
 
 
-def gptq_layer_quant(layer: LinearLayer, W: torch.Tensor, res: QuantResult, bits: int) -> LayerQuant:
-    """A GPTQ/RTN result as a layer rewrite to ``qc.quant_linear`` (GPTQ checkpoint layout)."""
+def gptq_layer_quant(layer: LinearLayer, W: torch.Tensor, res: QuantResult, bits: int, group_size: int) -> LayerQuant:
+    """A GPTQ/RTN result as a layer rewrite to ``qc.quant_linear`` (GPTQ checkpoint layout).
+    ``group_size`` is the recipe's, also when the width is not a multiple of it (the last group
+    is shorter) or is one group: every layer of a recipe records the same setting."""
     check_packable(layer, W, bits)
-    n_groups = res.scales.shape[0]
-    group_size = -1 if n_groups == 1 else -(-res.g_idx.numel() // n_groups)
     packed = pack_gptq(res.codes, res.scales, res.zeros, res.g_idx, bits, group_size)
     figures = {"bits": bits}
     if res.damp:
         figures.update(damp=res.damp, damp_steps=res.damp_steps)
 
-    def rewrite(gm: GraphModule, layer: LinearLayer) -> None:
-        replace_linear(gm, layer, torch.ops.qc.quant_linear.default,
-                       {f: getattr(packed, f) for f in ("qweight", "qzeros", "scales", "g_idx")},
+    def rewrite(gm: GraphModule, layer: LinearLayer, tensors: dict) -> None:
+        replace_linear(gm, layer, torch.ops.qc.quant_linear.default, tensors,
                        lambda x, a: (x, a["qweight"], a["qzeros"], a["scales"], a["g_idx"], layer.bias_node,
                                      packed.bits, packed.group_size))
-    return LayerQuant(res.dequantized, figures, rewrite)
+    return LayerQuant(res.dequantized, figures, {f: getattr(packed, f) for f in ("qweight", "qzeros", "scales", "g_idx")},
+                      rewrite)
 
 
 def replace_linear(gm: GraphModule, layer: LinearLayer, op, tensors: dict[str, torch.Tensor],
                    make_args: Callable) -> torch.fx.Node:
-    """Store ``tensors`` beside the layer (``{path}.{name}``) and swap its node for ``op(*make_args(x, attrs))``."""
+    """Store ``tensors`` beside the layer (``{path}.{name}``; callers put them where the graph's
+    weights live) and swap its node for ``op(*make_args(x, attrs))``."""
     graph = gm.graph
     base = layer.path or layer.node.name
     for name, tensor in tensors.items():

@@ -28,6 +28,11 @@ def page() -> str:
               "passes:", "  - pass: GPTQ", "    bits: 4", "    group_size: 128", "    act_order: true", "```", "",
               "TOML: the same keys, one `[[passes]]` table per pass. Unknown keys and passes are errors naming the",
               "entry and suggesting the nearest valid name; values are type-checked and then validated by the pass.",
+              "", "Every pass takes `ignore`: module paths it leaves in full precision, as fnmatch globs over the whole",
+              "path or, as llm-compressor writes them, `re:` and a regular expression searched in the path, e.g.",
+              "`ignore: [\"*.down_proj\", \"re:layers\\.0\\.\"]` (Python: `GPTQ(ignore=(\"*.down_proj\",))`). Each ignored layer",
+              "is noted in the report; a pattern that matches no layer is a warning (usually a typo). SmoothQuant",
+              "leaves alone every producer group with an ignored layer.",
               "", "## Pass settings", ""]
     for name in qc.passes.__all__:
         cls = getattr(qc.passes, name)

@@ -8,6 +8,8 @@ import torch
 # imported (triton.jit decides at decoration time).
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+else:  # correctness with one fixed config per kernel (benchmarks/kernels.py checks the autotuned ones)
+    os.environ.setdefault("QC_TRITON_AUTOTUNE", "0")
 
 
 @pytest.fixture(scope="session")

@@ -136,6 +136,7 @@ CLI_ROWS = [
     ("bad --backend choice", ["eval", "{art}", "--backend", "tpu"], 2, "Invalid value for '--backend'"),
     # recipes
     ("unknown recipe name", ["quantize", "bundled:tinylm", "--recipe", "gptq-w5", "--out", "{root}/o"], 2, "gptq-w5"),
+    ("unknown device", ["quantize", "bundled:tinylm", "--device", "tpu7", "--out", "{root}/o"], 2, "device='tpu7'"),
     ("recipe: invalid YAML", ["quantize", "bundled:tinylm", "--recipe", "{bad_yaml}", "--out", "{root}/o"], 2, "not valid YAML"),
     ("recipe: misspelt key", ["quantize", "bundled:tinylm", "--recipe", "{typo_yaml}", "--out", "{root}/o"], 2, "did you mean 'group_size'"),
     ("recipe: wrong type", ["quantize", "bundled:tinylm", "--recipe", "{bits_yaml}", "--out", "{root}/o"], 2, "must be int"),

@@ -1,4 +1,5 @@
 """Bundled models, local Hugging Face folders, and the offline text they are trained and judged on."""
+import json
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -61,3 +62,25 @@ def test_minilm_is_the_real_pretrained_encoder(minilm):
     assert cos(emb[0], emb[1], dim=0) > cos(emb[0], emb[2], dim=0) + 0.2  # pretrained semantics, not random
     with pytest.raises(ValueError, match="at least one sentence"):
         mean_pooled_embeddings(minilm.model, minilm.tokenizer, [])
+
+
+def test_a_folders_own_code_runs_only_when_trusted(tmp_path):
+    """transformers' trust_remote_code, off by default: refused without it, the folder's classes with it."""
+    from qcompiler.models import load
+    from tiny_models import make_model
+    make_model("llama").save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config.update(model_type="qcx_custom", architectures=["QcxForCausalLM"],
+                  auto_map={"AutoConfig": "configuration_qcx.QcxConfig",
+                            "AutoModelForCausalLM": "modeling_qcx.QcxForCausalLM"})
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    (tmp_path / "configuration_qcx.py").write_text(
+        "from transformers import LlamaConfig\n\nclass QcxConfig(LlamaConfig):\n    model_type = 'qcx_custom'\n")
+    (tmp_path / "modeling_qcx.py").write_text(
+        "from transformers import LlamaForCausalLM\nfrom .configuration_qcx import QcxConfig\n\n"
+        "class QcxForCausalLM(LlamaForCausalLM):\n    config_class = QcxConfig\n")
+    with pytest.raises(ValueError, match="--trust-remote-code"):
+        load(tmp_path)
+    for stream in (False, True):
+        loaded = load(tmp_path, trust_remote_code=True, stream=stream)
+        assert type(loaded.model).__name__ == "QcxForCausalLM"

@@ -35,6 +35,8 @@ def _gptq_layer(gm, node: Node, path: str) -> tuple[dict, dict]:
     qweight, qzeros, scales, g_idx = (get_tensor(gm, a.target) for a in node.args[1:5])
     bits, group_size = int(node.args[6]), int(node.args[7])
     n_in, n_out = g_idx.numel(), scales.shape[1]
+    if group_size >= n_in:  # one group spans the row: exactly compressed-tensors' channel strategy
+        group_size = -1
     if group_size != -1:
         if n_in % group_size:
             raise ExportError(f"layer {path}: in_features={n_in} is not a multiple of group_size={group_size}, "

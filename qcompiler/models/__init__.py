@@ -110,8 +110,9 @@ def _check_folder(path: Path) -> None:
         raise FileNotFoundError(f"model folder {path} has no safetensors weights{detail}")
 
 
-def _checked_folder(name_or_path: str | Path) -> tuple[Path, str, Any]:
-    """``(folder, label, config)`` of a bundled model or a local folder, after the safety checks."""
+def _checked_folder(name_or_path: str | Path, trust_remote_code: bool = False) -> tuple[Path, str, Any]:
+    """``(folder, label, config)`` of a bundled model or a local folder, after the safety checks;
+    a folder with its own model code is refused unless ``trust_remote_code``."""
     from transformers import AutoConfig
 
     name = str(name_or_path).removeprefix("bundled:")
@@ -122,39 +123,55 @@ def _checked_folder(name_or_path: str | Path) -> tuple[Path, str, Any]:
     else:
         path, label = Path(name_or_path).expanduser(), str(name_or_path)
     _check_folder(path)
-    _refuse_custom_code(path)
-    return path, label, AutoConfig.from_pretrained(path, trust_remote_code=False)  # never run a folder's own code
+    if not trust_remote_code:
+        _refuse_custom_code(path)
+    return path, label, AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
 
 
-def load(name_or_path: str | Path) -> LoadedModel:
-    """``"tinylm"``, ``"minilm"`` (also as ``bundled:NAME``) or a local Hugging Face model folder."""
-    path, label, config = _checked_folder(name_or_path)
-    return loaded_from_model(label, config, path, weights=True)
+def load(name_or_path: str | Path, *, stream: bool = False, trust_remote_code: bool = False) -> LoadedModel:
+    """``"tinylm"``, ``"minilm"`` (also as ``bundled:NAME``) or a local Hugging Face model folder.
+
+    ``stream=True``: read no weights now. The model is a skeleton (fake parameters in the
+    checkpoint's dtype) that ``qc.compile`` captures; each tensor is read from the safetensors
+    files when calibration or a pass needs it (qcompiler/lazy_weights.py). A skeleton cannot run
+    by itself; the compiled model can. Without it the weights are loaded in float32.
+    ``trust_remote_code=True`` runs a folder's own model code (``auto_map``); off by default, as in
+    transformers: only for folders you trust.
+    """
+    path, label, config = _checked_folder(name_or_path, trust_remote_code)
+    return loaded_from_model(label, config, path, weights=True, stream=stream, trust_remote_code=trust_remote_code)
 
 
-def _tokenizer_of(path: Path, config) -> Optional[Any]:
+def _tokenizer_of(path: Path, config, trust_remote_code: bool = False) -> Optional[Any]:
     """The folder's own tokenizer; the byte tokenizer for a 256-token model without one; else None."""
     from transformers import AutoTokenizer
 
     if (path / "tokenizer.json").is_file() or (path / "tokenizer_config.json").is_file():
-        return AutoTokenizer.from_pretrained(path, trust_remote_code=False)
+        return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     return ByteTokenizer() if config.vocab_size == ByteTokenizer.vocab_size else None
 
 
-def loaded_from_model(label: str, config, path: Path, *, weights: bool = False) -> LoadedModel:
-    """A LoadedModel for ``config``: weights from the folder ``path``, or freshly initialized."""
+def loaded_from_model(label: str, config, path: Path, *, weights: bool = False, stream: bool = False,
+                      trust_remote_code: bool = False) -> LoadedModel:
+    """A LoadedModel for ``config``: weights from the folder ``path`` (or streamed from it), or
+    freshly initialized."""
     from transformers import AutoModel, AutoModelForCausalLM
 
-    causal = any(a.endswith("ForCausalLM") for a in (config.architectures or []))
+    from .. import lazy_weights
+
+    causal = any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in (config.architectures or []))
     cls = AutoModelForCausalLM if causal else AutoModel
-    if weights:
-        model, info = cls.from_pretrained(path, use_safetensors=True, dtype=torch.float32, trust_remote_code=False,
-                                          output_loading_info=True)
+    if weights and stream:
+        model = lazy_weights.skeleton(
+            lambda dtype: cls.from_config(config, dtype=dtype, trust_remote_code=trust_remote_code), path)
+    elif weights:
+        model, info = cls.from_pretrained(path, use_safetensors=True, dtype=torch.float32,
+                                          trust_remote_code=trust_remote_code, output_loading_info=True)
         _check_loading(path, info)
     else:
-        model = cls.from_config(config, dtype=torch.float32)
+        model = cls.from_config(config, dtype=torch.float32, trust_remote_code=trust_remote_code)
     model.eval()
-    tokenizer = _tokenizer_of(path, config)
+    tokenizer = _tokenizer_of(path, config, trust_remote_code)
     max_length = int(getattr(config, "max_position_embeddings", 512))
     return LoadedModel(label, model, tokenizer, "causal-lm" if causal else "encoder", max_length)
 
@@ -176,8 +193,9 @@ def _refuse_custom_code(path: Path) -> None:
     if not isinstance(config, dict):
         raise ValueError(f"model folder {path}: config.json is not a JSON object")
     if config.get("auto_map"):
-        raise ValueError(f"model folder {path} ships its own model code (auto_map in config.json); qcompiler never "
-                         f"runs code from a model folder: use an architecture that transformers implements")
+        raise ValueError(f"model folder {path} ships its own model code (auto_map in config.json); qcompiler never runs "
+                         f"code from a model folder unless told to: pass --trust-remote-code (trust_remote_code=True) "
+                         f"only for a folder you trust, or use an architecture that transformers implements")
 
 
 def _check_loading(path: Path, info: dict) -> None:

@@ -1,0 +1,261 @@
+"""Streamed weights: a model folder is captured without reading its weights, and each tensor is
+read from its safetensors file only when a pass or the calibration engine needs it.
+
+``skeleton`` builds the model with *fake* parameters (a ``FakeTensorMode``: shapes and dtypes, no
+storage), which torch.export captures like real ones; buffers the model computes itself (rotary
+tables) stay real. ``attach`` swaps the captured graph's fake tensors for ``meta`` placeholders and
+records which checkpoint tensor each one is; ``graph.get_tensor`` then reads a placeholder's
+tensor from disk on every access, so the calibration engine holds one block's weights at a time
+and a pass's result, once stored, replaces the placeholder. ``materialize_all`` reads what is
+still a placeholder (embeddings, norms, layers kept in full precision) when the passes are done.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+from safetensors import safe_open
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.fx import GraphModule
+from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+from .errors import PassError
+from .graph import LAZY_META_KEY, drop_tensor, get_raw_tensor, set_tensor
+
+__all__ = ["Checkpoint", "skeleton", "fake_mode_of", "attach", "LazySource", "lazy_source", "materialize_all",
+           "release"]
+
+_FLOAT_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64}
+
+
+class Checkpoint:
+    """The tensors of a folder's safetensors files (``model.safetensors`` or shards + index),
+    read one at a time; only the files' headers are read up front."""
+
+    def __init__(self, folder: Path):
+        self.folder = Path(folder)
+        files = sorted(self.folder.glob("*.safetensors"))
+        if not files:
+            raise ValueError(f"model folder {self.folder} has no safetensors weights")
+        self.file_of: dict[str, Path] = {}
+        self.shape_of: dict[str, tuple] = {}
+        self.float_dtypes: set[torch.dtype] = set()
+        for file in files:
+            with safe_open(file, framework="pt") as f:
+                for key in f.keys():
+                    if key in self.file_of:
+                        raise ValueError(f"model folder {self.folder}: tensor {key} is in both "
+                                         f"{self.file_of[key].name} and {file.name}")
+                    self.file_of[key] = file
+                    part = f.get_slice(key)
+                    self.shape_of[key] = tuple(part.get_shape())
+                    if part.get_dtype() in _FLOAT_DTYPES:
+                        self.float_dtypes.add(_FLOAT_DTYPES[part.get_dtype()])
+        index = self.folder / "model.safetensors.index.json"
+        if index.is_file():  # a shard the index names but the folder lacks is an incomplete download
+            listed = json.loads(index.read_text()).get("weight_map", {})
+            lost = sorted(k for k in listed if k not in self.file_of)
+            if lost:
+                raise ValueError(f"model folder {self.folder}: the index lists {len(lost)} tensors no safetensors "
+                                 f"file holds (first: {lost[0]} in {listed[lost[0]]}); the download is incomplete")
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The checkpoint's floating-point dtype: the model computes in it (one is required)."""
+        if len(self.float_dtypes) > 1:
+            names = sorted(str(d).removeprefix("torch.") for d in self.float_dtypes)
+            raise ValueError(f"model folder {self.folder} mixes floating-point dtypes ({', '.join(names)}); "
+                             f"load it without streaming (computes in float32)")
+        return next(iter(self.float_dtypes), torch.float32)
+
+    def read(self, key: str, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+        with safe_open(self.file_of[key], framework="pt") as f:
+            tensor = f.get_tensor(key)
+        return tensor if dtype is None else tensor.to(dtype)
+
+
+@contextlib.contextmanager
+def _fake_parameters(mode: FakeTensorMode, dtype: torch.dtype):
+    """Every parameter registered inside is a fake CPU tensor of ``dtype`` (floating point ones).
+    The real tensor a module's constructor makes is dropped at once, before it is initialized."""
+    original = torch.nn.Module.register_parameter
+
+    def register(module, name, param):
+        if param is not None and not isinstance(param, FakeTensor):
+            with mode:
+                fake = torch.empty(param.shape, dtype=dtype if param.is_floating_point() else param.dtype)
+            param = torch.nn.Parameter(fake, requires_grad=False)
+        original(module, name, param)
+
+    torch.nn.Module.register_parameter = register
+    try:
+        yield
+    finally:
+        torch.nn.Module.register_parameter = original
+
+
+def skeleton(build: Callable[[torch.dtype], torch.nn.Module], folder: Path) -> torch.nn.Module:
+    """``build(dtype)`` with fake parameters of the checkpoint's dtype, remembering ``folder``'s
+    checkpoint to read them from."""
+    checkpoint = Checkpoint(folder)
+    mode = FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv())
+    dtype = checkpoint.dtype
+    with _fake_parameters(mode, dtype):
+        model = build(dtype)
+    model.eval()
+    object.__setattr__(model, "_qcompiler_checkpoint", checkpoint)  # not a submodule, not in the state
+    _check_against_checkpoint(model, checkpoint)
+    return model
+
+
+def fake_mode_of(model: torch.nn.Module) -> Optional[FakeTensorMode]:
+    """The fake mode of a skeleton's parameters (None for an ordinary model)."""
+    return next((p.fake_mode for p in model.parameters() if isinstance(p, FakeTensor)), None)
+
+
+def _renamings(model: torch.nn.Module) -> tuple[list[tuple[str, str]], bool]:
+    """transformers' checkpoint-to-model key renamings for ``model`` (e.g. GPT-NeoX ``embed_out`` ->
+    ``lm_head``), and whether it also has layout conversions (stacking MoE experts, ...)."""
+    try:
+        from transformers.conversion_mapping import WeightRenaming, get_model_conversion_mapping
+        transforms = get_model_conversion_mapping(model)
+    except Exception:  # not a transformers model, or an API change: names are used as they are
+        return [], False
+    pairs, converts = [], False
+    for t in transforms:
+        if isinstance(t, WeightRenaming):
+            targets = list(t.target_patterns)
+            pairs += [(src, targets[min(i, len(targets) - 1)]) for i, src in enumerate(t.source_patterns)]
+        else:
+            converts = True
+    return pairs, converts
+
+
+def _checkpoint_keys(model: torch.nn.Module, checkpoint: Checkpoint) -> dict[str, Optional[str]]:
+    """Parameter name -> checkpoint tensor name (None: not there). Checkpoint names go through
+    transformers' renamings and the base-model prefix (a ``transformer.h.0`` checkpoint for an
+    ``h.0`` model); a tied parameter (lm_head sharing the embedding) maps to whichever of its
+    names the checkpoint holds."""
+    pairs, _ = _renamings(model)
+    prefix = getattr(model, "base_model_prefix", "") or ""
+    by_model_name: dict[str, str] = {}
+    for key in checkpoint.file_of:
+        name = key
+        for src, dst in pairs:
+            name = re.sub(src, dst, name)
+        by_model_name.setdefault(name, key)
+        if prefix and name.startswith(prefix + "."):
+            by_model_name.setdefault(name[len(prefix) + 1:], key)
+        elif prefix:
+            by_model_name.setdefault(f"{prefix}.{name}", key)
+    names: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+    keys = {}
+    for group in names.values():
+        stored = next((by_model_name[n] for n in group if n in by_model_name), None)
+        for n in group:
+            keys[n] = stored
+    return keys
+
+
+def _check_against_checkpoint(model: torch.nn.Module, checkpoint: Checkpoint) -> None:
+    """The same refusals as a full load: a missing tensor, one of the wrong shape, or an extra one."""
+    keys = _checkpoint_keys(model, checkpoint)
+    folder = checkpoint.folder
+    missing = sorted(n for n, k in keys.items() if k is None)
+    if missing and _renamings(model)[1]:
+        raise ValueError(f"model folder {folder}: {type(model).__name__}'s checkpoint layout is converted by "
+                         f"transformers on load ({missing[0]} is built from several stored tensors, e.g. stacked "
+                         f"experts); streaming does not convert layouts yet: load it without streaming (--no-stream)")
+    if missing:
+        raise ValueError(f"model folder {folder}: the checkpoint is missing {', '.join(missing[:3])}"
+                         + (f" and {len(missing) - 3} more" if len(missing) > 3 else ""))
+    params = dict(model.named_parameters(remove_duplicate=False))
+    for name, key in keys.items():
+        if tuple(params[name].shape) != checkpoint.shape_of[key]:
+            raise ValueError(f"model folder {folder}: the checkpoint has the wrong shape for {name} "
+                             f"({list(checkpoint.shape_of[key])}, the model expects {list(params[name].shape)})")
+    buffers = {n for n, _ in model.named_buffers()}
+    extra = sorted(set(checkpoint.file_of) - set(keys.values()) - buffers)
+    if extra:
+        raise ValueError(f"model folder {folder}: the checkpoint holds tensors the model does not have: "
+                         f"{', '.join(extra[:3])}" + (f" and {len(extra) - 3} more" if len(extra) > 3 else ""))
+
+
+@dataclass
+class LazySource:
+    """Where each placeholder of a captured graph comes from."""
+
+    checkpoint: Checkpoint
+    keys: dict[str, str] = field(default_factory=dict)        # graph target -> checkpoint tensor
+    dtypes: dict[str, torch.dtype] = field(default_factory=dict)
+
+    def read(self, target: str) -> torch.Tensor:
+        return self.checkpoint.read(self.keys[target], self.dtypes[target])
+
+
+def attach(gm: GraphModule, model: torch.nn.Module) -> None:
+    """Replace the fake tensors of ``gm`` (captured from the skeleton ``model``) by ``meta``
+    placeholders read from the checkpoint on access."""
+    checkpoint: Checkpoint = model._qcompiler_checkpoint
+    by_name = _checkpoint_keys(model, checkpoint)
+    source = LazySource(checkpoint)
+    for target, tensor in list(gm.state_dict(keep_vars=True).items()):
+        if not isinstance(tensor, FakeTensor):
+            continue
+        if target not in by_name:
+            raise ValueError(f"captured tensor {target} is not a parameter of {type(model).__name__}; "
+                             f"load the model without streaming")
+        source.keys[target], source.dtypes[target] = by_name[target], tensor.dtype
+    gm.meta[LAZY_META_KEY] = source
+    for target in source.keys:
+        _set_placeholder(gm, target, get_raw_tensor(gm, target))
+
+
+def lazy_source(gm: GraphModule) -> Optional[LazySource]:
+    return gm.meta.get(LAZY_META_KEY)
+
+
+def _set_placeholder(gm: GraphModule, target: str, like: torch.Tensor) -> None:
+    placeholder = torch.empty(like.shape, dtype=like.dtype, device="meta")
+    set_tensor(gm, target, placeholder, parameter=isinstance(like, torch.nn.Parameter))
+    get_raw_tensor(gm, target)._qcompiler_placeholder = True  # told apart from a meta tensor a pass stored
+
+
+def release(gm: GraphModule, target: str) -> None:
+    """Drop a tensor a pass stored (a dequantized weight whose node is about to be rewritten):
+    it becomes a placeholder again. Only for graphs whose weights are streamed."""
+    if lazy_source(gm) is not None:
+        _set_placeholder(gm, target, get_raw_tensor(gm, target))
+
+
+def materialize_all(gm: GraphModule, log: Callable[[str], None] = lambda _m: None) -> int:
+    """Read every placeholder the graph still uses; the graph no longer needs the checkpoint."""
+    source = lazy_source(gm)
+    if source is None:
+        return 0
+    used = {n.target for n in gm.graph.nodes if n.op == "get_attr"}
+    for target in sorted(used):
+        value = get_raw_tensor(gm, target)
+        if isinstance(value, torch.Tensor) and value.is_meta and not getattr(value, "_qcompiler_placeholder", False):
+            raise PassError(f"a pass stored a tensor without data at {target}: it computed on a streamed weight's "
+                            f"placeholder (read weights with qcompiler.graph.get_tensor or layer.weight(gm), "
+                            f"not gm.get_parameter)")
+    todo = [t for t in used if t in source.keys and get_raw_tensor(gm, t).is_meta]
+    if todo:
+        log(f"reading {len(todo)} tensors kept in full precision from {source.checkpoint.folder}")
+    for target in todo:
+        set_tensor(gm, target, source.read(target), parameter=isinstance(get_raw_tensor(gm, target),
+                                                                             torch.nn.Parameter))
+    stale = [t for t, v in gm.state_dict().items() if v.is_meta]
+    del gm.meta[LAZY_META_KEY]
+    if stale:  # placeholders no node reads any more (rewritten layers): drop them
+        for target in stale:
+            drop_tensor(gm, target)
+    return len(todo)

@@ -1,0 +1,68 @@
+"""The package has no import circles, counting imports inside functions too: a circle is a design
+knot (two modules that each need the other) even when a deferred import keeps it from crashing."""
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = {"qcompiler": "qcompiler", "passes": "qcompiler.passes", "backends": "qcompiler.backends",
+            "kernels": "qcompiler.kernels"}
+
+
+def _modules() -> dict[str, Path]:
+    mods = {}
+    for folder, package in PACKAGES.items():
+        for f in (ROOT / folder).rglob("*.py"):
+            parts = [p for p in f.relative_to(ROOT / folder).with_suffix("").parts if p != "__init__"]
+            mods[".".join([package, *parts])] = f
+    return mods
+
+
+def _imports(name: str, path: Path, mods: dict) -> set[str]:
+    """Modules of the package that ``name`` imports anywhere in its source."""
+    base = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            pkg = base
+            for _ in range(max(node.level - 1, 0)):
+                pkg = pkg.rsplit(".", 1)[0]
+            module = (f"{pkg}.{node.module}" if node.module else pkg) if node.level else (node.module or "")
+            for alias in node.names:  # `from . import x` depends on submodule x, not on the package
+                found.add(f"{module}.{alias.name}" if f"{module}.{alias.name}" in mods else module)
+        elif isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+    return {m for m in found if m in mods and m != name}
+
+
+def _cycle(graph: dict[str, set[str]]):
+    """One import circle, as a list of modules, or None (depth-first search with colours)."""
+    state, stack = {}, []
+
+    def visit(node):
+        state[node] = "open"
+        stack.append(node)
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == "open":
+                return stack[stack.index(nxt):] + [nxt]
+            if nxt not in state and (found := visit(nxt)):
+                return found
+        state[node] = "done"
+        stack.pop()
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (found := visit(node)):
+            return found
+    return None
+
+
+def test_no_module_imports_itself_back():
+    mods = _modules()
+    graph = {name: _imports(name, path, mods) - {"qcompiler"} for name, path in mods.items()}
+    cycle = _cycle(graph)
+    assert cycle is None, "import circle: " + " -> ".join(cycle)
+
+
+def test_the_detector_finds_a_circle():
+    assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert _cycle({"a": {"b"}, "b": set()}) is None

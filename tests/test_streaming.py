@@ -1,0 +1,167 @@
+"""Streamed loading: a model folder is captured from a skeleton with fake parameters and each tensor
+is read from its safetensors file when needed. Same quantized model as a full load; the weights
+read and alive at any moment stay near one block's; bad checkpoints are refused as a full load does."""
+import json
+import weakref
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+import qcompiler as qc
+from qcompiler import lazy_weights
+from qcompiler.models import load
+from tiny_models import main_output
+
+
+def _llama_folder(path, *, layers=4, dtype=torch.float32, shard="200KB"):
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(0)
+    config = LlamaConfig(hidden_size=64, intermediate_size=160, num_hidden_layers=layers, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=256, max_position_embeddings=256)
+    model = LlamaForCausalLM(config).to(dtype)
+    model.save_pretrained(path, max_shard_size=shard)  # sharded, with an index
+    return path
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    return _llama_folder(tmp_path_factory.mktemp("llama") / "m")
+
+
+def _calibration(n=3):
+    gen = torch.Generator().manual_seed(1)
+    return [{"input_ids": torch.randint(0, 256, (2, 24), generator=gen)} for _ in range(n)]
+
+
+def test_streamed_skeleton_has_no_weights(folder):
+    assert len(list(folder.glob("*.safetensors"))) > 1, "the fixture should be sharded"
+    loaded = load(folder, stream=True)
+    assert lazy_weights.fake_mode_of(loaded.model) is not None
+    gm = qc.capture(loaded.model, loaded.example_inputs())
+    tensors = gm.state_dict()
+    placeholders = [t for t, v in tensors.items() if v.is_meta]
+    assert "model.layers.0.mlp.down_proj.weight" in placeholders
+    real = sum(v.numel() for v in tensors.values() if not v.is_meta)
+    assert real < 1000, f"{real} weight values were read while capturing"  # rotary tables only
+
+
+@pytest.mark.parametrize("recipe", ["gptq-w4g128", "spqr-w3g16", "w8a8-smoothquant"])
+def test_streamed_compile_equals_full_load(folder, recipe):
+    full, streamed = load(folder), load(folder, stream=True)
+    x = full.example_inputs()
+    want = qc.compile(full.model, x, recipe=recipe, calibration=_calibration(), progress=False, device=None)
+    got = qc.compile(streamed.model, x, recipe=recipe, calibration=_calibration(), progress=False, device=None)
+    assert not any(v.is_meta for v in got.graph_module.state_dict().values())
+    assert torch.equal(main_output(got(**x)), main_output(want(**x))), f"{recipe}: streamed differs from full load"
+
+
+def test_weights_alive_stay_near_one_block(tmp_path, monkeypatch):
+    """Every tensor read from the checkpoint is tracked: the bytes alive at once never exceed about
+    two blocks' worth, whatever the depth (full loading would hold all 8 blocks)."""
+    folder = _llama_folder(tmp_path / "deep", layers=8)
+    alive: weakref.WeakSet = weakref.WeakSet()
+    peak = [0]
+    original = lazy_weights.Checkpoint.read
+
+    def tracked(self, key, dtype=None):
+        tensor = original(self, key, dtype)  # freed by reference counting: the set forgets it at once
+        alive.add(tensor)
+        peak[0] = max(peak[0], sum(t.numel() * t.element_size() for t in alive))
+        return tensor
+
+    monkeypatch.setattr(lazy_weights.Checkpoint, "read", tracked)
+    streamed = load(folder, stream=True)
+    cm = qc.compile(streamed.model, streamed.example_inputs(), recipe="gptq-w4g128", calibration=_calibration(),
+                    progress=False, device=None)
+    weights = {k: v for f in folder.glob("*.safetensors") for k, v in load_file(f).items()}
+    block = sum(v.numel() * v.element_size() for k, v in weights.items() if k.startswith("model.layers.0."))
+    embed = 256 * 64 * 4
+    total = sum(p.numel() * 4 for p in load(folder).model.parameters())
+    print(f"peak {peak[0]} B alive, one block {block} B, all weights {total} B")
+    assert peak[0] <= 2 * block + 2 * embed, f"peak {peak[0]} B alive; one block is {block} B"
+    assert peak[0] < total / 2
+    assert cm.report.passes[0].modified
+
+
+def test_dtype_of_the_checkpoint_is_kept(tmp_path):
+    folder = _llama_folder(tmp_path / "bf16", dtype=torch.bfloat16, layers=2)
+    streamed = load(folder, stream=True)
+    assert {p.dtype for p in streamed.model.parameters()} == {torch.bfloat16}
+    cm = qc.compile(streamed.model, streamed.example_inputs(), recipe="rtn-w4g128", progress=False, device=None)
+    norm = cm.graph_module.state_dict()["model.norm.weight"]
+    assert norm.dtype == torch.bfloat16 and not norm.is_meta
+    assert torch.isfinite(main_output(cm(**streamed.example_inputs())).float()).all()
+
+
+def _break(folder, how):
+    files = sorted(folder.glob("*.safetensors"))
+    if how == "lost shard":
+        files[-1].unlink()
+        return "the download is incomplete"
+    tensors = load_file(files[0])
+    key = next(iter(tensors))
+    if how == "missing":
+        del tensors[key]
+        index = json.loads((folder / "model.safetensors.index.json").read_text())
+        del index["weight_map"][key]
+        (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+        expect = f"is missing {key}"
+    elif how == "shape":
+        tensors[key] = tensors[key][:-1].contiguous()
+        expect = f"wrong shape for {key}"
+    else:
+        tensors["model.layers.0.extra.weight"] = torch.zeros(2)
+        expect = "holds tensors the model does not have: model.layers.0.extra.weight"
+    save_file(tensors, files[0], metadata={"format": "pt"})
+    return expect
+
+
+@pytest.mark.parametrize("how", ["missing", "shape", "extra", "lost shard"])
+def test_damaged_checkpoints_are_refused_by_name(tmp_path, how):
+    folder = _llama_folder(tmp_path / how, layers=2)
+    expect = _break(folder, how)
+    with pytest.raises(ValueError, match=expect.replace(".", r"\.").replace("[", r"\[")):
+        load(folder, stream=True)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["mistral", "qwen2", "qwen3", "gemma2", "phi3", "gpt2", "opt", "gpt_neox", "falcon",
+                                  "bloom"])
+def test_every_dense_architecture_streams(tmp_path, arch):
+    """Checkpoint names go through transformers' renamings (GPT-NeoX embed_out) and base-model
+    prefixes (GPT-2's transformer.): the streamed model equals the fully loaded one."""
+    import causal_lms
+    model = causal_lms.causal_lm(arch)
+    model.config.architectures = [type(model).__name__]
+    model.save_pretrained(tmp_path)
+    full, streamed = load(tmp_path), load(tmp_path, stream=True)
+    x = full.example_inputs()
+    want = qc.compile(full.model, x, recipe="gptq-w4g128", calibration=[x], progress=False, device=None)
+    got = qc.compile(streamed.model, x, recipe="gptq-w4g128", calibration=[x], progress=False, device=None)
+    assert torch.equal(main_output(got(**x)), main_output(want(**x)))
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe"])
+def test_converted_checkpoint_layouts_are_refused_with_the_way_out(tmp_path, arch):
+    import causal_lms
+    causal_lms.causal_lm(arch).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="converted by transformers on load.*--no-stream"):
+        load(tmp_path, stream=True)
+
+
+def test_a_pass_that_computes_on_a_placeholder_is_caught(folder):
+    """A user pass reading ``gm.get_parameter`` gets a meta placeholder; storing what it computed
+    from it must fail loudly, not be silently replaced by the checkpoint's weight."""
+    from qcompiler.errors import PassError
+    from qcompiler.graph import find_linears, set_tensor
+
+    class ReadsParameters(qc.Pass):
+        def run(self, gm, ctx):
+            layer = find_linears(gm)[0]
+            set_tensor(gm, layer.weight_node.target, gm.get_parameter(layer.weight_node.target) * 0.5)
+            return True
+
+    streamed = load(folder, stream=True)
+    with pytest.raises(PassError, match="placeholder.*get_tensor"):
+        qc.compile(streamed.model, streamed.example_inputs(), recipe=[ReadsParameters()], progress=False)
