@@ -32,6 +32,7 @@ def _kernels():
     from qcompiler import kernels
     qc = torch.ops.qc
     return kernels, {qc.quant_linear.default: ("gptq_gemm", kernels.gptq_linear),
+                     qc.quant_experts_linear.default: ("gptq_gemm per expert", kernels.gptq_experts_linear),
                      qc.int8_linear.default: ("int8_gemm", kernels.int8_linear),
                      qc.spqr_dense_linear.default: ("spqr_gemm", kernels.spqr_dense_linear),
                      qc.sparse_outlier_linear.default: ("csr_spmm", kernels.csr_linear)}
@@ -43,8 +44,9 @@ def _static_problem(node: Node) -> Optional[str]:
     if x is not None and x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         return f"{x.dtype} activations are not supported (supported: float16, bfloat16, float32)"
     bits = [a for a in node.args if isinstance(a, int) and not isinstance(a, bool)]
-    if node.target in (torch.ops.qc.quant_linear.default, torch.ops.qc.spqr_dense_linear.default):
-        widths = bits[:1] if node.target == torch.ops.qc.quant_linear.default else [bits[0], bits[2]]
+    gptq_layout = (torch.ops.qc.quant_linear.default, torch.ops.qc.quant_experts_linear.default)
+    if node.target in (*gptq_layout, torch.ops.qc.spqr_dense_linear.default):
+        widths = bits[:1] if node.target in gptq_layout else [bits[0], bits[2]]
         bad = [b for b in widths if b not in SUPPORTED_BITS]
         if bad:
             return f"{bad[0]}-bit codes are not supported (supported: {SUPPORTED_BITS})"
@@ -81,9 +83,9 @@ def _spqr_reference(x, *args):
 
 
 def _layer_name(node: Node) -> str:
-    """The quantized layer's module path (from its first weight tensor), else the node's name."""
-    weight = node.args[1] if len(node.args) > 1 else None
-    return (module_path(weight) or node.name) if isinstance(weight, Node) and weight.op == "get_attr" else node.name
+    """The quantized layer's module path (from its first stored tensor), else the node's name."""
+    weight = next((a for a in node.args[1:] if isinstance(a, Node) and a.op == "get_attr"), None)
+    return (module_path(weight) or node.name) if weight is not None else node.name
 
 
 def _spqr_pairs(graph) -> list[tuple[Node, Node, Node]]:

@@ -131,3 +131,16 @@ def gptq_linear(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, sc
     grouped = _grouped_size(g_idx, group_size, K)
     return launch_lowbit_gemm(_GEMM, x, K, N, (qweight, qzeros, scales, g_idx), bias, (grouped or 0,),
                               BITS=bits, GROUPED=grouped is not None)
+
+
+def gptq_experts_linear(x: torch.Tensor, offsets: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor,
+                        scales: torch.Tensor, g_idx: torch.Tensor, bits: int, group_size: int) -> torch.Tensor:
+    """``qc.quant_experts_linear``: one ``gptq_gemm`` launch per expert that received rows (the rows
+    arrive sorted by expert; ``offsets`` are the cumulative counts)."""
+    y = x.new_zeros((x.shape[0], scales.shape[-1]))
+    start = 0
+    for e, end in enumerate(offsets.tolist()):
+        if end > start:
+            y[start:end] = gptq_linear(x[start:end], qweight[e], qzeros[e], scales[e], g_idx[e], None, bits, group_size)
+        start = end
+    return y

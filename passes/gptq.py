@@ -58,4 +58,5 @@ class GPTQ(Pass):
             res = rtn_quantize(W, bits=self.bits, group_size=self.group_size, sym=self.sym)
             return gptq_layer_quant(layer, W, res, self.bits, self.group_size)
         return quantize_block_linears(gm, ctx, quantize=quantize, true_sequential=self.true_sequential,
-                                      needs_hessian=True, head=head if self.lm_head else None, ignore=self.ignore)
+                                      needs_hessian=True, head=head if self.lm_head else None, ignore=self.ignore,
+                                      fallback=head)

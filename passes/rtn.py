@@ -42,4 +42,5 @@ class RTN(Pass):
             res = rtn_quantize(W, bits=self.bits, group_size=self.group_size, sym=self.sym)
             return gptq_layer_quant(layer, W, res, self.bits, self.group_size)
         return quantize_block_linears(gm, ctx, quantize=quantize, true_sequential=False, needs_hessian=False,
-                                      head=quantize if self.lm_head else None, ignore=self.ignore)
+                                      head=quantize if self.lm_head else None, ignore=self.ignore,
+                                      fallback=quantize)

@@ -29,6 +29,7 @@ from torch.fx import GraphModule, Interpreter, Node
 from torch.utils._pytree import tree_map
 
 from .errors import CalibrationError
+from .experts import ExpertLinear, expert_rows, find_expert_linears
 from .graph import LinearLayer, block_of, find_linears, get_raw_tensor, get_tensor, module_path, source_of
 
 __all__ = ["LayerStats", "Segment", "CalibrationEngine"]
@@ -106,6 +107,7 @@ class Segment:
     start: int
     end: int
     linears: list[LinearLayer] = field(default_factory=list)
+    experts: list[ExpertLinear] = field(default_factory=list)   # 3-D MoE expert parameters
 
     def sibling_groups(self) -> list[list[LinearLayer]]:
         """Linears grouped by the tensor they read, in graph order (q/k/v; o; gate/up; down)."""
@@ -179,6 +181,11 @@ class CalibrationEngine:
             for seg in segments:
                 if seg.start <= i < seg.end and block_of(layer.path) == seg.name:
                     seg.linears.append(layer)
+        for expert in find_expert_linears(self.gm):
+            i = self._index[expert.node]
+            for seg in segments:
+                if seg.start <= i < seg.end and block_of(expert.path) == seg.name:
+                    seg.experts.append(expert)
         return segments
 
     def blocks(self) -> Iterator[Segment]:
@@ -217,16 +224,16 @@ class CalibrationEngine:
                 if node.op == "output":
                     break
                 if node in observers:
-                    x = env[node.args[1] if node.target is torch.ops.aten.addmm.default else node.args[0]]
-                    observers[node](x, self._masks[b])
+                    observers[node](env, self._masks[b])
                 env[node] = self._interp.run_node(node)
             if keep is not None:
                 self._states[b] = self._to({n: env[n] for n in keep}, self.cache_device)
             self._interp.env = {}
 
     def collect(self, seg: Segment, layers: list[LinearLayer], *, hessian: bool = True,
-                keep_rows: int = 0) -> dict[str, LayerStats]:
-        """Run ``seg`` over every batch and return input statistics of ``layers`` (by module path);
+                keep_rows: int = 0, experts: list[ExpertLinear] = ()) -> dict[str, LayerStats]:
+        """Run ``seg`` over every batch and return input statistics of ``layers`` (by module path)
+        and of each expert of ``experts`` (by ``{path}.{e}``: the rows the router sent it);
         ``keep_rows`` input rows per layer are kept as a sample (for searches that need real rows)."""
         if self.position != seg.start:
             raise RuntimeError(f"engine is at node {self.position}, not at the start of block {seg.name}")
@@ -236,20 +243,38 @@ class CalibrationEngine:
             w = get_raw_tensor(self.gm, layer.weight_node.target)  # shape only: a placeholder will do
             in_features = w.shape[0] if layer.transposed else w.shape[1]
             st = stats[layer.path] = LayerStats(in_features, want_hessian=hessian, keep=keep_rows)
-            observers[layer.node] = self._observer(layer.path, st)
-        last = max(self._index[layer.node] for layer in layers) + 1 if layers else seg.start
+            observers[layer.node] = self._observer(layer.path, layer.input, st)
+        for expert in experts:
+            per_expert = [LayerStats(expert.in_features, want_hessian=hessian, keep=keep_rows)
+                          for _ in range(expert.num_experts)]
+            stats.update((expert.expert_path(e), st) for e, st in enumerate(per_expert))
+            observers[expert.node] = self._expert_observer(expert, per_expert)
+        nodes = [layer.node for layer in layers] + [expert.node for expert in experts]
+        last = max(self._index[node] for node in nodes) + 1 if nodes else seg.start
         self._run_range(seg.start, last, observers, advance_to=None)
         return stats
 
     @staticmethod
-    def _observer(path: str, st: LayerStats):
-        def observe(x: torch.Tensor, mask: Optional[torch.Tensor]) -> None:
-            rows = x.reshape(-1, st.in_features)
+    def _observer(path: str, source: Node, st: LayerStats):
+        def observe(env: dict, mask: Optional[torch.Tensor]) -> None:
+            rows = env[source].reshape(-1, st.in_features)
             if mask is not None and mask.numel() == rows.shape[0]:
                 rows = rows[mask]
             if not torch.isfinite(rows).all():
                 raise CalibrationError(f"calibration activations reaching {path} contain NaN or Inf")
             st.add(rows)
+        return observe
+
+    @staticmethod
+    def _expert_observer(expert: ExpertLinear, per_expert: list[LayerStats]):
+        """Rows arrive sorted by expert; the attention mask cannot be applied to them (the token
+        order is the router's), so padded positions reach the experts they were routed to."""
+        def observe(env: dict, _mask: Optional[torch.Tensor]) -> None:
+            x = env[expert.input]
+            if not torch.isfinite(x).all():
+                raise CalibrationError(f"calibration activations reaching {expert.path} contain NaN or Inf")
+            for st, rows in zip(per_expert, expert_rows(x, env[expert.offsets])):
+                st.add(rows)
         return observe
 
     def advance(self, seg: Segment) -> None:

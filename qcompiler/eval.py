@@ -101,6 +101,7 @@ def bits_per_parameter(gm) -> float:
     ops = torch.ops.qc
     counted = {  # op -> (indices of stored-tensor args, index of the arg whose numel x out = weights)
         ops.quant_linear.default: ((1, 2, 3), 4),
+        ops.quant_experts_linear.default: ((2, 3, 4), 5),    # g_idx [E, in]: E x in x out weights
         ops.int8_linear.default: ((1, 2), None),
         ops.spqr_dense_linear.default: ((1, 2, 3, 4, 5), 6),
         ops.sparse_outlier_linear.default: ((1, 2, 3), -1),

@@ -3,8 +3,8 @@
 Loading must never execute code from the file, so the graph is not pickled and not stored as
 Python source. Each node is written as data — op kind, target, arguments — and on load every
 call target is resolved against an allow-list: ``torch.ops.<ns>.<op>.<overload>`` for the
-namespaces ``aten`` and ``qc`` (minus file-system ops), and pure ``operator`` arithmetic and
-indexing. Argument values are nodes, numbers, strings, None, dtypes, devices, layouts, memory
+namespaces ``aten`` and ``qc`` (minus file-system ops), transformers' MoE grouped matmul, and pure
+``operator`` arithmetic and indexing. Argument values are nodes, numbers, strings, None, dtypes, devices, layouts, memory
 formats and lists/tuples of these. Tensors (``get_attr`` targets) go to safetensors under their
 dotted names; tied tensors are stored once. The call structure (which kwargs the graph takes, what
 output object it returns) is the pytree spec, serialized with ``torch.utils._pytree.treespec_dumps``.
@@ -104,6 +104,9 @@ _OPERATORS = {name: getattr(operator, name) for name in (
     "eq", "ne", "lt", "le", "gt", "ge", "and_", "or_", "xor", "invert", "not_", "lshift", "rshift",
     "getitem", "truth")}
 _FORBIDDEN_OPS = {"from_file", "_save", "save"}  # aten ops that touch the file system
+# Pure compute ops of other libraries that captured graphs contain: transformers' grouped matmul
+# over a MoE layer's experts (when they stay in full precision).
+_EXTRA_OPS = {"torch.ops.transformers.grouped_mm_fallback.default"}
 
 
 def _target_name(target) -> str:
@@ -120,6 +123,9 @@ def _resolve_target(name: str):
     parts = name.split(".") if isinstance(name, str) else []
     if len(parts) == 2 and parts[0] == "operator" and parts[1] in _OPERATORS:
         return _OPERATORS[parts[1]]
+    if name in _EXTRA_OPS:  # registered when transformers' MoE integration is imported
+        import transformers.integrations.moe  # noqa: F401
+        return torch.ops.transformers.grouped_mm_fallback.default
     if len(parts) == 5 and parts[:2] == ["torch", "ops"] and parts[2] in _OP_NAMESPACES \
             and all(p.isidentifier() for p in parts[3:]) and parts[3] not in _FORBIDDEN_OPS:
         try:

@@ -16,15 +16,16 @@ from torch.fx import GraphModule
 from . import lazy_weights
 from .calibration import CalibrationEngine
 from .errors import QuantizationError
+from .experts import ExpertLinear, find_expert_linears
 from .gptq import QuantResult, output_error
 from .graph import LinearLayer, block_of, drop_attr_if_unused, find_linears, is_router, set_tensor
 from .layer_filter import ignore_reason, report_unmatched
-from .ops import pack_gptq
+from .ops import GPTQWeight, pack_gptq
 from .packing import packed_length
 from .pass_base import PassContext
 
 __all__ = ["LayerQuant", "quantize_block_linears", "is_output_head", "gptq_layer_quant", "replace_linear", "check_packable",
-           "UnpackableLayer"]
+           "UnpackableLayer", "replace_experts"]
 
 
 class LayerQuant(NamedTuple):
@@ -35,6 +36,7 @@ class LayerQuant(NamedTuple):
     figures: dict                                             # per-layer report entries
     tensors: dict                                             # name -> tensor the rewrite stores
     rewrite: Callable[[GraphModule, LinearLayer, dict], None]  # swaps the node for the method's op(s)
+    packed: Optional[GPTQWeight] = None                       # set when stored in the GPTQ layout
 
 
 QuantizeFn = Callable[[LinearLayer, torch.Tensor, Optional[torch.Tensor]], LayerQuant]
@@ -75,9 +77,14 @@ def is_output_head(path: str) -> bool:
 
 def quantize_block_linears(gm: GraphModule, ctx: PassContext, *, quantize: QuantizeFn,
                            true_sequential: bool, needs_hessian: bool, head: Optional[QuantizeFn] = None,
-                           ignore: tuple[str, ...] = ()) -> bool:
+                           ignore: tuple[str, ...] = (), fallback: Optional[QuantizeFn] = None) -> bool:
     """Quantize every linear inside a transformer block, and the output head with ``head`` when
     given (it sees no Hessian: RTN); returns True if any layer was quantized.
+
+    Mixture-of-experts 3-D expert parameters are quantized expert by expert, each from the rows
+    the router sent it, when the method stores the GPTQ layout; an expert that received no
+    calibration rows is quantized with ``fallback`` (RTN) and named in a note. Without
+    ``fallback`` the experts stay in full precision, with a note.
 
     Layers are solved on ``ctx.device`` (one at a time: only that layer's weight, Hessian and result
     are there); what is stored goes back to where the graph's weights live."""
@@ -127,12 +134,68 @@ def quantize_block_linears(gm: GraphModule, ctx: PassContext, *, quantize: Quant
         # Only what is stored is kept (on the weights' device), not the fp32 dequantized weight.
         done.append((layer, {k: v.to(stored.device) for k, v in result.tensors.items()}, result.rewrite))
 
+    experts_done: list[tuple[ExpertLinear, dict, GPTQWeight]] = []
+
+    def finish_experts(expert: ExpertLinear, stats: Optional[dict], *, store: bool = True) -> None:
+        """Quantize each expert matrix of one 3-D parameter; later blocks see the dequantized ones."""
+        why = ignore_reason(expert.path, ignore) or (None if fallback else
+                                                   f"{record.name} does not quantize 3-D expert weights")
+        if why:
+            skipped.append(expert.path)
+            record.notes.append(f"{expert.path}: kept in full precision ({why})")
+            return
+        start, stored = time.perf_counter(), expert.stored(gm)
+        dequantized, packs, errors = [], [], []
+        for e in range(expert.num_experts):
+            path = expert.expert_path(e)
+            layer = LinearLayer(expert.node, path, expert.input, expert.weight_node, None, False)
+            W = expert.expert_weight(stored, e).detach().float()
+            if not bool(torch.isfinite(W).all()):
+                raise QuantizationError(f"layer {path}: its weights contain NaN or Inf; the checkpoint is damaged")
+            st = None if stats is None else stats[path]
+            H = None if st is None or st.rows == 0 else st.hessian
+            method = quantize if st is None or H is not None else fallback
+            compute = ctx.device or stored.device
+            try:
+                result = method(layer, W.to(compute), None if H is None else H.to(compute))
+            except UnpackableLayer as exc:
+                skipped.append(expert.path)
+                record.notes.append(f"{expert.path}: kept in full precision ({str(exc).split(': ', 1)[-1]})")
+                return
+            if result.packed is None:
+                raise QuantizationError(f"layer {path}: {record.name} did not store the GPTQ layout")
+            figures = dict(result.figures)
+            if st is not None:
+                figures["calib_rows"] = st.rows
+            if H is not None:
+                figures["rel_error"] = output_error(W.to(compute), result.dequantized, H)
+                errors.append(figures["rel_error"])
+            elif st is not None:
+                figures["fallback"] = "rtn"
+                record.notes.append(f"{path}: received no calibration tokens, quantized with RTN")
+            record.layers[path] = figures
+            dequantized.append(result.dequantized.to(stored.device))
+            packs.append(result.packed)
+        if store:
+            W_hat = torch.stack(dequantized)  # [E, out, in]
+            set_tensor(gm, expert.weight_node.target,
+                       (W_hat if expert.transposed else W_hat.transpose(1, 2)).to(stored.dtype).contiguous())
+        tensors = {f: torch.stack([getattr(p, f) for p in packs]).to(stored.device)
+                   for f in ("qweight", "qzeros", "scales", "g_idx")}
+        experts_done.append((expert, tensors, packs[0]))
+        error = f", mean relative output error {sum(errors) / len(errors):.3g}" if errors else ""
+        ctx.log(f"  {expert.path}: {expert.num_experts} experts, {packs[0].bits}-bit{error}, "
+                f"{time.perf_counter() - start:.2f}s")
+
     if ctx.calibration is None:
         if needs_hessian:
             raise QuantizationError("calibration data is required")
         for layer in find_linears(gm):  # nothing runs the graph: no need to store what stands for the codes
             if block_of(layer.path) is not None:
                 finish(layer, None, time.perf_counter(), store=False)
+        for expert in find_expert_linears(gm):
+            if block_of(expert.path) is not None:
+                finish_experts(expert, None, store=False)
     else:
         engine = CalibrationEngine.for_pass(gm, ctx)
         previous: list[LinearLayer] = []
@@ -145,6 +208,8 @@ def quantize_block_linears(gm: GraphModule, ctx: PassContext, *, quantize: Quant
                 stats = engine.collect(seg, group)
                 for layer in group:
                     finish(layer, stats[layer.path].hessian, start)
+            for expert in seg.experts:  # one at a time: down_proj sees the quantized gate_up_proj
+                finish_experts(expert, engine.collect(seg, [], experts=[expert]) if fallback else None)
             previous = [layer for layer in seg.linears if layer.path in record.layers]  # quantized, not skipped
     if head is not None:  # not stored back: a tied embedding keeps reading the FP weight
         heads = [layer for layer in find_linears(gm) if is_output_head(layer.path)]
@@ -152,11 +217,14 @@ def quantize_block_linears(gm: GraphModule, ctx: PassContext, *, quantize: Quant
             record.notes.append("asked to quantize the output head, but the graph has no lm_head/embed_out linear")
         for layer in heads:
             finish(layer, None, time.perf_counter(), method=head, store=False)
-    report_unmatched(record.name, ignore, [layer.path for layer in find_linears(gm)], record.notes)
+    report_unmatched(record.name, ignore, [layer.path for layer in find_linears(gm)]
+                     + [expert.path for expert in find_expert_linears(gm)], record.notes)
     for layer, tensors, rewrite in done:
         rewrite(gm, layer, tensors)
+    for expert, tensors, packed in experts_done:
+        replace_experts(gm, expert, tensors, packed)
     gm.graph.eliminate_dead_code()
-    if not done:
+    if not done and not experts_done:
         record.notes.append("nothing was quantized: " + (f"every eligible layer was kept in full precision "
                             f"({len(skipped)})" if skipped else "no unquantized linear layer inside a transformer block "
                             "(an earlier pass quantized them, or the model's linears lie outside numbered "
@@ -180,7 +248,28 @@ def gptq_layer_quant(layer: LinearLayer, W: torch.Tensor, res: QuantResult, bits
                        lambda x, a: (x, a["qweight"], a["qzeros"], a["scales"], a["g_idx"], layer.bias_node,
                                      packed.bits, packed.group_size))
     return LayerQuant(res.dequantized, figures, {f: getattr(packed, f) for f in ("qweight", "qzeros", "scales", "g_idx")},
-                      rewrite)
+                      rewrite, packed)
+
+
+def replace_experts(gm: GraphModule, expert: ExpertLinear, tensors: dict[str, torch.Tensor],
+                    packed: GPTQWeight) -> torch.fx.Node:
+    """Swap a grouped matmul over 3-D expert weights for ``qc.quant_experts_linear`` on the
+    stacked packed tensors (stored beside the parameter, as ``{path}_qweight`` etc.)."""
+    graph = gm.graph
+    for name, tensor in tensors.items():
+        set_tensor(gm, f"{expert.path}_{name}", tensor)
+    with graph.inserting_before(expert.node):
+        attrs = [graph.get_attr(f"{expert.path}_{name}") for name in ("qweight", "qzeros", "scales", "g_idx")]
+        new = graph.call_function(torch.ops.qc.quant_experts_linear.default,
+                                  (expert.input, expert.offsets, *attrs, packed.bits, packed.group_size))
+    new.meta.update({k: v for k, v in expert.node.meta.items() if k in ("nn_module_stack", "val", "stack_trace")})
+    weight_user = expert.node.args[1]
+    expert.node.replace_all_uses_with(new)
+    graph.erase_node(expert.node)
+    if weight_user is not expert.weight_node and not weight_user.users:
+        graph.erase_node(weight_user)  # the transpose that read the FP weight
+    drop_attr_if_unused(gm, expert.weight_node)
+    return new
 
 
 def replace_linear(gm: GraphModule, layer: LinearLayer, op, tensors: dict[str, torch.Tensor],

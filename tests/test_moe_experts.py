@@ -1,0 +1,148 @@
+"""Mixture-of-experts: 3-D expert parameters quantized per expert (qcompiler/experts.py)."""
+import warnings
+
+import pytest
+import torch
+
+import qcompiler as qc
+from causal_lms import calibration, causal_lm, prompt
+from qcompiler.errors import BackendError
+from qcompiler.eval import bits_per_parameter
+from qcompiler.experts import find_expert_linears
+from qcompiler.gptq import rtn_quantize
+from qcompiler.ops import pack_gptq
+
+QEXPERTS = torch.ops.qc.quant_experts_linear.default
+
+
+def _compile(model, recipe, **kw):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return qc.compile(model, {"input_ids": prompt()}, recipe=recipe, progress=False, **kw)
+
+
+def _expert_rows(cm):
+    return {row["layer"]: row for row in cm.report.layer_table() if ".experts." in row["layer"]}
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe"])
+def test_every_expert_parameter_is_found(arch):
+    fp = _compile(causal_lm(arch), "none")
+    found = find_expert_linears(fp.graph_module)
+    assert [e.path for e in found] == [f"model.layers.{i}.mlp.experts.{p}" for i in (0, 1)
+                                       for p in ("gate_up_proj", "down_proj")]
+    assert all(e.num_experts == 4 for e in found)
+    inter = 128 if arch == "mixtral" else 64
+    assert (found[0].out_features, found[0].in_features) == (2 * inter, 64)
+    assert (found[1].out_features, found[1].in_features) == (64, inter)
+
+
+def test_quant_experts_linear_equals_each_expert_matmul():
+    """The op against the straightforward reference: each expert's rows times its dequantized
+    weight (from the RTN result, not from the packed tensors), an expert with no rows included."""
+    torch.manual_seed(0)
+    E, n_in, n_out, bits, group = 3, 64, 48, 4, 32
+    weights = torch.randn(E, n_out, n_in)
+    results = [rtn_quantize(w, bits=bits, group_size=group) for w in weights]
+    packed = [pack_gptq(r.codes, r.scales, r.zeros, r.g_idx, bits, group) for r in results]
+    stacked = [torch.stack([getattr(p, f) for p in packed]) for f in ("qweight", "qzeros", "scales", "g_idx")]
+    counts = [5, 0, 3]
+    x = torch.randn(sum(counts), n_in)
+    offsets = torch.tensor(counts).cumsum(0).to(torch.int32)
+    got = QEXPERTS(x, offsets, *stacked, bits, group)
+    want = torch.cat([x[:5] @ results[0].dequantized.t(), x[5:] @ results[2].dequantized.t()])
+    torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-3)  # scales are stored in fp16
+
+
+def test_triton_experts_kernel_equals_the_reference_op(kernel_device):
+    from qcompiler.kernels import gptq_experts_linear
+    torch.manual_seed(1)
+    E, n_in, n_out, bits, group = 3, 64, 32, 4, 32
+    packed = [pack_gptq(r.codes, r.scales, r.zeros, r.g_idx, bits, group)
+              for r in (rtn_quantize(w, bits=bits, group_size=group) for w in torch.randn(E, n_out, n_in))]
+    stacked = [torch.stack([getattr(p, f) for p in packed]).to(kernel_device)
+               for f in ("qweight", "qzeros", "scales", "g_idx")]
+    x = torch.randn(6, n_in, device=kernel_device)
+    offsets = torch.tensor([2, 2, 6], dtype=torch.int32, device=kernel_device)
+    want = QEXPERTS(x, offsets, *stacked, bits, group)
+    torch.testing.assert_close(gptq_experts_linear(x, offsets, *stacked, bits, group), want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.fixture(scope="module")
+def mixtral():
+    return causal_lm("mixtral")
+
+
+@pytest.fixture(scope="module")
+def mixtral_gptq(mixtral):
+    return _compile(mixtral, "gptq-w4g128", calibration=calibration())
+
+
+def test_gptq_quantizes_every_expert_from_its_routed_tokens(mixtral, mixtral_gptq):
+    rows = _expert_rows(mixtral_gptq)
+    assert len(rows) == 2 * 2 * 4  # layers x (gate_up, down) x experts: every expert matrix reported
+    gm = mixtral_gptq.graph_module
+    assert sum(n.target is QEXPERTS for n in gm.graph.nodes) == 4
+    assert not find_expert_linears(gm)  # no FP expert weight is left
+    tokens, top_k = 4 * 32, 2
+    for layer in (0, 1):
+        routed = [rows[f"model.layers.{layer}.mlp.experts.gate_up_proj.{e}"]["calib_rows"] for e in range(4)]
+        assert sum(routed) == tokens * top_k  # each token reaches exactly top_k experts
+    # GPTQ's guarantee is a lower Hessian-weighted error than rounding, expert by expert on average.
+    rtn = _expert_rows(_compile(mixtral, "rtn-w4g128", calibration=calibration()))
+    gptq_err = sum(r["rel_error"] for r in rows.values())
+    rtn_err = sum(r["rel_error"] for r in rtn.values())
+    assert gptq_err < 0.9 * rtn_err, (gptq_err, rtn_err)
+    fp = _compile(mixtral, "none")
+    ids = prompt()
+    ref = fp(input_ids=ids).logits
+    rel = ((mixtral_gptq(input_ids=ids).logits - ref).norm() / ref.norm()).item()
+    assert 1e-4 < rel < 0.3, rel
+    # Bits per parameter count the experts: 4-bit codes + an fp16 scale and a 4-bit zero per group
+    # of <= 128 input columns, over attention projections and expert matrices (routers stay FP).
+    mats = []  # (count, out, in)
+    for name, p in mixtral.named_parameters():
+        if name.endswith("_proj.weight"):
+            mats.append((1, *p.shape))
+        elif ".experts." in name:
+            mats.append(tuple(p.shape))  # [E, out, in]
+    bits = sum(n * o * (4 * i + 20 * -(-i // 128)) for n, o, i in mats)
+    weights = sum(n * o * i for n, o, i in mats)
+    assert bits_per_parameter(gm) == pytest.approx(bits / weights, rel=1e-9)
+
+
+def test_expert_without_calibration_tokens_falls_back_to_rtn_with_a_note(mixtral):
+    one_token = [{"input_ids": torch.tensor([[5]])}]  # routed to 2 of the 4 experts in each layer
+    cm = _compile(mixtral, "gptq-w4g128", calibration=one_token)
+    rows = _expert_rows(cm)
+    assert len(rows) == 16
+    empty = [path for path, row in rows.items() if row["calib_rows"] == 0]
+    assert len(empty) == 2 * 2 * 2, empty  # per layer and parameter, the two experts the token skipped
+    notes = " ".join(cm.report.passes[0].notes)
+    for path in empty:
+        assert f"{path}: received no calibration tokens, quantized with RTN" in notes
+        assert rows[path]["fallback"] == "rtn"
+
+
+def test_ignore_keeps_experts_in_full_precision(mixtral):
+    cm = _compile(mixtral, [qc.passes.RTN(ignore=("*.experts.*",))])
+    assert not _expert_rows(cm)
+    assert len(find_expert_linears(cm.graph_module)) == 4
+    assert any(".self_attn.q_proj" in row["layer"] for row in cm.report.layer_table())
+
+
+def test_spqr_keeps_experts_in_full_precision_and_says_so(mixtral):
+    cm = _compile(mixtral, "spqr-w3g16", calibration=calibration())
+    assert not _expert_rows(cm)
+    notes = " ".join(cm.report.passes[0].notes)
+    assert "model.layers.0.mlp.experts.gate_up_proj: kept in full precision" in notes
+
+
+def test_quantized_experts_save_load_and_name_the_node_onnx_cannot_map(mixtral_gptq, tmp_path):
+    ids = prompt()
+    mixtral_gptq.save(tmp_path / "art")
+    back = qc.load(tmp_path / "art")
+    assert torch.equal(back(input_ids=ids).logits, mixtral_gptq(input_ids=ids).logits)
+    assert torch.equal(back.generate(ids, 4), mixtral_gptq.generate(ids, 4))
+    with pytest.raises(BackendError, match="qc.quant_experts_linear"):
+        mixtral_gptq.export_onnx(tmp_path / "m.onnx")
