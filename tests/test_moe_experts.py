@@ -146,3 +146,8 @@ def test_quantized_experts_save_load_and_name_the_node_onnx_cannot_map(mixtral_g
     assert torch.equal(back.generate(ids, 4), mixtral_gptq.generate(ids, 4))
     with pytest.raises(BackendError, match="qc.quant_experts_linear"):
         mixtral_gptq.export_onnx(tmp_path / "m.onnx")
+    from qcompiler.interop.checkpoint import ExportError
+    from qcompiler.interop.gptq_checkpoint import export_gptq
+    with pytest.raises(ExportError, match="quant_experts_linear"):
+        export_gptq(mixtral_gptq, tmp_path / "gptq", progress=lambda _m: None)
+    assert not (tmp_path / "gptq").exists()
