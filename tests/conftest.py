@@ -22,3 +22,34 @@ def minilm():
 def kernel_device():
     """Where the Triton kernels run in tests: the GPU when there is one, else the CPU interpreter."""
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+# Variants that repeat a property a sibling test already asserts in the default run (another
+# recipe, bit width or model through the same path), and the longest end-to-end runs. `pytest`
+# (the README's command) skips them; `pytest -m slow` (run by .ci/run) runs them.
+SLOW_VARIANTS = (
+    "test_triton_backend.py::test_triton_backend_matches_eager_on_bundled_models[tinylm-",
+    "test_onnx_genai.py::test_cli_export_onnx_genai_and_refusals",
+    *(f"test_onnx_backend.py::test_onnxruntime_matches_eager[{v}]" for v in (
+        "llama-rtn-8bit-channel", "llama-w8a8", "llama-gptq-act", "llama-w8a8-static", "llama-rtn-2bit",
+        "bert-spqr-w3g16", "bert-gptq-w3g128")),
+    "test_onnx_backend.py::test_large_models_go_to_external_data",
+    "test_streaming.py::test_streamed_compile_equals_full_load[w8a8-smoothquant]",
+    "test_streaming.py::test_streamed_compile_equals_full_load[spqr-w3g16]",
+    "test_bundled_models.py::test_gptq_beats_rtn_on_every_linear[minilm-3]",
+    "test_bundled_models.py::test_gptq_beats_rtn_on_every_linear[tinylm-3]",
+    "test_cli.py::test_report_of_spqr_has_the_outlier_heat_map",
+    "test_device.py::test_onloaded_compile_matches_in_place_compile[spqr-w3g16-cpu]",
+    "test_device.py::test_onloaded_compile_matches_in_place_compile[w8a8-static-cpu]",
+    "test_device.py::test_onloaded_compile_matches_in_place_compile[w8a8-smoothquant-auto-cpu]",
+    "test_output_folders.py::test_kill_9_at_random_points_keeps_a_loadable_artifact[1]",
+    "test_output_folders.py::test_kill_9_at_random_points_keeps_a_loadable_artifact[2]",
+    "test_artifacts_and_interop.py::test_gptq_checkpoint_round_trip_is_bit_identical[gptq-w2g128-auto-False]",
+    "test_artifacts_and_interop.py::test_gptq_checkpoint_round_trip_is_bit_identical[rtn-w3g128-v2-False]",
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if any(variant in item.nodeid for variant in SLOW_VARIANTS):
+            item.add_marker(pytest.mark.slow)
