@@ -18,6 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
+from qcompiler.ops import expert_ranges
 from qcompiler.packing import SUPPORTED_BITS
 
 from .bitstream import bits_at
@@ -138,9 +139,7 @@ def gptq_experts_linear(x: torch.Tensor, offsets: torch.Tensor, qweight: torch.T
     """``qc.quant_experts_linear``: one ``gptq_gemm`` launch per expert that received rows (the rows
     arrive sorted by expert; ``offsets`` are the cumulative counts)."""
     y = x.new_zeros((x.shape[0], scales.shape[-1]))
-    start = 0
-    for e, end in enumerate(offsets.tolist()):
+    for e, (start, end) in enumerate(expert_ranges(offsets)):
         if end > start:
             y[start:end] = gptq_linear(x[start:end], qweight[e], qzeros[e], scales[e], g_idx[e], None, bits, group_size)
-        start = end
     return y

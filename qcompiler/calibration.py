@@ -176,16 +176,16 @@ class CalibrationEngine:
                    default=len(self.nodes) - 1) + 1
         segments = [Segment(name, s, starts[k + 1][0] if k + 1 < len(starts) else last)
                     for k, (s, name) in enumerate(starts)]
+        def segment_of(node: Node, path: str) -> Optional[Segment]:
+            i = self._index[node]
+            return next((s for s in segments if s.start <= i < s.end and block_of(path) == s.name), None)
+
         for layer in find_linears(self.gm):
-            i = self._index[layer.node]
-            for seg in segments:
-                if seg.start <= i < seg.end and block_of(layer.path) == seg.name:
-                    seg.linears.append(layer)
+            if (seg := segment_of(layer.node, layer.path)) is not None:
+                seg.linears.append(layer)
         for expert in find_expert_linears(self.gm):
-            i = self._index[expert.node]
-            for seg in segments:
-                if seg.start <= i < seg.end and block_of(expert.path) == seg.name:
-                    seg.experts.append(expert)
+            if (seg := segment_of(expert.node, expert.path)) is not None:
+                seg.experts.append(expert)
         return segments
 
     def blocks(self) -> Iterator[Segment]:

@@ -15,6 +15,7 @@ import torch
 from torch.fx import GraphModule, Node
 
 from .graph import get_tensor
+from .ops import expert_ranges
 
 __all__ = ["ExpertLinear", "find_expert_linears", "grouped_mm_targets", "expert_rows"]
 
@@ -98,7 +99,5 @@ def find_expert_linears(gm: GraphModule) -> list[ExpertLinear]:
 
 def expert_rows(x: torch.Tensor, offsets: torch.Tensor) -> list[torch.Tensor]:
     """Rows of ``x`` (sorted by expert) that each expert receives."""
-    ends = [int(v) for v in offsets.tolist()]
-    starts = [0] + ends[:-1]
-    return [x[s:e] for s, e in zip(starts, ends)]
+    return [x[start:end] for start, end in expert_ranges(offsets)]
 

@@ -20,7 +20,7 @@ from torch import Tensor
 from .packing import pack_cols, pack_rows, unpack_cols, unpack_rows
 
 __all__ = ["GPTQWeight", "pack_gptq", "dequantize_gptq", "quant_linear", "quantize_per_token", "int8_matmul",
-           "int8_linear", "quant_experts_linear", "dequantize_spqr_dense", "spqr_group_stats", "spqr_dense_linear", "sparse_outlier_linear", "to_csr",
+           "int8_linear", "expert_ranges", "quant_experts_linear", "dequantize_spqr_dense", "spqr_group_stats", "spqr_dense_linear", "sparse_outlier_linear", "to_csr",
            "QC_OPS"]
 
 
@@ -76,6 +76,13 @@ def _quant_linear_fake(x, qweight, qzeros, scales, g_idx, bias, bits, group_size
 QC_OPS = {"quant_linear": torch.ops.qc.quant_linear.default}
 
 
+def expert_ranges(offsets: Tensor) -> list[tuple[int, int]]:
+    """The ``(start, end)`` rows of each expert, from the cumulative counts ``offsets`` of rows
+    sorted by expert (the layout of transformers' grouped matmul)."""
+    ends = [int(v) for v in offsets.tolist()]
+    return list(zip([0] + ends[:-1], ends))
+
+
 @torch.library.custom_op("qc::quant_experts_linear", mutates_args=())
 def quant_experts_linear(x: Tensor, offsets: Tensor, qweight: Tensor, qzeros: Tensor, scales: Tensor,
                          g_idx: Tensor, bits: int, group_size: int) -> Tensor:
@@ -83,12 +90,10 @@ def quant_experts_linear(x: Tensor, offsets: Tensor, qweight: Tensor, qzeros: Te
     stacked on a leading expert dim): ``x`` rows are sorted by expert, ``offsets[e]`` is the
     cumulative row count of experts ``0..e``. One expert's weight is dequantized at a time."""
     y = x.new_zeros((x.shape[0], scales.shape[-1]))
-    start = 0
-    for e, end in enumerate(offsets.tolist()):
+    for e, (start, end) in enumerate(expert_ranges(offsets)):
         if end > start:
             w = dequantize_gptq(qweight[e], qzeros[e], scales[e], g_idx[e], bits).to(x.dtype)
             y[start:end] = F.linear(x[start:end], w)
-        start = end
     return y
 
 

@@ -62,6 +62,13 @@ def _store_dequantized(gm: GraphModule, layer: LinearLayer, W_hat: torch.Tensor,
     set_tensor(gm, layer.weight_node.target, W_hat.to(device=like.device, dtype=like.dtype).contiguous())
 
 
+def _check_finite(path: str, W: torch.Tensor) -> None:
+    if not bool(torch.isfinite(W).all()):
+        bad = int((~torch.isfinite(W)).sum())
+        raise QuantizationError(f"layer {path}: {bad} of its {W.numel()} weights are NaN or Inf; the "
+                                f"checkpoint is damaged (nothing was written)")
+
+
 def _release(gm: GraphModule, layers: list[LinearLayer]) -> None:
     """Streamed weights: a calibrated block's dequantized weights become placeholders again (its
     nodes are rewritten to the packed tensors at the end), so memory does not grow with depth."""
@@ -107,10 +114,7 @@ def quantize_block_linears(gm: GraphModule, ctx: PassContext, *, quantize: Quant
             return skip(layer, why)
         stored = layer.weight(gm)  # read once (a streamed weight comes from disk)
         W = stored.detach().float()
-        if not bool(torch.isfinite(W).all()):
-            bad = int((~torch.isfinite(W)).sum())
-            raise QuantizationError(f"layer {layer.path}: {bad} of its {W.numel()} weights are NaN or Inf; the "
-                                    f"checkpoint is damaged (nothing was written)")
+        _check_finite(layer.path, W)
         compute = ctx.device or stored.device
         W, H = W.to(compute), (None if H is None else H.to(compute))
         try:
@@ -145,19 +149,19 @@ def quantize_block_linears(gm: GraphModule, ctx: PassContext, *, quantize: Quant
             record.notes.append(f"{expert.path}: kept in full precision ({why})")
             return
         start, stored = time.perf_counter(), expert.stored(gm)
+        compute = ctx.device or stored.device
         dequantized, packs, errors = [], [], []
         for e in range(expert.num_experts):
             path = expert.expert_path(e)
             layer = LinearLayer(expert.node, path, expert.input, expert.weight_node, None, False)
             W = expert.expert_weight(stored, e).detach().float()
-            if not bool(torch.isfinite(W).all()):
-                raise QuantizationError(f"layer {path}: its weights contain NaN or Inf; the checkpoint is damaged")
+            _check_finite(path, W)
+            W = W.to(compute)
             st = None if stats is None else stats[path]
-            H = None if st is None or st.rows == 0 else st.hessian
+            H = None if st is None or st.rows == 0 else st.hessian.to(compute)
             method = quantize if st is None or H is not None else fallback
-            compute = ctx.device or stored.device
             try:
-                result = method(layer, W.to(compute), None if H is None else H.to(compute))
+                result = method(layer, W, H)
             except UnpackableLayer as exc:
                 skipped.append(expert.path)
                 record.notes.append(f"{expert.path}: kept in full precision ({str(exc).split(': ', 1)[-1]})")
@@ -168,7 +172,7 @@ def quantize_block_linears(gm: GraphModule, ctx: PassContext, *, quantize: Quant
             if st is not None:
                 figures["calib_rows"] = st.rows
             if H is not None:
-                figures["rel_error"] = output_error(W.to(compute), result.dequantized, H)
+                figures["rel_error"] = output_error(W, result.dequantized, H)
                 errors.append(figures["rel_error"])
             elif st is not None:
                 figures["fallback"] = "rtn"
