@@ -24,6 +24,7 @@ from torch import Tensor
 from torch.fx import GraphModule
 
 from qcompiler.graph import set_tensor
+from qcompiler.op_registry import OpArgs, OpSpec, args_of, call_op, register
 from qcompiler.ops import dequantize_gptq, spqr_group_stats
 from qcompiler.packing import pack_rows, unpack_cols, unpack_rows
 
@@ -109,6 +110,10 @@ def _gathered_fake(x, cols, block_t):
     return x.new_empty((*x.shape[:-1], block_t.shape[1]))
 
 
+register(OpSpec("matmul_nbits"))             # export-only layouts: never counted, never saved
+register(OpSpec("gathered_outlier_linear"))
+
+
 def _block_size_for(group: int, k: int) -> Optional[int]:
     """The MatMulNBits block (a power of two >= 16) that tiles ``group`` (a shorter last group
     becomes the padded last block); per-channel: 128 (every block of a row has its scale).
@@ -128,9 +133,9 @@ def _sorted_groups(g_idx: Tensor) -> Optional[Tensor]:
     return torch.argsort(g_idx.long(), stable=True)
 
 
-def _gptq_to_nbits(gm, node) -> Optional[tuple]:
-    qweight, qzeros, scales, g_idx = (gm.get_buffer(a.target) for a in node.args[1:5])
-    bits, group = node.args[6], node.args[7]
+def _gptq_to_nbits(gm, a: OpArgs) -> Optional[tuple]:
+    qweight, qzeros, scales, g_idx = a.tensors(gm, "qweight", "qzeros", "scales", "g_idx")
+    bits, group = a.bits, a.group_size
     k, n = g_idx.numel(), scales.shape[1]
     block = _block_size_for(group, k)
     if block is None:
@@ -148,9 +153,10 @@ def _gptq_to_nbits(gm, node) -> Optional[tuple]:
     return tensors, perm, k, n, out_bits, block
 
 
-def _spqr_to_nbits(gm, node) -> tuple:
-    codes, scale_codes, zero_codes, scale_stats, zero_stats, perm = (gm.get_buffer(a.target) for a in node.args[1:7])
-    bits, group, stat_bits, stat_group = node.args[8:12]
+def _spqr_to_nbits(gm, a: OpArgs) -> tuple:
+    codes, scale_codes, zero_codes, scale_stats, zero_stats, perm = a.tensors(
+        gm, "codes", "scale_codes", "zero_codes", "scale_stats", "zero_stats", "perm")
+    bits, group, stat_bits, stat_group = a.bits, a.group_size, a.stat_bits, a.stat_group_size
     k, n = perm.numel(), scale_stats.shape[1] * stat_group
     s = spqr_group_stats(scale_codes, scale_stats, stat_bits, stat_group).clamp(min=1e-8).t()   # [N, groups]
     z = spqr_group_stats(zero_codes, zero_stats, stat_bits, stat_group).t()
@@ -165,58 +171,63 @@ def _spqr_to_nbits(gm, node) -> tuple:
     return tensors, None if ident else perm.long(), k, n, out_bits, group
 
 
+def _lower_dense(gm: GraphModule, a: OpArgs, path: str, notes: list[str]):
+    """GPTQ / SpQR dense branch -> ``qc.matmul_nbits`` (or an fp32 MatMul when no block fits)."""
+    is_gptq = a.spec.name == "quant_linear"
+    lowered = _gptq_to_nbits(gm, a) if is_gptq else _spqr_to_nbits(gm, a)
+    graph = gm.graph
+    if lowered is None:
+        w = dequantize_gptq(*a.tensors(gm, "qweight", "qzeros", "scales", "g_idx"), a.bits)
+        set_tensor(gm, f"{path}.onnx_weight_t", w.t().contiguous())
+        new = graph.call_function(torch.ops.aten.matmul.default, (a.x, graph.get_attr(f"{path}.onnx_weight_t")))
+        if a.bias is not None:
+            new = graph.call_function(torch.ops.aten.add.Tensor, (new, a.bias))
+        notes.append(f"{path}: group size {a.group_size} has no MatMulNBits block size; exported as fp32 MatMul")
+        return new
+    tensors, perm, k, n, nbits, block = lowered
+    if perm is not None:
+        tensors["perm"] = perm
+    for name, t in tensors.items():
+        set_tensor(gm, f"{path}.onnx_{name}", t)
+    attrs = {name: graph.get_attr(f"{path}.onnx_{name}") for name in tensors}
+    return call_op(graph, "matmul_nbits", x=a.x, B=attrs["B"], scales=attrs["scales"],
+                   zero_points=attrs["zero_points"], perm=attrs.get("perm"), group_corr=attrs.get("group_corr"),
+                   bias=a.bias, K=k, N=n, bits=nbits, block_size=block)
+
+
+def _lower_outliers(gm: GraphModule, a: OpArgs, path: str, notes: list[str]):
+    """SpQR's CSR outliers -> ``qc.gathered_outlier_linear`` over the columns that hold any."""
+    row_ptr, col_idx, values = a.tensors(gm, "row_ptr", "col_idx", "values")
+    n_out = a.out_features
+    rows = torch.repeat_interleave(torch.arange(n_out), (row_ptr[1:] - row_ptr[:-1]).long())
+    cols = torch.unique(col_idx.long())
+    block_t = torch.zeros(max(cols.numel(), 1), n_out)
+    if cols.numel():
+        where = torch.searchsorted(cols, col_idx.long())
+        block_t[where, rows] = values.float()
+    else:
+        cols = torch.zeros(1, dtype=torch.long)
+    set_tensor(gm, f"{path}.onnx_cols", cols)
+    set_tensor(gm, f"{path}.onnx_block_t", block_t)
+    return call_op(gm.graph, "gathered_outlier_linear", x=a.x, cols=gm.graph.get_attr(f"{path}.onnx_cols"),
+                   block_t=gm.graph.get_attr(f"{path}.onnx_block_t"))
+
+
+_LOWERINGS = {torch.ops.qc.quant_linear.default: _lower_dense, torch.ops.qc.spqr_dense_linear.default: _lower_dense,
+              torch.ops.qc.sparse_outlier_linear.default: _lower_outliers}
+
+
 def lower_for_onnx(gm: GraphModule) -> tuple[GraphModule, list[str]]:
     """A copy of ``gm`` with every quantized op in an ORT-ready layout; notes on fallbacks taken."""
     gm = copy.deepcopy(gm)
     graph, notes = gm.graph, []
-    ops = torch.ops.qc
     for node in list(graph.nodes):
-        if node.op != "call_function":
+        if node.op != "call_function" or node.target not in _LOWERINGS:
             continue
-        if node.target not in (ops.quant_linear.default, ops.spqr_dense_linear.default, ops.sparse_outlier_linear.default):
-            continue
-        path = node.args[1].target.rsplit(".", 1)[0]
-        if node.target is ops.quant_linear.default or node.target is ops.spqr_dense_linear.default:
-            is_gptq = node.target is ops.quant_linear.default
-            lowered = _gptq_to_nbits(gm, node) if is_gptq else _spqr_to_nbits(gm, node)
-            bias = node.args[5] if is_gptq else node.args[7]
-            if lowered is None:
-                w = dequantize_gptq(*(gm.get_buffer(a.target) for a in node.args[1:5]), node.args[6])
-                set_tensor(gm, f"{path}.onnx_weight_t", w.t().contiguous())
-                with graph.inserting_before(node):
-                    wt = graph.get_attr(f"{path}.onnx_weight_t")
-                    new = graph.call_function(torch.ops.aten.matmul.default, (node.args[0], wt))
-                    if bias is not None:
-                        new = graph.call_function(torch.ops.aten.add.Tensor, (new, bias))
-                notes.append(f"{path}: group size {node.args[7]} has no MatMulNBits block size; exported as fp32 MatMul")
-            else:
-                tensors, perm, k, n, nbits, block = lowered
-                if perm is not None:
-                    tensors["perm"] = perm
-                for name, t in tensors.items():
-                    set_tensor(gm, f"{path}.onnx_{name}", t)
-                with graph.inserting_before(node):
-                    a = {name: graph.get_attr(f"{path}.onnx_{name}") for name in tensors}
-                    new = graph.call_function(ops.matmul_nbits.default,
-                                              (node.args[0], a["B"], a["scales"], a["zero_points"], a.get("perm"),
-                                               a.get("group_corr"), bias, k, n, nbits, block))
-        elif node.target is ops.sparse_outlier_linear.default:
-            row_ptr, col_idx, values = (gm.get_buffer(a.target) for a in node.args[1:4])
-            n_out = node.args[4]
-            rows = torch.repeat_interleave(torch.arange(n_out), (row_ptr[1:] - row_ptr[:-1]).long())
-            cols = torch.unique(col_idx.long())
-            block_t = torch.zeros(max(cols.numel(), 1), n_out)
-            if cols.numel():
-                where = torch.searchsorted(cols, col_idx.long())
-                block_t[where, rows] = values.float()
-            else:
-                cols = torch.zeros(1, dtype=torch.long)
-            set_tensor(gm, f"{path}.onnx_cols", cols)
-            set_tensor(gm, f"{path}.onnx_block_t", block_t)
-            with graph.inserting_before(node):
-                new = graph.call_function(ops.gathered_outlier_linear.default,
-                                          (node.args[0], graph.get_attr(f"{path}.onnx_cols"),
-                                           graph.get_attr(f"{path}.onnx_block_t")))
+        a = args_of(node)
+        path = a.stored()[0].target.rsplit(".", 1)[0]
+        with graph.inserting_before(node):
+            new = _LOWERINGS[node.target](gm, a, path, notes)
         new.meta.update({k: v for k, v in node.meta.items() if k in ("nn_module_stack", "val")})
         node.replace_all_uses_with(new)
         graph.erase_node(node)

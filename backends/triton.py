@@ -18,7 +18,8 @@ import torch.utils._pytree as pytree
 from torch.fx import GraphModule, Node
 
 from qcompiler.errors import BackendError
-from qcompiler.graph import get_tensor, module_path, set_tensor
+from qcompiler.graph import get_tensor, set_tensor
+from qcompiler.op_registry import args_of, quantized_layer_path
 from qcompiler.packing import SUPPORTED_BITS
 from qcompiler.pass_base import PassRecord
 
@@ -38,18 +39,18 @@ def _kernels():
                      qc.sparse_outlier_linear.default: ("csr_spmm", kernels.csr_linear)}
 
 
+_CODE_WIDTHS = {"quant_linear": ("bits",), "quant_experts_linear": ("bits",), "spqr_dense_linear": ("bits", "stat_bits")}
+
+
 def _static_problem(node: Node) -> Optional[str]:
     """Why no kernel applies to ``node``, judged from what the graph knows before running."""
-    x = node.args[0].meta.get("val") if isinstance(node.args[0], Node) else None
+    a = args_of(node)
+    x = a.x.meta.get("val") if isinstance(a.x, Node) else None
     if x is not None and x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         return f"{x.dtype} activations are not supported (supported: float16, bfloat16, float32)"
-    bits = [a for a in node.args if isinstance(a, int) and not isinstance(a, bool)]
-    gptq_layout = (torch.ops.qc.quant_linear.default, torch.ops.qc.quant_experts_linear.default)
-    if node.target in (*gptq_layout, torch.ops.qc.spqr_dense_linear.default):
-        widths = bits[:1] if node.target in gptq_layout else [bits[0], bits[2]]
-        bad = [b for b in widths if b not in SUPPORTED_BITS]
-        if bad:
-            return f"{bad[0]}-bit codes are not supported (supported: {SUPPORTED_BITS})"
+    bad = [getattr(a, w) for w in _CODE_WIDTHS.get(a.spec.name, ()) if getattr(a, w) not in SUPPORTED_BITS]
+    if bad:
+        return f"{bad[0]}-bit codes are not supported (supported: {SUPPORTED_BITS})"
     return None
 
 
@@ -72,20 +73,18 @@ def _guarded(name: str, node_name: str, kernel: Callable, reference, record: Pas
 
 
 def _fused_spqr(dense_kernel: Callable, csr_kernel: Callable) -> Callable:
-    def spqr_linear(x, *args):
-        """``dense(x, *args[:11]) + sparse(x, *args[11:])``: dense kernel, then CSR accumulating into it."""
-        return csr_kernel(x, *args[11:], out=dense_kernel(x, *args[:11]))
+    def spqr_linear(dense: dict, sparse: dict):
+        """``dense(**dense) + sparse(**sparse)``: dense kernel, then CSR accumulating into its output."""
+        return csr_kernel(**sparse, out=dense_kernel(**dense))
     return spqr_linear
 
 
-def _spqr_reference(x, *args):
-    return torch.ops.qc.spqr_dense_linear(x, *args[:11]) + torch.ops.qc.sparse_outlier_linear(x, *args[11:])
+def _spqr_reference(dense: dict, sparse: dict):
+    return torch.ops.qc.spqr_dense_linear(**dense) + torch.ops.qc.sparse_outlier_linear(**sparse)
 
 
 def _layer_name(node: Node) -> str:
-    """The quantized layer's module path (from its first stored tensor), else the node's name."""
-    weight = next((a for a in node.args[1:] if isinstance(a, Node) and a.op == "get_attr"), None)
-    return (module_path(weight) or node.name) if weight is not None else node.name
+    return quantized_layer_path(args_of(node))
 
 
 def _spqr_pairs(graph) -> list[tuple[Node, Node, Node]]:
@@ -99,7 +98,7 @@ def _spqr_pairs(graph) -> list[tuple[Node, Node, Node]]:
             continue
         if (dense.target == torch.ops.qc.spqr_dense_linear.default
                 and sparse.target == torch.ops.qc.sparse_outlier_linear.default
-                and dense.args[0] is sparse.args[0] and len(dense.users) == 1 and len(sparse.users) == 1):
+                and args_of(dense).x is args_of(sparse).x and len(dense.users) == 1 and len(sparse.users) == 1):
             pairs.append((node, dense, sparse))
     return pairs
 
@@ -119,7 +118,7 @@ def plan_triton(gm: GraphModule) -> tuple[GraphModule, PassRecord]:
         with graph.inserting_before(add):
             fused_kernel = _fused_spqr(table[dense.target][1], table[sparse.target][1])
             call = graph.call_function(_guarded("spqr_gemm_csr", layer, fused_kernel, _spqr_reference, record),
-                                       (*dense.args, *sparse.args[1:]))
+                                       (args_of(dense).as_dict(), args_of(sparse).as_dict()))
         call.meta.update(add.meta)
         add.replace_all_uses_with(call)
         for n in (add, sparse, dense):

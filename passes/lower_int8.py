@@ -86,5 +86,6 @@ class LowerInt8(Pass):
         x, smooth = layer.input, None
         if SMOOTH_META in x.meta:  # fuse SmoothQuant's explicit 1/s into the quantizer
             x, smooth = x.args[0], x.args[1]
-        replace_linear(gm, layer, torch.ops.qc.int8_linear.default, tensors,
-                       lambda _x, a: (x, a["weight_int8"], a["weight_scale"], layer.bias_node, a.get("act_scale"), smooth))
+        replace_linear(gm, layer, "int8_linear", tensors,
+                       lambda _x, a: dict(x=x, weight=a["weight_int8"], weight_scale=a["weight_scale"],
+                                          bias=layer.bias_node, act_scale=a.get("act_scale"), smooth_inv=smooth))

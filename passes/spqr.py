@@ -17,6 +17,7 @@ from torch.fx import GraphModule
 from qcompiler.errors import QuantizationError
 from qcompiler.graph import LinearLayer, aten, set_tensor
 from qcompiler.layer_filter import check_patterns
+from qcompiler.op_registry import args_of, call_op
 from qcompiler.ops import to_csr
 from qcompiler.packing import pack_cols, pack_rows
 from qcompiler.pass_base import GraphProperty, Pass, PassContext
@@ -126,17 +127,17 @@ class SpQR(Pass):
     def _rewrite(self, gm: GraphModule, layer: LinearLayer, tensors: dict, out_features: int) -> None:
         dense_names = ("codes", "scale_codes", "zero_codes", "scale_stats", "zero_stats", "perm")
         dense = replace_linear(
-            gm, layer, torch.ops.qc.spqr_dense_linear.default, {n: tensors[n] for n in dense_names},
-            lambda x, a: (x, *(a[n] for n in dense_names), layer.bias_node, self.bits, self.group_size,
-                          self.stat_bits, self.stat_group_size))
+            gm, layer, "spqr_dense_linear", {n: tensors[n] for n in dense_names},
+            lambda x, a: dict(x=x, **a, bias=layer.bias_node, bits=self.bits, group_size=self.group_size,
+                              stat_bits=self.stat_bits, stat_group_size=self.stat_group_size))
         graph = gm.graph
         base = layer.path
         for n in ("row_ptr", "col_idx", "values"):
             set_tensor(gm, f"{base}.{n}", tensors[n])
         users = list(dense.users)
         with graph.inserting_before(dense.next):  # a fixed point keeps creation order
-            attrs = [graph.get_attr(f"{base}.{n}") for n in ("row_ptr", "col_idx", "values")]
-            sparse = graph.call_function(torch.ops.qc.sparse_outlier_linear.default, (dense.args[0], *attrs, out_features))
+            attrs = {n: graph.get_attr(f"{base}.{n}") for n in ("row_ptr", "col_idx", "values")}
+            sparse = call_op(graph, "sparse_outlier_linear", x=args_of(dense).x, **attrs, out_features=out_features)
             total = graph.call_function(aten.add.Tensor, (dense, sparse))
         for node in (sparse, total):
             node.meta.update({k: v for k, v in dense.meta.items() if k in ("nn_module_stack", "val")})

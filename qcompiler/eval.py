@@ -11,6 +11,8 @@ from typing import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
+from .op_registry import OpArgs, spec_of
+
 __all__ = ["perplexity", "mean_pooled_embeddings", "embedding_fidelity", "relative_output_error"]
 
 
@@ -96,27 +98,15 @@ def bits_per_parameter(gm) -> float:
     not per weight, and are excluded. ``qc.int8_linear``: int8 codes and per-channel scales.
     SpQR: dense codes, first- and second-level statistics, and the CSR outliers with row pointers.
     """
-    import torch
-
-    ops = torch.ops.qc
-    counted = {  # op -> (indices of stored-tensor args, index of the arg whose numel x out = weights)
-        ops.quant_linear.default: ((1, 2, 3), 4),
-        ops.quant_experts_linear.default: ((2, 3, 4), 5),    # g_idx [E, in]: E x in x out weights
-        ops.int8_linear.default: ((1, 2), None),
-        ops.spqr_dense_linear.default: ((1, 2, 3, 4, 5), 6),
-        ops.sparse_outlier_linear.default: ((1, 2, 3), -1),
-    }
     bits = params = 0
     for node in gm.graph.nodes:
-        if node.op != "call_function" or node.target not in counted:
+        op_spec = spec_of(node)
+        if op_spec is None or not op_spec.storage:
             continue
-        tensor_args, width_arg = counted[node.target]
-        tensors = [gm.get_buffer(node.args[i].target) for i in tensor_args]
-        bits += sum(t.numel() * t.element_size() * 8 for t in tensors)
-        if width_arg is None:
-            params += tensors[0].numel()
-        elif width_arg >= 0:
-            params += gm.get_buffer(node.args[width_arg].target).numel() * node.meta["val"].shape[-1]
+        a = OpArgs(op_spec, node)
+        bits += sum(t.numel() * t.element_size() * 8 for t in a.tensors(gm, *op_spec.storage))
+        if op_spec.weights is not None:
+            params += op_spec.weights(a, gm)
     if params == 0:
         raise ValueError("the graph has no quantized linear layers")
     return bits / params

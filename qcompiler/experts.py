@@ -42,6 +42,7 @@ class ExpertLinear:
     offsets: Node              # cumulative rows per expert [E]
     weight_node: Node          # get_attr of the stored parameter
     transposed: bool           # stored as [E, out, in] (read through a transpose) rather than [E, in, out]
+    weight_user: Node          # the matmul's weight argument: the transpose, or weight_node itself
 
     def stored(self, gm: GraphModule) -> torch.Tensor:
         return get_tensor(gm, self.weight_node.target)
@@ -93,7 +94,7 @@ def find_expert_linears(gm: GraphModule) -> list[ExpertLinear]:
             weight.meta["val"] = get_tensor(gm, weight.target)
         if weight.meta["val"].dim() != 3:
             continue
-        found.append(ExpertLinear(node, weight.target, x, offsets, weight, transposed))
+        found.append(ExpertLinear(node, weight.target, x, offsets, weight, transposed, w))
     return found
 
 

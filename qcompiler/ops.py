@@ -11,17 +11,18 @@ stay shape-checkable. Backends map these ops to their own kernels; nothing else 
 """
 from __future__ import annotations
 
-from typing import NamedTuple, Optional
+from typing import Callable, NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .op_registry import OpSpec, register
 from .packing import pack_cols, pack_rows, unpack_cols, unpack_rows
 
 __all__ = ["GPTQWeight", "pack_gptq", "dequantize_gptq", "quant_linear", "quantize_per_token", "int8_matmul",
            "int8_linear", "expert_ranges", "quant_experts_linear", "dequantize_spqr_dense", "spqr_group_stats", "spqr_dense_linear", "sparse_outlier_linear", "to_csr",
-           "QC_OPS"]
+           ]
 
 
 class GPTQWeight(NamedTuple):
@@ -73,7 +74,12 @@ def _quant_linear_fake(x, qweight, qzeros, scales, g_idx, bias, bits, group_size
     return x.new_empty((*x.shape[:-1], scales.shape[1]))
 
 
-QC_OPS = {"quant_linear": torch.ops.qc.quant_linear.default}
+def _in_times_out(in_arg: str, out_arg: str) -> Callable:
+    """Weights = (input columns recorded in ``in_arg``) x (output channels, last dim of ``out_arg``)."""
+    return lambda a, gm: a.tensor(gm, in_arg).numel() * a.tensor(gm, out_arg).shape[-1]
+
+
+register(OpSpec("quant_linear", storage=("qweight", "qzeros", "scales"), weights=_in_times_out("g_idx", "scales")))
 
 
 def expert_ranges(offsets: Tensor) -> list[tuple[int, int]]:
@@ -102,7 +108,8 @@ def _quant_experts_linear_fake(x, offsets, qweight, qzeros, scales, g_idx, bits,
     return x.new_empty((x.shape[0], scales.shape[-1]))
 
 
-QC_OPS["quant_experts_linear"] = torch.ops.qc.quant_experts_linear.default
+register(OpSpec("quant_experts_linear", storage=("qweight", "qzeros", "scales"),
+                weights=_in_times_out("g_idx", "scales")))   # g_idx [E, in]: E x in x out weights
 
 
 def quantize_per_token(x: Tensor) -> tuple[Tensor, Tensor]:
@@ -147,7 +154,7 @@ def _int8_linear_fake(x, weight, weight_scale, bias, act_scale, smooth_inv):
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
-QC_OPS["int8_linear"] = torch.ops.qc.int8_linear.default
+register(OpSpec("int8_linear", storage=("weight", "weight_scale"), weights=lambda a, gm: a.tensor(gm, "weight").numel()))
 
 
 def spqr_group_stats(packed: Tensor, table: Tensor, stat_bits: int, stat_group_size: int) -> Tensor:
@@ -212,5 +219,7 @@ def to_csr(values: Tensor, mask: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     return row_ptr, cols.to(torch.int16), values[rows, cols].to(torch.float16)
 
 
-QC_OPS.update(spqr_dense_linear=torch.ops.qc.spqr_dense_linear.default,
-              sparse_outlier_linear=torch.ops.qc.sparse_outlier_linear.default)
+register(OpSpec("spqr_dense_linear", storage=("codes", "scale_codes", "zero_codes", "scale_stats", "zero_stats"),
+                weights=lambda a, gm: a.tensor(gm, "perm").numel() * a.tensor(gm, "scale_stats").shape[1]
+                * a.stat_group_size))
+register(OpSpec("sparse_outlier_linear", storage=("row_ptr", "col_idx", "values")))  # outliers of a dense branch

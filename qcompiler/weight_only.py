@@ -20,6 +20,7 @@ from .experts import ExpertLinear, find_expert_linears
 from .gptq import QuantResult, output_error
 from .graph import LinearLayer, block_of, drop_attr_if_unused, find_linears, is_router, set_tensor
 from .layer_filter import ignore_reason, report_unmatched
+from .op_registry import call_op
 from .ops import GPTQWeight, pack_gptq
 from .packing import packed_length
 from .pass_base import PassContext
@@ -248,9 +249,8 @@ def gptq_layer_quant(layer: LinearLayer, W: torch.Tensor, res: QuantResult, bits
         figures.update(damp=res.damp, damp_steps=res.damp_steps)
 
     def rewrite(gm: GraphModule, layer: LinearLayer, tensors: dict) -> None:
-        replace_linear(gm, layer, torch.ops.qc.quant_linear.default, tensors,
-                       lambda x, a: (x, a["qweight"], a["qzeros"], a["scales"], a["g_idx"], layer.bias_node,
-                                     packed.bits, packed.group_size))
+        replace_linear(gm, layer, "quant_linear", tensors,
+                       lambda x, a: dict(x=x, **a, bias=layer.bias_node, bits=packed.bits, group_size=packed.group_size))
     return LayerQuant(res.dequantized, figures, {f: getattr(packed, f) for f in ("qweight", "qzeros", "scales", "g_idx")},
                       rewrite, packed)
 
@@ -263,11 +263,11 @@ def replace_experts(gm: GraphModule, expert: ExpertLinear, tensors: dict[str, to
     for name, tensor in tensors.items():
         set_tensor(gm, f"{expert.path}_{name}", tensor)
     with graph.inserting_before(expert.node):
-        attrs = [graph.get_attr(f"{expert.path}_{name}") for name in ("qweight", "qzeros", "scales", "g_idx")]
-        new = graph.call_function(torch.ops.qc.quant_experts_linear.default,
-                                  (expert.input, expert.offsets, *attrs, packed.bits, packed.group_size))
+        attrs = {name: graph.get_attr(f"{expert.path}_{name}") for name in ("qweight", "qzeros", "scales", "g_idx")}
+        new = call_op(graph, "quant_experts_linear", x=expert.input, offsets=expert.offsets, **attrs,
+                      bits=packed.bits, group_size=packed.group_size)
     new.meta.update({k: v for k, v in expert.node.meta.items() if k in ("nn_module_stack", "val", "stack_trace")})
-    weight_user = expert.node.args[1]
+    weight_user = expert.weight_user
     expert.node.replace_all_uses_with(new)
     graph.erase_node(expert.node)
     if weight_user is not expert.weight_node and not weight_user.users:
@@ -276,17 +276,17 @@ def replace_experts(gm: GraphModule, expert: ExpertLinear, tensors: dict[str, to
     return new
 
 
-def replace_linear(gm: GraphModule, layer: LinearLayer, op, tensors: dict[str, torch.Tensor],
-                   make_args: Callable) -> torch.fx.Node:
+def replace_linear(gm: GraphModule, layer: LinearLayer, op_name: str, tensors: dict[str, torch.Tensor],
+                   make_args: Callable[[torch.fx.Node, dict], dict]) -> torch.fx.Node:
     """Store ``tensors`` beside the layer (``{path}.{name}``; callers put them where the graph's
-    weights live) and swap its node for ``op(*make_args(x, attrs))``."""
+    weights live) and swap its node for ``qc.{op_name}(**make_args(x, attrs))``."""
     graph = gm.graph
     base = layer.path or layer.node.name
     for name, tensor in tensors.items():
         set_tensor(gm, f"{base}.{name}", tensor)
     with graph.inserting_before(layer.node):
         attrs = {name: graph.get_attr(f"{base}.{name}") for name in tensors}
-        new = graph.call_function(op, tuple(make_args(layer.input, attrs)))
+        new = call_op(graph, op_name, **make_args(layer.input, attrs))
     new.meta.update({k: v for k, v in layer.node.meta.items() if k in ("nn_module_stack", "val", "stack_trace")})
     layer.node.replace_all_uses_with(new)
     graph.erase_node(layer.node)

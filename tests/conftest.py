@@ -11,6 +11,11 @@ if not torch.cuda.is_available():
 else:  # correctness with one fixed config per kernel (benchmarks/kernels.py checks the autotuned ones)
     os.environ.setdefault("QC_TRITON_AUTOTUNE", "0")
 
+# pytest-xdist runs one worker per core (pyproject addopts): each gets its share of the cores,
+# so workers do not oversubscribe them with torch's intra-op threads.
+if "PYTEST_XDIST_WORKER_COUNT" in os.environ:
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
+
 
 @pytest.fixture(scope="session")
 def minilm():

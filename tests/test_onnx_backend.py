@@ -34,8 +34,7 @@ def test_onnxruntime_matches_eager(arch, name):
         recipe = [qc.passes.SpQR(outlier_threshold=0.3)]  # enough outliers to exercise the sparse branch
     calib = [example_inputs(arch, 4, 16, seed=s) for s in range(3)]
     eager = qc.compile(model, example_inputs(arch), recipe=recipe, calibration=calib, progress=False)
-    ort_cm = qc.compile(model, example_inputs(arch), recipe=recipe, calibration=calib, backend="onnxruntime",
-                        backend_options={"threads": 1, "accuracy_level": 0}, progress=False)
+    ort_cm = eager.with_backend("onnxruntime", threads=1, accuracy_level=0)
     inputs = strip(example_inputs(arch, 3, 13, seed=11))
     want, got = main_output(eager(**inputs)), main_output(ort_cm(**inputs))
     assert got.shape == want.shape
@@ -123,8 +122,7 @@ def test_minilm_quality_through_ort_matches_eager(minilm):
     calib = minilm.calibration(16, 64)
     eager = qc.compile(minilm.model, minilm.example_inputs(), recipe="gptq-w4g128", calibration=calib, progress=False)
     for level, tolerance in ((0, 1e-5), (4, 3e-3)):  # level 4 quantizes activations inside the kernel
-        ort_cm = qc.compile(minilm.model, minilm.example_inputs(), recipe="gptq-w4g128", calibration=calib,
-                            backend="onnxruntime", backend_options={"accuracy_level": level}, progress=False)
+        ort_cm = eager.with_backend("onnxruntime", accuracy_level=level)
         e, o = judge.score(eager), judge.score(ort_cm)
         assert abs(e - o) / e < tolerance, (level, e, o)
 

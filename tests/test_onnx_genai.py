@@ -32,7 +32,8 @@ def tinylm():
     return load("tinylm")
 
 
-@pytest.mark.parametrize("recipe", ["gptq-w4g128", "w8a8-smoothquant", pytest.param("spqr-w3g16", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("recipe", ["gptq-w4g128", *(pytest.param(r, marks=pytest.mark.slow)
+                                                     for r in ("w8a8-smoothquant", "spqr-w3g16"))])
 def test_onnxruntime_genai_generates_the_same_32_greedy_tokens(recipe, tinylm, tmp_path):
     cm = qc.compile(tinylm.model, tinylm.example_inputs(), recipe=recipe, calibration=tinylm.calibration(8),
                     progress=False)

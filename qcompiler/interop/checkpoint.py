@@ -14,6 +14,7 @@ from torch.fx import GraphModule, Node
 from ..atomic import publish_directory
 from ..errors import QCompilerError
 from ..graph import get_tensor, module_path
+from ..op_registry import args_of, quantized_layer_path, spec_of
 
 __all__ = ["ExportError", "QuantLayer", "quantized_layers", "fp_tensors", "write_checkpoint", "model_config_of",
            "source_files", "TOKENIZER_FILES"]
@@ -32,21 +33,22 @@ class QuantLayer:
     group_size: int
 
 
-_GPTQ_ARGS = ("qweight", "qzeros", "scales", "g_idx")
+GPTQ_TENSORS = ("qweight", "qzeros", "scales", "g_idx")
 
 
 def quantized_layers(gm: GraphModule, fmt: str) -> list[QuantLayer]:
     """The ``qc.quant_linear`` layers; any other ``qc`` op is an error naming the layer and the format."""
     layers = []
     for node in gm.graph.nodes:
-        if node.op != "call_function" or not str(node.target).startswith("qc."):
+        if spec_of(node) is None:
             continue
-        path = module_path(node.args[1]) if isinstance(node.args[1], Node) else node.name
+        a = args_of(node)
+        path = quantized_layer_path(a)
         if node.target != torch.ops.qc.quant_linear.default:
             raise ExportError(f"layer {path} is {node.target}: the {fmt} format holds only weight-only "
                               f"GPTQ/RTN layers (qc.quant_linear); export this recipe to ONNX or save it with cm.save")
-        tensors = {name: get_tensor(gm, arg.target) for name, arg in zip(_GPTQ_ARGS, node.args[1:5])}
-        layers.append(QuantLayer(path, node, tensors, int(node.args[6]), int(node.args[7])))
+        tensors = dict(zip(GPTQ_TENSORS, a.tensors(gm, *GPTQ_TENSORS)))
+        layers.append(QuantLayer(path, node, tensors, int(a.bits), int(a.group_size)))
     if not layers:
         raise ExportError(f"the graph has no quantized linear layers to write in the {fmt} format")
     return layers

@@ -16,6 +16,7 @@ import torch
 from torch.fx import Node
 
 from ..graph import find_linears, get_tensor, module_path
+from ..op_registry import OpArgs, args_of, quantized_layer_path, spec_of
 from ..packing import unpack_cols
 from .checkpoint import ExportError, fp_tensors, model_config_of, source_files, write_checkpoint
 
@@ -31,9 +32,9 @@ def _weights_scheme(bits, group_size, sym):
     return scheme
 
 
-def _gptq_layer(gm, node: Node, path: str) -> tuple[dict, dict]:
-    qweight, qzeros, scales, g_idx = (get_tensor(gm, a.target) for a in node.args[1:5])
-    bits, group_size = int(node.args[6]), int(node.args[7])
+def _gptq_layer(gm, a: OpArgs, path: str) -> tuple[dict, dict]:
+    qweight, qzeros, scales, g_idx = a.tensors(gm, "qweight", "qzeros", "scales", "g_idx")
+    bits, group_size = int(a.bits), int(a.group_size)
     n_in, n_out = g_idx.numel(), scales.shape[1]
     if group_size >= n_in:  # one group spans the row: exactly compressed-tensors' channel strategy
         group_size = -1
@@ -54,19 +55,18 @@ def _gptq_layer(gm, node: Node, path: str) -> tuple[dict, dict]:
                      "input_activations": None}
 
 
-def _int8_layer(gm, node: Node, path: str) -> tuple[dict, dict]:
-    weight, weight_scale = get_tensor(gm, node.args[1].target), get_tensor(gm, node.args[2].target)
-    act_scale, smooth_inv = node.args[4], node.args[5]
-    if smooth_inv is not None:
+def _int8_layer(gm, a: OpArgs, path: str) -> tuple[dict, dict]:
+    weight, weight_scale = a.tensors(gm, "weight", "weight_scale")
+    if a.smooth_inv is not None:
         raise ExportError(f"layer {path}: its SmoothQuant scales are applied inside the activation quantizer "
                           f"(no producer could absorb them), which compressed-tensors cannot express")
     tensors = {"weight": weight, "weight_scale": weight_scale.reshape(-1, 1).float()}
     acts = {"num_bits": 8, "type": "int", "symmetric": True, "observer": None}
-    if act_scale is None:
+    if a.act_scale is None:
         acts.update(strategy="token", dynamic=True)
     else:
         acts.update(strategy="tensor", dynamic=False)
-        tensors["input_scale"] = get_tensor(gm, act_scale.target).float().reshape(1)
+        tensors["input_scale"] = a.tensor(gm, "act_scale").float().reshape(1)
     return tensors, {"format": "int-quantized", "weights": _weights_scheme(8, -1, True) | {"strategy": "channel"},
                      "input_activations": acts}
 
@@ -80,16 +80,16 @@ def export_compressed_tensors(cm, out_dir, *, progress=print, overwrite: bool = 
     config = model_config_of(gm)
     tensors, groups, consumed = {}, {}, set()
     for node in gm.graph.nodes:
-        if node.op != "call_function" or not str(node.target).startswith("qc."):
+        if spec_of(node) is None:
             continue
-        path = module_path(node.args[1]) if isinstance(node.args[1], Node) else node.name
+        a = args_of(node)
+        path = quantized_layer_path(a)
         if node.target not in _WRITERS:
             raise ExportError(f"layer {path} is {node.target}, which compressed-tensors cannot express "
                               f"(supported: GPTQ/RTN weight-only and W8A8 layers)")
-        layer_tensors, scheme = _WRITERS[node.target](gm, node, path)
+        layer_tensors, scheme = _WRITERS[node.target](gm, a, path)
         tensors.update({f"{path}.{k}": v for k, v in layer_tensors.items()})
-        consumed.update(a.target for a in node.args[1:] if isinstance(a, Node) and a.op == "get_attr"
-                        and not a.target.endswith(".bias"))
+        consumed.update(n.target for n in a.stored() if not n.target.endswith(".bias"))
         key = repr(sorted(scheme.items(), key=str))
         groups.setdefault(key, (scheme, []))[1].append(path)
     if not groups:

@@ -22,6 +22,7 @@ import torch
 from safetensors.torch import load_file
 
 from ..packing import pack_cols, unpack_cols
+from ..op_registry import args_of
 from .checkpoint import (ExportError, fp_tensors, model_config_of, quantized_layers, source_files,
                          write_checkpoint)
 
@@ -61,7 +62,8 @@ def export_gptq(cm, out_dir, *, zero_format: str = "auto", progress=print, overw
         raise ExportError(f"layer {zero_layers[0]} has zero points equal to 0, which the v1 format (stored zero − 1) "
                           f"cannot hold; use zero_format='v2' (GPTQModel) or a symmetric recipe")
     v1 = zero_format == "v1" or (zero_format == "auto" and not zero_layers)
-    tensors = fp_tensors(gm, {arg.target for layer in layers for arg in layer.node.args[1:5]})
+    tensors = fp_tensors(gm, {arg.target for layer in layers for arg in args_of(layer.node).stored()
+                              if not arg.target.endswith(".bias")})
     for layer in layers:
         t = dict(layer.tensors)
         if v1:
@@ -130,9 +132,8 @@ def import_gptq(folder):
         t = {n: state[f"{path}.{n}"] for n in ("qweight", "qzeros", "scales", "g_idx")}
         if v1:
             t["qzeros"] = zeros_from_v1(t["qzeros"], bits, t["scales"].shape[1])
-        replace_linear(gm, layer, torch.ops.qc.quant_linear.default, t,
-                       lambda x, a, layer=layer: (x, a["qweight"], a["qzeros"], a["scales"], a["g_idx"],
-                                                  layer.bias_node, bits, group_size))
+        replace_linear(gm, layer, "quant_linear", t,
+                       lambda x, a, layer=layer: dict(x=x, **a, bias=layer.bias_node, bits=bits, group_size=group_size))
         record.layers[path] = {"bits": bits}
     gm.graph.lint()
     gm.recompile()

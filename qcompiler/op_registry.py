@@ -1,0 +1,147 @@
+"""The ``qc`` op contract as code: one spec per op, and every graph node's arguments by name.
+
+Passes, backends, bit counting and exporters read a ``qc`` node through :func:`args_of`
+(``a.qweight``, ``a.bits``) and build one through :func:`call_op` (keyword arguments), so the
+argument order lives in exactly one place: the op's ``torch.library`` schema. A new op is
+defined in ``qcompiler/ops.py`` (or a backend's lowering module) and registered here with the
+names of its stored tensors and the number of weights it stands for; tests/test_architecture.py
+fails on positional ``args[...]`` access to ``qc`` nodes anywhere else.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import torch
+from torch.fx import Graph, GraphModule, Node
+
+from .graph import get_tensor, module_path
+
+__all__ = ["OpSpec", "OpArgs", "register", "spec", "spec_of", "args_of", "call_op", "registered",
+           "quantized_layer_path"]
+
+_SPECS: dict[str, "OpSpec"] = {}
+
+
+@dataclass(frozen=True)
+class OpSpec:
+    """What the rest of the code needs to know about one ``qc`` op besides its schema.
+
+    ``storage``: the stored-tensor arguments that make up the layer's size (bit counting);
+    ``weights``: how many weights a node stands for, from its arguments and output (None: the op
+    adds storage but no weights of its own, like SpQR's sparse outliers beside the dense branch).
+    """
+
+    name: str
+    storage: tuple[str, ...] = ()
+    weights: Optional[Callable[["OpArgs", GraphModule], int]] = None
+
+    @property
+    def overload(self) -> torch._ops.OpOverload:
+        return getattr(torch.ops.qc, self.name).default
+
+    @property
+    def params(self) -> tuple[str, ...]:
+        return tuple(a.name for a in self.overload._schema.arguments)
+
+    def defaults(self) -> dict[str, Any]:
+        return {a.name: a.default_value for a in self.overload._schema.arguments if a.has_default_value()}
+
+
+class OpArgs:
+    """A ``qc`` node's arguments by name: graph nodes (``get_attr`` for stored tensors) or constants."""
+
+    def __init__(self, op_spec: OpSpec, node: Node):
+        names = op_spec.params
+        if len(node.args) > len(names) or any(k not in names for k in node.kwargs):
+            raise ValueError(f"node {node.name}: arguments do not match qc.{op_spec.name}{names}")
+        values = {**op_spec.defaults(), **dict(zip(names, node.args)), **node.kwargs}
+        missing = [n for n in names if n not in values and not _optional(op_spec, n)]
+        if missing:
+            raise ValueError(f"node {node.name}: qc.{op_spec.name} is missing {missing}")
+        object.__setattr__(self, "_values", {n: values.get(n) for n in names})
+        object.__setattr__(self, "spec", op_spec)
+        object.__setattr__(self, "node", node)
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return self._values[name]
+        except KeyError:
+            raise AttributeError(f"qc.{self.spec.name} has no argument {name!r} "
+                                 f"(arguments: {', '.join(self.spec.params)})") from None
+
+    def __setattr__(self, name, value):
+        raise AttributeError("OpArgs is read-only; build a new node with call_op")
+
+    def as_dict(self) -> dict[str, Any]:
+        return dict(self._values)
+
+    def tensor(self, gm: GraphModule, name: str) -> torch.Tensor:
+        """The stored tensor behind argument ``name`` (a ``get_attr`` node)."""
+        arg = self._values[name]
+        if not (isinstance(arg, Node) and arg.op == "get_attr"):
+            raise ValueError(f"node {self.node.name}: qc.{self.spec.name} argument {name!r} is not a stored tensor")
+        return get_tensor(gm, arg.target)
+
+    def tensors(self, gm: GraphModule, *names: str) -> tuple[torch.Tensor, ...]:
+        return tuple(self.tensor(gm, n) for n in names)
+
+    def stored(self) -> list[Node]:
+        """The ``get_attr`` nodes among the arguments, in schema order."""
+        return [v for v in self._values.values() if isinstance(v, Node) and v.op == "get_attr"]
+
+
+def _optional(op_spec: OpSpec, name: str) -> bool:
+    arg = next(a for a in op_spec.overload._schema.arguments if a.name == name)
+    return isinstance(arg.type, torch.OptionalType)
+
+
+def register(op_spec: OpSpec) -> OpSpec:
+    """Add ``op_spec``; the op must already be defined (``torch.library.custom_op``)."""
+    op_spec.overload  # fails here, naming the op, if it is not defined
+    _SPECS[op_spec.name] = op_spec
+    return op_spec
+
+
+def spec(name: str) -> OpSpec:
+    try:
+        return _SPECS[name]
+    except KeyError:
+        raise KeyError(f"qc.{name} is not a registered op (registered: {', '.join(sorted(_SPECS))})") from None
+
+
+def registered() -> dict[str, OpSpec]:
+    return dict(_SPECS)
+
+
+def spec_of(node: Node) -> Optional[OpSpec]:
+    """The spec of a ``call_function`` node's ``qc`` op, else None."""
+    if node.op != "call_function" or getattr(node.target, "namespace", None) != "qc":
+        return None
+    return _SPECS.get(node.target._schema.name.split("::")[-1])
+
+
+def args_of(node: Node) -> OpArgs:
+    op_spec = spec_of(node)
+    if op_spec is None:
+        raise ValueError(f"node {node.name} ({node.target}) is not a registered qc op")
+    return OpArgs(op_spec, node)
+
+
+def call_op(graph: Graph, name: str, **arguments: Any) -> Node:
+    """A new node calling ``qc.{name}`` with ``arguments`` by name (positional in schema order)."""
+    op_spec = spec(name)
+    unknown = set(arguments) - set(op_spec.params)
+    if unknown:
+        raise TypeError(f"qc.{name} has no argument(s) {sorted(unknown)} (arguments: {', '.join(op_spec.params)})")
+    values = {**op_spec.defaults(), **arguments}
+    missing = [n for n in op_spec.params if n not in values and not _optional(op_spec, n)]
+    if missing:
+        raise TypeError(f"qc.{name} is missing argument(s) {missing}")
+    return graph.call_function(op_spec.overload, tuple(values.get(n) for n in op_spec.params))
+
+
+def quantized_layer_path(a: OpArgs) -> str:
+    """The quantized layer's module path: where its first stored tensor lives (else the node's name)."""
+    stored = a.stored()
+    return (module_path(stored[0]) or a.node.name) if stored else a.node.name
