@@ -12,7 +12,7 @@ from typing import ClassVar
 from torch.fx import GraphModule
 
 from qcompiler.errors import QuantizationError
-from qcompiler.gptq import check_spec, gptq_quantize, rtn_quantize
+from qcompiler.gptq import check_spec, gptq_quantize, hessian_factor, rtn_quantize
 from qcompiler.layer_filter import check_patterns
 from qcompiler.pass_base import GraphProperty, Pass, PassContext
 from qcompiler.weight_only import gptq_layer_quant, quantize_block_linears
@@ -49,10 +49,14 @@ class GPTQ(Pass):
             raise QuantizationError(f"block_size must be positive, got {self.block_size}")
 
     def run(self, gm: GraphModule, ctx: PassContext) -> bool:
+        shared: list = []  # (H, its factor): q/k/v and gate/up get the same Hessian object
+
         def quantize(layer, W, H):
+            if not shared or shared[0] is not H:
+                shared[:] = [H, hessian_factor(H, self.damp, self.act_order)]
             res = gptq_quantize(W, H, bits=self.bits, group_size=self.group_size, sym=self.sym,
                                 act_order=self.act_order, static_groups=self.static_groups,
-                                damp=self.damp, block_size=self.block_size)
+                                damp=self.damp, block_size=self.block_size, factor=shared[1])
             return gptq_layer_quant(layer, W, res, self.bits, self.group_size)
         def head(layer, W, H):
             res = rtn_quantize(W, bits=self.bits, group_size=self.group_size, sym=self.sym)

@@ -100,6 +100,14 @@ def quantize_block_linears(gm: GraphModule, ctx: PassContext, *, quantize: Quant
     done: list[tuple[LinearLayer, dict, Callable]] = []
 
     skipped: list[str] = []
+    on_device: list = []  # (Hessian, its copy on the compute device): siblings share one copy, so one factor
+
+    def to_compute(H: Optional[torch.Tensor], compute) -> Optional[torch.Tensor]:
+        if H is None:
+            return None
+        if not on_device or on_device[0] is not H:
+            on_device[:] = [H, H.to(compute)]
+        return on_device[1]
 
     def skip(layer: LinearLayer, why: str) -> None:
         skipped.append(layer.path)
@@ -117,7 +125,7 @@ def quantize_block_linears(gm: GraphModule, ctx: PassContext, *, quantize: Quant
         W = stored.detach().float()
         _check_finite(layer.path, W)
         compute = ctx.device or stored.device
-        W, H = W.to(compute), (None if H is None else H.to(compute))
+        W, H = W.to(compute), to_compute(H, compute)
         try:
             result = method(layer, W, H)
         except UnpackableLayer as exc:

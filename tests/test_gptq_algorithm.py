@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from qcompiler.errors import QuantizationError
-from qcompiler.gptq import (gptq_quantize, gptq_quantize_reference, group_index, inverse_hessian_cholesky,
-                            output_error, rtn_quantize)
+from qcompiler.gptq import (gptq_quantize, gptq_quantize_reference, group_index, hessian_factor,
+                            inverse_hessian_cholesky, output_error, rtn_quantize)
 from qcompiler.quant_grid import fit_grid, fake_quantize
 
 
@@ -40,6 +40,30 @@ def test_gptq_beats_rtn_on_output_error(bits, group):
     gptq = gptq_quantize(W, H, bits=bits, group_size=group)
     rtn = rtn_quantize(W, bits=bits, group_size=group)
     assert output_error(W, gptq.dequantized, H) < 0.8 * output_error(W, rtn.dequantized, H)
+
+
+@pytest.mark.parametrize("act_order", [False, True])
+def test_a_shared_hessian_factor_gives_what_a_fresh_one_gives(act_order):
+    """q/k/v share one Hessian; the pass factors it once and passes it to each (passes/gptq.py)."""
+    W, H = problem(seed=4)
+    H[:, 7] = H[7, :] = 0  # a dead column: zeroed in every weight that uses the factor
+    factor = hessian_factor(H, 0.01, act_order)
+    for W_k in (W, W.flip(0) * 0.5):
+        fresh = gptq_quantize(W_k, H, bits=3, group_size=32, act_order=act_order)
+        reused = gptq_quantize(W_k, None, bits=3, group_size=32, act_order=act_order, factor=factor)
+        assert torch.equal(fresh.codes, reused.codes) and torch.equal(fresh.dequantized, reused.dequantized)
+        assert bool((reused.dequantized[:, 7] == 0).all())
+
+
+def test_output_error_is_the_relative_error_of_the_layer_outputs():
+    """From the Hessian alone it equals ‖(W − Ŵ)X‖ / ‖WX‖ computed on the activations in float64."""
+    gen = torch.Generator().manual_seed(3)
+    X = torch.randn(400, 96, generator=gen) * torch.linspace(0.1, 5, 96)
+    W = torch.randn(48, 96, generator=gen)
+    W_hat = rtn_quantize(W, bits=3, group_size=32).dequantized
+    H = 2 * X.T @ X / X.shape[0]
+    direct = ((W - W_hat).double() @ X.double().T).norm() / (W.double() @ X.double().T).norm()
+    assert output_error(W, W_hat, H) == pytest.approx(direct.item(), rel=1e-5)
 
 
 def test_codes_scales_and_zeros_reproduce_the_dequantized_weight():
