@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import NamedTuple, Optional
 
 import torch
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load as load_safetensors, save_file
 
 from .atomic import publish_directory
@@ -103,13 +103,19 @@ def save(cm, path, *, metadata: Optional[dict] = None, overwrite: bool = False, 
         save_file(tensors, str(tmp / _FILES["tensors"]), metadata={"format": FORMAT})
         save_file(examples, str(tmp / _FILES["example_inputs"]), metadata={"format": FORMAT})
         (tmp / _FILES["graph"]).write_text(json.dumps(structure))
-        manifest["sha256"] = {name: _sha256((tmp / name).read_bytes()) for name in _FILES.values()}
+        manifest["sha256"] = {}
+        for name in _FILES.values():  # hashed in chunks: the tensors file is never read back whole
+            with open(tmp / name, "rb") as f:
+                manifest["sha256"][name] = _sha256_file(f)
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
     return path
 
 
-def _sha256(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
+def _sha256_file(f, chunk: int = 1 << 24) -> str:
+    digest = hashlib.sha256()
+    while block := f.read(chunk):
+        digest.update(block)
+    return digest.hexdigest()
 
 
 def _check_manifest(manifest, where) -> dict:
@@ -161,12 +167,15 @@ class _Folder:
         except NotADirectoryError:
             raise ArtifactError(f"{path} is a file, not an artifact folder") from None
 
-    def read(self, name: str) -> bytes:
+    def open(self, name: str):
         try:
             fd = os.open(name, os.O_RDONLY, dir_fd=self.fd)
         except FileNotFoundError:
             raise ArtifactError(f"artifact {self.path} is missing {name}") from None
-        with os.fdopen(fd, "rb") as f:
+        return os.fdopen(fd, "rb")
+
+    def read(self, name: str) -> bytes:
+        with self.open(name) as f:
             return f.read()
 
     def replaced(self) -> bool:
@@ -179,7 +188,10 @@ class _Folder:
         os.close(self.fd)
 
 
-def _read_all(path: Path) -> tuple[dict, dict[str, bytes]]:
+def _read_all(path: Path) -> tuple[dict, dict]:
+    """The manifest and each file's content (bytes; tensor files as tensors), every file checked
+    against its SHA-256 first. A tensor file is hashed in chunks and then read tensor by tensor
+    from the same open file, so loading never holds the file's bytes and its tensors at once."""
     folder = _Folder(path)
     try:
         try:
@@ -189,16 +201,18 @@ def _read_all(path: Path) -> tuple[dict, dict[str, bytes]]:
         except ArtifactError:
             raise ArtifactError(f"artifact folder {path} has no {MANIFEST} (not a qcompiler artifact)") from None
         files = _check_manifest(manifest, path / MANIFEST)["files"]
-        blobs = {role: folder.read(name) for role, name in files.items()}
         sums = manifest.get("sha256")
-        if manifest["version"] >= 2:
-            if not isinstance(sums, dict):
-                raise ArtifactError(f"{path / MANIFEST} has no checksums")
-            for role, name in files.items():
-                if sums.get(name) != _sha256(blobs[role]):
+        if manifest["version"] >= 2 and not isinstance(sums, dict):
+            raise ArtifactError(f"{path / MANIFEST} has no checksums")
+        contents = {}
+        for role, name in files.items():
+            with folder.open(name) as f:
+                if manifest["version"] >= 2 and sums.get(name) != _sha256_file(f):
                     raise ArtifactError(f"artifact {path}: {name} does not match its SHA-256 in the manifest "
                                         f"(damaged or modified)")
-        return manifest, blobs
+                f.seek(0)
+                contents[role] = _tensors(f, path / name) if name.endswith(".safetensors") else f.read()
+        return manifest, contents
     except ArtifactError:
         if folder.replaced():  # a writer replaced the artifact while we read: read the new one
             return _read_all(path)
@@ -207,10 +221,19 @@ def _read_all(path: Path) -> tuple[dict, dict[str, bytes]]:
         folder.close()
 
 
-def _tensors(blob: bytes, what: str) -> dict[str, torch.Tensor]:
+def _tensors(f, what) -> dict[str, torch.Tensor]:
+    """The tensors of the open safetensors file ``f``: through ``/proc/self/fd`` (the very file
+    that was hashed, mapped and copied one tensor at a time: clean page cache, not a second
+    anonymous copy of the file) where the platform has it, else from its bytes. Copied, so the
+    loaded model never depends on the file staying as it is (a mapped file truncated later
+    would crash it)."""
     try:
-        return load_safetensors(blob)
-    except (SafetensorError, ValueError, RuntimeError) as exc:
+        proc = f"/proc/self/fd/{f.fileno()}"
+        if os.path.exists(proc):
+            with safe_open(proc, framework="pt") as sf:
+                return {k: sf.get_tensor(k).clone() for k in sf.keys()}
+        return load_safetensors(f.read())
+    except (SafetensorError, ValueError, RuntimeError, OSError) as exc:
         raise ArtifactError(f"{what} is not a readable safetensors file ({exc})") from None
 
 
@@ -232,8 +255,8 @@ def read(path) -> StoredModel:
         structure = json.loads(blobs["graph"])
     except (ValueError, UnicodeDecodeError) as err:
         raise ArtifactError(f"{path / manifest['files']['graph']} is not valid JSON: {err}") from None
-    gm = graph_from_data(structure, _tensors(blobs["tensors"], path / manifest["files"]["tensors"]))
-    examples = _tensors(blobs["example_inputs"], path / manifest["files"]["example_inputs"])
+    gm = graph_from_data(structure, blobs["tensors"])
+    examples = blobs["example_inputs"]
     try:
         capture = manifest["capture"]
         gm.meta["qcompiler"] = CaptureInfo(str(capture["model_class"]), int(capture["arg_count"]),

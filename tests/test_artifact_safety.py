@@ -92,6 +92,19 @@ def test_the_untampered_copy_loads_and_runs(saved, tmp_path):
     _load_and_call(path)
 
 
+def test_a_loaded_model_does_not_depend_on_its_files(saved, tmp_path):
+    """Tensors are read from a mapping of the file but copied: truncating or deleting the files
+    after loading (a user rewriting the folder by hand) must not crash or change the model."""
+    path = _copy(saved, tmp_path)
+    cm = qc.load(path)
+    inputs = example_inputs("llama", batch=1, seq=4)
+    before = cm(**inputs).logits.clone()
+    for f in path.glob("*.safetensors"):
+        with open(f, "r+b") as handle:
+            handle.truncate(0)
+    assert torch.equal(cm(**inputs).logits, before)
+
+
 @pytest.mark.parametrize("route", list(ROUTES))
 def test_code_execution_routes_are_refused(route, saved, tmp_path):
     path, marker = _copy(saved, tmp_path), tmp_path / "PWNED"
