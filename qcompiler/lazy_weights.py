@@ -230,9 +230,9 @@ def _set_placeholder(gm: GraphModule, target: str, like: torch.Tensor) -> None:
 
 def release(gm: GraphModule, target: str) -> None:
     """Drop a tensor a pass stored (a dequantized weight whose node is about to be rewritten):
-    it becomes a placeholder again. Only for graphs whose weights are streamed."""
-    if lazy_source(gm) is not None:
-        _set_placeholder(gm, target, get_raw_tensor(gm, target))
+    it becomes a ``meta`` placeholder — streamed or not, nothing may read it again (the user's
+    own parameter is untouched; the graph only held the pass's dequantized copy)."""
+    _set_placeholder(gm, target, get_raw_tensor(gm, target))
 
 
 def materialize_all(gm: GraphModule, log: Callable[[str], None] = lambda _m: None) -> int:
