@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 from torch.fx import GraphModule
 
-from qcompiler.graph import set_tensor
+from qcompiler.graph import contiguous_before_reshape, set_tensor
 from qcompiler.op_registry import OpArgs, OpSpec, args_of, call_op, register
 from qcompiler.ops import dequantize_gptq, spqr_group_stats
 from qcompiler.packing import pack_rows, unpack_cols, unpack_rows
@@ -231,6 +231,7 @@ def lower_for_onnx(gm: GraphModule) -> tuple[GraphModule, list[str]]:
         new.meta.update({k: v for k, v in node.meta.items() if k in ("nn_module_stack", "val")})
         node.replace_all_uses_with(new)
         graph.erase_node(node)
+    contiguous_before_reshape(graph)
     graph.eliminate_dead_code()
     gm.delete_all_unused_submodules()
     gm.recompile()

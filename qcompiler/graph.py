@@ -17,7 +17,7 @@ from torch.fx import GraphModule, Node
 
 __all__ = ["module_path", "LinearLayer", "NormInfo", "find_linears", "source_of", "find_producing_norm",
            "find_siblings", "producer_groups", "ProducerGroup", "transformer_blocks", "block_of",
-           "to_networkx", "get_tensor", "set_tensor", "drop_attr_if_unused", "aten"]
+           "to_networkx", "get_tensor", "set_tensor", "drop_attr_if_unused", "contiguous_before_reshape", "aten"]
 
 aten = torch.ops.aten
 
@@ -78,6 +78,25 @@ def set_tensor(gm: GraphModule, target: str, tensor: torch.Tensor, *, parameter:
         mod.register_parameter(leaf, torch.nn.Parameter(tensor, requires_grad=False))
     else:
         mod.register_buffer(leaf, tensor)
+
+
+def contiguous_before_reshape(graph: torch.fx.Graph) -> int:
+    """Insert a contiguous copy between a transpose/permute and the reshape/view that reads it; returns
+    how many. Re-tracing with symbolic shapes (the ONNX exporter) cannot always prove that the
+    transposed tensor needs a copy and decomposes the reshape into a view that then fails (T5's
+    attention output). In ONNX the copy is free: tensors have no strides."""
+    count = 0
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target not in (aten.reshape.default, aten.view.default):
+            continue
+        src = node.args[0]
+        if isinstance(src, Node) and src.op == "call_function" and src.target in (aten.transpose.int,
+                                                                                    aten.permute.default):
+            with graph.inserting_before(node):
+                copy = graph.call_function(aten.clone.default, (src,), {"memory_format": torch.contiguous_format})
+                node.replace_input_with(src, copy)
+            count += 1
+    return count
 
 
 def drop_attr_if_unused(gm: GraphModule, attr_node: Node) -> None:

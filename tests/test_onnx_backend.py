@@ -156,3 +156,16 @@ def test_an_encoder_compiled_without_a_mask_accepts_one_on_every_backend():
         assert (got - expected).abs().max() / expected.abs().max() < 1e-5, backend
     plain = model(input_ids=ids).last_hidden_state                        # and without it, as before
     assert (cm(input_ids=ids).last_hidden_state - plain).abs().max() / plain.abs().max() < 1e-5
+
+
+def test_t5_encoder_exports_and_runs_in_ort_at_other_shapes():
+    """T5's attention output is reshaped right after a transpose; re-traced with symbolic shapes
+    the exporter used to turn that reshape into an impossible view (qcompiler.graph.contiguous_before_reshape)."""
+    from transformers import T5Config, T5EncoderModel
+    torch.manual_seed(0)
+    model = T5EncoderModel(T5Config(vocab_size=200, d_model=64, d_kv=16, d_ff=128, num_layers=2, num_heads=4)).eval()
+    cm = qc.compile(model, {"input_ids": torch.randint(0, 200, (2, 12))}, recipe="rtn-w4g128", progress=False)
+    ort_cm = cm.with_backend("onnxruntime", accuracy_level=0)
+    ids = torch.randint(0, 200, (3, 7), generator=torch.Generator().manual_seed(1))
+    want, got = cm(input_ids=ids).last_hidden_state, ort_cm(input_ids=ids).last_hidden_state
+    assert ((got - want).abs().max() / want.abs().max()).item() <= 1e-5
