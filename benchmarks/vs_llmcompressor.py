@@ -127,9 +127,14 @@ def main() -> None:
                      for k in ("seconds", "peak_rss_MB", "logits_rel_error")}
               for side in ("qcompiler", "llm-compressor")}
     ratio = {k: median["qcompiler"][k] / median["llm-compressor"][k] for k in ("seconds", "peak_rss_MB")}
+    # each repeat ran the two sides back to back: the ratio within a pair shares the machine's mood
+    pairs = [ours["seconds"] / theirs["seconds"] for ours, theirs in zip(runs[0::2], runs[1::2])]
+    ratio["seconds_paired_median"] = statistics.median(pairs)
     print(f"\n| | qcompiler | llm-compressor 0.14 | ratio |\n|---|---|---|---|")
     print(f"| time (median of {args.repeats}), s | {median['qcompiler']['seconds']:.1f} | "
           f"{median['llm-compressor']['seconds']:.1f} | {ratio['seconds']:.2f} |")
+    print(f"| time, median of the {len(pairs)} back-to-back pair ratios | | | {ratio['seconds_paired_median']:.2f} "
+          f"(range {min(pairs):.2f}–{max(pairs):.2f}) |")
     print(f"| peak RSS, MB | {median['qcompiler']['peak_rss_MB']:.0f} | {median['llm-compressor']['peak_rss_MB']:.0f} "
           f"| {ratio['peak_rss_MB']:.2f} |")
     print(f"| logits rel. error | {median['qcompiler']['logits_rel_error']:.4f} | "
@@ -137,7 +142,7 @@ def main() -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     tmp_out = args.out.with_suffix(".tmp")
     tmp_out.write_text(json.dumps({"size": size, "threads": args.threads, "runs": runs, "median": median,
-                                   "ratio": ratio}, indent=2))
+                                   "ratio": ratio, "paired_ratios": pairs}, indent=2))
     tmp_out.replace(args.out)
 
 
