@@ -24,8 +24,8 @@ from torch import Tensor
 from torch.fx import GraphModule
 
 from qcompiler.graph import contiguous_before_reshape, set_tensor
-from qcompiler.op_registry import OpArgs, OpSpec, args_of, call_op, register
-from qcompiler.ops import dequantize_gptq, spqr_group_stats
+from qcompiler.op_registry import OpArgs, OpSpec, args_of, call_op, quantized_layer_path, register
+from qcompiler.ops import GPTQ_TENSORS, dequantize_gptq, spqr_group_stats
 from qcompiler.packing import pack_rows, unpack_cols, unpack_rows
 
 __all__ = ["to_matmul_nbits_layout", "dequantize_matmul_nbits", "lower_for_onnx", "matmul_nbits",
@@ -134,7 +134,7 @@ def _sorted_groups(g_idx: Tensor) -> Optional[Tensor]:
 
 
 def _gptq_to_nbits(gm, a: OpArgs) -> Optional[tuple]:
-    qweight, qzeros, scales, g_idx = a.tensors(gm, "qweight", "qzeros", "scales", "g_idx")
+    qweight, qzeros, scales, g_idx = a.tensors(gm, *GPTQ_TENSORS)
     bits, group = a.bits, a.group_size
     k, n = g_idx.numel(), scales.shape[1]
     block = _block_size_for(group, k)
@@ -177,7 +177,7 @@ def _lower_dense(gm: GraphModule, a: OpArgs, path: str, notes: list[str]):
     lowered = _gptq_to_nbits(gm, a) if is_gptq else _spqr_to_nbits(gm, a)
     graph = gm.graph
     if lowered is None:
-        w = dequantize_gptq(*a.tensors(gm, "qweight", "qzeros", "scales", "g_idx"), a.bits)
+        w = dequantize_gptq(*a.tensors(gm, *GPTQ_TENSORS), a.bits)
         set_tensor(gm, f"{path}.onnx_weight_t", w.t().contiguous())
         new = graph.call_function(torch.ops.aten.matmul.default, (a.x, graph.get_attr(f"{path}.onnx_weight_t")))
         if a.bias is not None:
@@ -225,7 +225,7 @@ def lower_for_onnx(gm: GraphModule) -> tuple[GraphModule, list[str]]:
         if node.op != "call_function" or node.target not in _LOWERINGS:
             continue
         a = args_of(node)
-        path = a.stored()[0].target.rsplit(".", 1)[0]
+        path = quantized_layer_path(a)
         with graph.inserting_before(node):
             new = _LOWERINGS[node.target](gm, a, path, notes)
         new.meta.update({k: v for k, v in node.meta.items() if k in ("nn_module_stack", "val")})

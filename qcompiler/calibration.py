@@ -67,6 +67,13 @@ class LayerStats:
         self.rows += m
 
 
+def _check_finite(path: str, st: LayerStats) -> None:
+    """Max |x| per channel propagates NaN and Inf: checking it after each batch is O(channels),
+    not O(rows x channels)."""
+    if st.absmax is not None and not bool(torch.isfinite(st.absmax).all()):
+        raise CalibrationError(f"calibration activations reaching {path} contain NaN or Inf")
+
+
 @functools.cache
 def _malloc_trim():
     try:
@@ -265,9 +272,7 @@ class CalibrationEngine:
             if mask is not None and mask.numel() == rows.shape[0]:
                 rows = rows[mask]
             st.add(rows)
-            # max |x| per channel propagates NaN and Inf: checking it is O(channels), not O(rows x channels)
-            if st.absmax is not None and not bool(torch.isfinite(st.absmax).all()):
-                raise CalibrationError(f"calibration activations reaching {path} contain NaN or Inf")
+            _check_finite(path, st)
         return observe
 
     @staticmethod
@@ -275,11 +280,9 @@ class CalibrationEngine:
         """Rows arrive sorted by expert; the attention mask cannot be applied to them (the token
         order is the router's), so padded positions reach the experts they were routed to."""
         def observe(env: dict, _mask: Optional[torch.Tensor]) -> None:
-            x = env[expert.input]
-            if not torch.isfinite(x).all():
-                raise CalibrationError(f"calibration activations reaching {expert.path} contain NaN or Inf")
-            for st, rows in zip(per_expert, expert_rows(x, env[expert.offsets])):
+            for st, rows in zip(per_expert, expert_rows(env[expert.input], env[expert.offsets])):
                 st.add(rows)
+                _check_finite(expert.path, st)
         return observe
 
     def advance(self, seg: Segment) -> None:

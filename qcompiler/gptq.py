@@ -68,16 +68,21 @@ def inverse_hessian_cholesky(H: torch.Tensor, damp: float, max_steps: int = 6) -
     raise QuantizationError(f"the Hessian is not positive definite even with damping {damp * 10 ** max_steps:g}")
 
 
-def _prepare(W: torch.Tensor, H: torch.Tensor, act_order: bool):
-    W = W.detach().clone().float()
+def _condition(H: torch.Tensor, act_order: bool):
+    """A copy of ``H`` with dead inputs (``H_ii = 0``) set to 1, in processing order; the dead
+    mask (original order) and the order (None: natural)."""
     H = H.detach().clone().float()
     dead = torch.diagonal(H) == 0
     H[dead, dead] = 1.0
-    W[:, dead] = 0.0
     perm = torch.argsort(torch.diagonal(H), descending=True) if act_order else None
-    if perm is not None:
-        W, H = W[:, perm], H[perm][:, perm]
-    return W, H, perm
+    return (H if perm is None else H[perm][:, perm]), dead, perm
+
+
+def _prepare(W: torch.Tensor, H: torch.Tensor, act_order: bool):
+    H, dead, perm = _condition(H, act_order)
+    W = W.detach().clone().float()
+    W[:, dead] = 0.0
+    return (W if perm is None else W[:, perm]), H, perm
 
 
 class HessianFactor(NamedTuple):
@@ -92,12 +97,7 @@ class HessianFactor(NamedTuple):
 
 
 def hessian_factor(H: torch.Tensor, damp: float, act_order: bool) -> HessianFactor:
-    H = H.detach().clone().float()
-    dead = torch.diagonal(H) == 0
-    H[dead, dead] = 1.0
-    perm = torch.argsort(torch.diagonal(H), descending=True) if act_order else None
-    if perm is not None:
-        H = H[perm][:, perm]
+    H, dead, perm = _condition(H, act_order)
     U, damp_used, steps = inverse_hessian_cholesky(H, damp)
     return HessianFactor(dead, perm, U, damp_used, steps)
 

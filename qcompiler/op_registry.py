@@ -4,7 +4,7 @@ Passes, backends, bit counting and exporters read a ``qc`` node through :func:`a
 (``a.qweight``, ``a.bits``) and build one through :func:`call_op` (keyword arguments), so the
 argument order lives in exactly one place: the op's ``torch.library`` schema. A new op is
 defined in ``qcompiler/ops.py`` (or a backend's lowering module) and registered here with the
-names of its stored tensors and the number of weights it stands for; tests/test_architecture.py
+names of its stored tensors and the number of weights it stands for; tests/test_op_registry.py
 fails on positional ``args[...]`` access to ``qc`` nodes anywhere else.
 """
 from __future__ import annotations
@@ -55,11 +55,10 @@ class OpArgs:
         names = op_spec.params
         if len(node.args) > len(names) or any(k not in names for k in node.kwargs):
             raise ValueError(f"node {node.name}: arguments do not match qc.{op_spec.name}{names}")
-        values = {**op_spec.defaults(), **dict(zip(names, node.args)), **node.kwargs}
-        missing = [n for n in names if n not in values and not _optional(op_spec, n)]
+        values, missing = _bind(op_spec, {**dict(zip(names, node.args)), **node.kwargs})
         if missing:
             raise ValueError(f"node {node.name}: qc.{op_spec.name} is missing {missing}")
-        object.__setattr__(self, "_values", {n: values.get(n) for n in names})
+        object.__setattr__(self, "_values", values)
         object.__setattr__(self, "spec", op_spec)
         object.__setattr__(self, "node", node)
 
@@ -91,9 +90,13 @@ class OpArgs:
         return [v for v in self._values.values() if isinstance(v, Node) and v.op == "get_attr"]
 
 
-def _optional(op_spec: OpSpec, name: str) -> bool:
-    arg = next(a for a in op_spec.overload._schema.arguments if a.name == name)
-    return isinstance(arg.type, torch.OptionalType)
+def _bind(op_spec: OpSpec, given: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """Every argument of the op in schema order (defaults filled in, absent optional ones None),
+    and the required ones ``given`` lacks."""
+    schema = op_spec.overload._schema.arguments
+    values = {**op_spec.defaults(), **given}
+    missing = [a.name for a in schema if a.name not in values and not isinstance(a.type, torch.OptionalType)]
+    return {a.name: values.get(a.name) for a in schema}, missing
 
 
 def register(op_spec: OpSpec) -> OpSpec:
@@ -134,11 +137,10 @@ def call_op(graph: Graph, name: str, **arguments: Any) -> Node:
     unknown = set(arguments) - set(op_spec.params)
     if unknown:
         raise TypeError(f"qc.{name} has no argument(s) {sorted(unknown)} (arguments: {', '.join(op_spec.params)})")
-    values = {**op_spec.defaults(), **arguments}
-    missing = [n for n in op_spec.params if n not in values and not _optional(op_spec, n)]
+    values, missing = _bind(op_spec, arguments)
     if missing:
         raise TypeError(f"qc.{name} is missing argument(s) {missing}")
-    return graph.call_function(op_spec.overload, tuple(values.get(n) for n in op_spec.params))
+    return graph.call_function(op_spec.overload, tuple(values.values()))
 
 
 def quantized_layer_path(a: OpArgs) -> str:

@@ -21,8 +21,8 @@ from .op_registry import OpSpec, register
 from .packing import pack_cols, pack_rows, unpack_cols, unpack_rows
 
 __all__ = ["GPTQWeight", "pack_gptq", "dequantize_gptq", "quant_linear", "quantize_per_token", "int8_matmul",
-           "int8_linear", "expert_ranges", "quant_experts_linear", "dequantize_spqr_dense", "spqr_group_stats", "spqr_dense_linear", "sparse_outlier_linear", "to_csr",
-           ]
+           "int8_linear", "expert_ranges", "quant_experts_linear", "dequantize_spqr_dense", "spqr_group_stats",
+           "spqr_dense_linear", "sparse_outlier_linear", "to_csr", "GPTQ_TENSORS"]
 
 
 class GPTQWeight(NamedTuple):
@@ -42,6 +42,9 @@ class GPTQWeight(NamedTuple):
     @property
     def out_features(self) -> int:
         return self.scales.shape[1]
+
+
+GPTQ_TENSORS = GPTQWeight._fields[:4]  # ("qweight", "qzeros", "scales", "g_idx"): the stored tensors, by name
 
 
 def pack_gptq(codes: Tensor, scales: Tensor, zeros: Tensor, g_idx: Tensor, bits: int, group_size: int) -> GPTQWeight:

@@ -21,7 +21,7 @@ from .gptq import QuantResult, output_error
 from .graph import LinearLayer, block_of, drop_attr_if_unused, find_linears, is_router, set_tensor
 from .layer_filter import ignore_reason, report_unmatched
 from .op_registry import call_op
-from .ops import GPTQWeight, pack_gptq
+from .ops import GPTQ_TENSORS, GPTQWeight, pack_gptq
 from .packing import packed_length
 from .pass_base import PassContext
 
@@ -195,7 +195,7 @@ def quantize_block_linears(gm: GraphModule, ctx: PassContext, *, quantize: Quant
             set_tensor(gm, expert.weight_node.target,
                        (W_hat if expert.transposed else W_hat.transpose(1, 2)).to(stored.dtype).contiguous())
         tensors = {f: torch.stack([getattr(p, f) for p in packs]).to(stored.device)
-                   for f in ("qweight", "qzeros", "scales", "g_idx")}
+                   for f in GPTQ_TENSORS}
         experts_done.append((expert, tensors, packs[0]))
         error = f", mean relative output error {sum(errors) / len(errors):.3g}" if errors else ""
         ctx.log(f"  {expert.path}: {expert.num_experts} experts, {packs[0].bits}-bit{error}, "
@@ -260,7 +260,7 @@ def gptq_layer_quant(layer: LinearLayer, W: torch.Tensor, res: QuantResult, bits
     def rewrite(gm: GraphModule, layer: LinearLayer, tensors: dict) -> None:
         replace_linear(gm, layer, "quant_linear", tensors,
                        lambda x, a: dict(x=x, **a, bias=layer.bias_node, bits=packed.bits, group_size=packed.group_size))
-    return LayerQuant(res.dequantized, figures, {f: getattr(packed, f) for f in ("qweight", "qzeros", "scales", "g_idx")},
+    return LayerQuant(res.dequantized, figures, {f: getattr(packed, f) for f in GPTQ_TENSORS},
                       rewrite, packed)
 
 
@@ -272,7 +272,7 @@ def replace_experts(gm: GraphModule, expert: ExpertLinear, tensors: dict[str, to
     for name, tensor in tensors.items():
         set_tensor(gm, f"{expert.path}_{name}", tensor)
     with graph.inserting_before(expert.node):
-        attrs = {name: graph.get_attr(f"{expert.path}_{name}") for name in ("qweight", "qzeros", "scales", "g_idx")}
+        attrs = {name: graph.get_attr(f"{expert.path}_{name}") for name in GPTQ_TENSORS}
         new = call_op(graph, "quant_experts_linear", x=expert.input, offsets=expert.offsets, **attrs,
                       bits=packed.bits, group_size=packed.group_size)
     new.meta.update({k: v for k, v in expert.node.meta.items() if k in ("nn_module_stack", "val", "stack_trace")})

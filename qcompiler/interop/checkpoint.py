@@ -13,8 +13,9 @@ from torch.fx import GraphModule, Node
 
 from ..atomic import publish_directory
 from ..errors import QCompilerError
-from ..graph import get_tensor, module_path
+from ..graph import get_tensor
 from ..op_registry import args_of, quantized_layer_path, spec_of
+from ..ops import GPTQ_TENSORS
 
 __all__ = ["ExportError", "QuantLayer", "quantized_layers", "fp_tensors", "write_checkpoint", "model_config_of",
            "source_files", "TOKENIZER_FILES"]
@@ -31,9 +32,6 @@ class QuantLayer:
     tensors: dict[str, torch.Tensor]
     bits: int
     group_size: int
-
-
-GPTQ_TENSORS = ("qweight", "qzeros", "scales", "g_idx")
 
 
 def quantized_layers(gm: GraphModule, fmt: str) -> list[QuantLayer]:

@@ -13,10 +13,10 @@ SmoothQuant scales that could not be folded into a producer (BERT's post-LN bloc
 from __future__ import annotations
 
 import torch
-from torch.fx import Node
 
-from ..graph import find_linears, get_tensor, module_path
+from ..graph import find_linears
 from ..op_registry import OpArgs, args_of, quantized_layer_path, spec_of
+from ..ops import GPTQ_TENSORS
 from ..packing import unpack_cols
 from .checkpoint import ExportError, fp_tensors, model_config_of, source_files, write_checkpoint
 
@@ -33,7 +33,7 @@ def _weights_scheme(bits, group_size, sym):
 
 
 def _gptq_layer(gm, a: OpArgs, path: str) -> tuple[dict, dict]:
-    qweight, qzeros, scales, g_idx = a.tensors(gm, "qweight", "qzeros", "scales", "g_idx")
+    qweight, qzeros, scales, g_idx = a.tensors(gm, *GPTQ_TENSORS)
     bits, group_size = int(a.bits), int(a.group_size)
     n_in, n_out = g_idx.numel(), scales.shape[1]
     if group_size >= n_in:  # one group spans the row: exactly compressed-tensors' channel strategy

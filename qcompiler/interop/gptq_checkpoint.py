@@ -23,6 +23,7 @@ from safetensors.torch import load_file
 
 from ..packing import pack_cols, unpack_cols
 from ..op_registry import args_of
+from ..ops import GPTQ_TENSORS
 from .checkpoint import (ExportError, fp_tensors, model_config_of, quantized_layers, source_files,
                          write_checkpoint)
 
@@ -62,8 +63,7 @@ def export_gptq(cm, out_dir, *, zero_format: str = "auto", progress=print, overw
         raise ExportError(f"layer {zero_layers[0]} has zero points equal to 0, which the v1 format (stored zero − 1) "
                           f"cannot hold; use zero_format='v2' (GPTQModel) or a symmetric recipe")
     v1 = zero_format == "v1" or (zero_format == "auto" and not zero_layers)
-    tensors = fp_tensors(gm, {arg.target for layer in layers for arg in args_of(layer.node).stored()
-                              if not arg.target.endswith(".bias")})
+    tensors = fp_tensors(gm, {getattr(args_of(layer.node), name).target for layer in layers for name in GPTQ_TENSORS})
     for layer in layers:
         t = dict(layer.tensors)
         if v1:
@@ -129,7 +129,7 @@ def import_gptq(folder):
         if path not in layers:
             raise ExportError(f"checkpoint layer {path} is not a linear layer of {type(model).__name__}")
         layer = layers[path]
-        t = {n: state[f"{path}.{n}"] for n in ("qweight", "qzeros", "scales", "g_idx")}
+        t = {n: state[f"{path}.{n}"] for n in GPTQ_TENSORS}
         if v1:
             t["qzeros"] = zeros_from_v1(t["qzeros"], bits, t["scales"].shape[1])
         replace_linear(gm, layer, "quant_linear", t,
