@@ -26,7 +26,7 @@ from torch.fx import GraphModule
 from qcompiler.graph import contiguous_before_reshape, set_tensor
 from qcompiler.op_registry import OpArgs, OpSpec, args_of, call_op, quantized_layer_path, register
 from qcompiler.ops import GPTQ_TENSORS, dequantize_gptq, spqr_group_stats
-from qcompiler.packing import pack_rows, unpack_cols, unpack_rows
+from qcompiler.algorithms.packing import pack_rows, unpack_cols, unpack_rows
 
 __all__ = ["to_matmul_nbits_layout", "dequantize_matmul_nbits", "lower_for_onnx", "matmul_nbits",
            "gathered_outlier_linear"]

@@ -20,7 +20,7 @@ from torch.fx import GraphModule, Node
 from qcompiler.errors import BackendError
 from qcompiler.graph import get_tensor, set_tensor
 from qcompiler.op_registry import args_of, quantized_layer_path
-from qcompiler.packing import SUPPORTED_BITS
+from qcompiler.algorithms.packing import SUPPORTED_BITS
 from qcompiler.pass_base import PassRecord
 
 __all__ = ["prepare_triton", "plan_triton"]

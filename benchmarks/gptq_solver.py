@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from qcompiler.gptq import gptq_quantize, output_error  # noqa: E402
+from qcompiler.algorithms.gptq import gptq_quantize, output_error  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results" / "gptq_solver.json"
 
@@ -79,7 +79,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     rows = []
-    print(f"| layer (out x in) | IST-DASLab loop, s | qcompiler, s | ratio | error (theirs / ours) |\n|---|---|---|---|---|")
+    print("| layer (out x in) | IST-DASLab loop, s | qcompiler, s | ratio | error (theirs / ours) |\n|---|---|---|---|---|")
     for shape in args.shapes:
         out, n = (int(v) for v in shape.split("x"))
         gen = torch.Generator().manual_seed(0)

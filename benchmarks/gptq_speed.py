@@ -33,7 +33,7 @@ PROBE_HIDDEN, PROBE_FFN, PROBE_WINDOWS, PROBE_SEQ = 512, 2048, 64, 512
 
 
 def layer_speed(n: int, device: str = "cpu") -> dict:
-    from qcompiler.gptq import gptq_quantize, gptq_quantize_reference, output_error
+    from qcompiler.algorithms.gptq import gptq_quantize, gptq_quantize_reference, output_error
 
     gen = torch.Generator().manual_seed(0)
     X = torch.randn(2 * n, n, generator=gen)
@@ -57,7 +57,7 @@ def layer_speed(n: int, device: str = "cpu") -> dict:
 def model_speed() -> dict:
     import qcompiler as qc
     from qcompiler import models
-    from qcompiler.gptq import gptq_quantize_reference
+    from qcompiler.algorithms.gptq import gptq_quantize_reference
     from qcompiler.weight_only import gptq_layer_quant, quantize_block_linears
 
     @dataclass(frozen=True)

@@ -45,7 +45,7 @@ def gptq_case(k, n, bits, act_order, gen):
 
 def spqr_case(k, n, gen, outlier_fraction=0.01):
     from qcompiler.ops import to_csr
-    from qcompiler.packing import pack_cols, pack_rows
+    from qcompiler.algorithms.packing import pack_cols, pack_rows
     groups = k // 16
     def stats():
         return torch.stack([torch.rand(groups, n // 16, generator=gen) * 1e-3,

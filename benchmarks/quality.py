@@ -60,7 +60,7 @@ def run(model_names, recipe_names, calib: int, out: Path, backend: str = "eager"
 
 
 def print_table(rows: list[dict]) -> None:
-    print(f"| model | recipe | metric | value | loss vs FP32 | bits/weight | quantize s |")
+    print("| model | recipe | metric | value | loss vs FP32 | bits/weight | quantize s |")
     print("|---|---|---|---|---|---|---|")
     for r in rows:
         bits = "-" if r["bits_per_weight"] is None else f"{r['bits_per_weight']:.3f}"

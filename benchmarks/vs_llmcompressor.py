@@ -130,7 +130,7 @@ def main() -> None:
     # each repeat ran the two sides back to back: the ratio within a pair shares the machine's mood
     pairs = [ours["seconds"] / theirs["seconds"] for ours, theirs in zip(runs[0::2], runs[1::2])]
     ratio["seconds_paired_median"] = statistics.median(pairs)
-    print(f"\n| | qcompiler | llm-compressor 0.14 | ratio |\n|---|---|---|---|")
+    print("\n| | qcompiler | llm-compressor 0.14 | ratio |\n|---|---|---|---|")
     print(f"| time (median of {args.repeats}), s | {median['qcompiler']['seconds']:.1f} | "
           f"{median['llm-compressor']['seconds']:.1f} | {ratio['seconds']:.2f} |")
     print(f"| time, median of the {len(pairs)} back-to-back pair ratios | | | {ratio['seconds_paired_median']:.2f} "

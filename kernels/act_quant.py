@@ -1,6 +1,6 @@
 """Per-token (or static per-tensor) int8 quantization of activations, SmoothQuant's ``1/s`` fused in.
 
-Matches ``qcompiler.ops.quantize_per_token`` bit for bit: correctly rounded divisions
+Matches ``qcompiler.algorithms.int8.quantize_per_token`` bit for bit: correctly rounded divisions
 (``div_rn``) and round-half-to-even, as ``torch.round`` does.
 """
 from __future__ import annotations

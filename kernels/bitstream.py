@@ -1,4 +1,4 @@
-"""Reading ``BITS``-bit codes out of the GPTQ bit stream (``qcompiler.packing``) inside a kernel."""
+"""Reading ``BITS``-bit codes out of the GPTQ bit stream (``qcompiler.algorithms.packing``) inside a kernel."""
 import triton
 import triton.language as tl
 

@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from qcompiler.ops import expert_ranges
-from qcompiler.packing import SUPPORTED_BITS
+from qcompiler.algorithms.packing import SUPPORTED_BITS
 
 from .bitstream import bits_at
 from .gemm_parts import dot_accumulate, split_k_range, store_output

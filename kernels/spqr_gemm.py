@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from qcompiler.packing import SUPPORTED_BITS
+from qcompiler.algorithms.packing import SUPPORTED_BITS
 
 from .bitstream import bits_at
 from .gemm_parts import dot_accumulate, split_k_range, store_output

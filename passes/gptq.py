@@ -2,7 +2,7 @@
 
 Per linear, choose ``Q`` minimising ``‖WX − QX‖²`` with ``H = 2/n Σ x xᵀ`` from calibration inputs
 that already pass through the quantized earlier blocks. The algorithm is the pure function
-``qcompiler.gptq.gptq_quantize``; this pass only walks the blocks and rewrites nodes.
+``qcompiler.algorithms.gptq.gptq_quantize``; this pass only walks the blocks and rewrites nodes.
 """
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from typing import ClassVar
 from torch.fx import GraphModule
 
 from qcompiler.errors import QuantizationError
-from qcompiler.gptq import check_spec, gptq_quantize, hessian_factor, rtn_quantize
+from qcompiler.algorithms.gptq import check_spec, gptq_quantize, hessian_factor, rtn_quantize
 from qcompiler.layer_filter import check_patterns
 from qcompiler.pass_base import GraphProperty, Pass, PassContext
 from qcompiler.weight_only import gptq_layer_quant, quantize_block_linears

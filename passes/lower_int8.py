@@ -18,19 +18,12 @@ from qcompiler.errors import QuantizationError
 from qcompiler.graph import LinearLayer, block_of, find_linears
 from qcompiler.layer_filter import check_patterns, ignore_reason, report_unmatched
 from qcompiler.pass_base import GraphProperty, Pass, PassContext
-from qcompiler.weight_only import replace_linear
+from qcompiler.algorithms.int8 import quantize_weight_per_channel
+from qcompiler.folding import SMOOTH_META, replace_linear
 
-from .smoothquant import SMOOTH_META
-
-__all__ = ["LowerInt8", "quantize_weight_per_channel"]
+__all__ = ["LowerInt8"]
 
 ACTIVATIONS = ("dynamic_per_token", "static_per_tensor")
-
-
-def quantize_weight_per_channel(W: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric int8 per output row: ``W ≈ W_q · scale``."""
-    scale = (W.abs().amax(dim=1) / 127.0).clamp(min=1e-8)
-    return torch.clamp(torch.round(W / scale.unsqueeze(1)), -127, 127).to(torch.int8), scale
 
 
 @dataclass(frozen=True)

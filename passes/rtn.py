@@ -1,6 +1,6 @@
 """Round-to-nearest weight quantization: the baseline every quality claim is measured against.
 
-Each weight group is put on its min-max grid (``qcompiler.quant_grid``) independently, with no
+Each weight group is put on its min-max grid (``qcompiler.algorithms.quant_grid``) independently, with no
 error feedback. Same grid, groups and storage as GPTQ, so the two differ only in the rounding.
 """
 from __future__ import annotations
@@ -10,7 +10,7 @@ from typing import ClassVar
 
 from torch.fx import GraphModule
 
-from qcompiler.gptq import check_spec, rtn_quantize
+from qcompiler.algorithms.gptq import check_spec, rtn_quantize
 from qcompiler.layer_filter import check_patterns
 from qcompiler.pass_base import GraphProperty, Pass, PassContext
 from qcompiler.weight_only import gptq_layer_quant, quantize_block_linears

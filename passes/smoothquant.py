@@ -5,7 +5,7 @@ calibration maxima and the group's weights; ``diag(s)`` is folded into every con
 columns and ``diag(s)^-1`` into the producer (norm weight/bias, or a linear's output rows), or,
 where the producer cannot absorb it, into an explicit per-channel multiply that int8 lowering
 fuses into activation quantization. The FP model's outputs do not change. See
-``qcompiler.smoothquant`` for which form each group gets.
+``qcompiler.smoothing_plan`` for which form each group gets.
 """
 from __future__ import annotations
 
@@ -17,50 +17,14 @@ from torch.fx import GraphModule
 
 from qcompiler.calibration import CalibrationEngine
 from qcompiler.errors import QuantizationError
-from qcompiler.graph import LinearLayer, aten, find_linears, get_tensor, set_tensor
+from qcompiler.graph import LinearLayer, find_linears, get_tensor
 from qcompiler.layer_filter import check_patterns, ignore_reason, report_unmatched
 from qcompiler.pass_base import GraphProperty, Pass, PassContext
-from qcompiler.smoothquant import ALPHA_GRID, SmoothingPlan, plan_smoothing, search_alpha, smoothing_scales
+from qcompiler.algorithms.smoothquant import ALPHA_GRID, search_alpha, smoothing_scales
+from qcompiler.folding import insert_smoothing_multiply, replace_tensor, scale_input_columns, scale_output_rows
+from qcompiler.smoothing_plan import SmoothingPlan, plan_smoothing
 
 __all__ = ["SmoothQuant"]
-
-SMOOTH_META = "qc_smooth_inv"  # marks an explicit 1/s multiply node; value: its buffer's target
-
-
-def _replace(gm: GraphModule, target: str, tensor: torch.Tensor) -> None:
-    old = get_tensor(gm, target)
-    set_tensor(gm, target, tensor.to(old.dtype).contiguous(), parameter=isinstance(old, torch.nn.Parameter))
-
-
-def _scale_input_columns(gm: GraphModule, layer: LinearLayer, s: torch.Tensor) -> None:
-    w = get_tensor(gm, layer.weight_node.target).detach()
-    _replace(gm, layer.weight_node.target, w * s.unsqueeze(1) if layer.transposed else w * s)
-
-
-def _scale_output_rows(gm: GraphModule, layer: LinearLayer, inv: torch.Tensor) -> None:
-    w = get_tensor(gm, layer.weight_node.target).detach()
-    _replace(gm, layer.weight_node.target, w * inv if layer.transposed else w * inv.unsqueeze(1))
-    if layer.bias_node is not None:
-        _replace(gm, layer.bias_node.target, get_tensor(gm, layer.bias_node.target).detach() * inv)
-
-
-def _insert_explicit(gm: GraphModule, consumers: list[LinearLayer], inv: torch.Tensor, label: str) -> None:
-    target = f"{label}.smooth_inv_scale" if label else "smooth_inv_scale"
-    set_tensor(gm, target, inv.float())
-    made = {}
-    for layer in consumers:
-        x = layer.input
-        if x not in made:
-            with gm.graph.inserting_after(x):
-                attr = gm.graph.get_attr(target)
-            with gm.graph.inserting_after(attr):
-                mul = gm.graph.call_function(aten.mul.Tensor, (x, attr))
-            mul.meta.update({k: v for k, v in x.meta.items() if k in ("nn_module_stack", "val")})
-            mul.meta[SMOOTH_META] = target
-            made[x] = mul
-        idx = 1 if layer.node.target is aten.addmm.default else 0
-        layer.node.update_arg(idx, made[x])
-
 
 @dataclass(frozen=True)
 class SmoothQuant(Pass):
@@ -101,9 +65,9 @@ class SmoothQuant(Pass):
                 self._apply(gm, group, plan, stats[group[0].path], record, pending)
                 changed = True
         for group, inv, label in pending:
-            _insert_explicit(gm, group, inv, label)
+            insert_smoothing_multiply(gm, group, inv, label)
             for layer in group:
-                _scale_input_columns(gm, layer, 1.0 / inv)
+                scale_input_columns(gm, layer, 1.0 / inv)
         report_unmatched(self.name, self.ignore, [layer.path for layer in all_layers], record.notes)
         if not changed:
             record.notes.append("no producer group could be smoothed; the graph is unchanged")
@@ -130,16 +94,16 @@ class SmoothQuant(Pass):
         s = smoothing_scales(act, wmax, alpha).to(home)
         inv = 1.0 / s
         if plan.form == "norm":
-            _replace(gm, plan.norm.weight_node.target, get_tensor(gm, plan.norm.weight_node.target).detach() * inv)
+            replace_tensor(gm, plan.norm.weight_node.target, get_tensor(gm, plan.norm.weight_node.target).detach() * inv)
             if plan.norm.bias_node is not None:
-                _replace(gm, plan.norm.bias_node.target, get_tensor(gm, plan.norm.bias_node.target).detach() * inv)
+                replace_tensor(gm, plan.norm.bias_node.target, get_tensor(gm, plan.norm.bias_node.target).detach() * inv)
         elif plan.form == "linear":
-            _scale_output_rows(gm, plan.producer, inv)
+            scale_output_rows(gm, plan.producer, inv)
         else:
             pending.append((group, inv, plan.label))
         if plan.form != "explicit":
             for layer in group:
-                _scale_input_columns(gm, layer, s)
+                scale_input_columns(gm, layer, s)
         figures = {"form": plan.form, "consumers": ",".join(l.path.rsplit(".", 1)[-1] for l in group),
                    "alpha": alpha, "act_absmax": float(act.max()), "s_min": float(s.min()), "s_max": float(s.max())}
         if err is not None:

@@ -1,7 +1,7 @@
 """SpQR (Dettmers et al., ICLR 2024): each linear becomes a dense 3-bit branch plus a sparse fp16 one.
 
 ``linear(x)`` → ``add(qc.spqr_dense_linear(x, …), qc.sparse_outlier_linear(x, …))``: both nodes stay
-visible to later passes and backends. The algorithm is ``qcompiler.spqr.spqr_quantize``; with an
+visible to later passes and backends. The algorithm is ``qcompiler.algorithms.spqr.spqr_quantize``; with an
 ``outlier_fraction`` budget the relative threshold is bisected per layer (log scale) to the
 smallest τ whose outliers fit the budget.
 """
@@ -19,10 +19,11 @@ from qcompiler.graph import LinearLayer, aten, set_tensor
 from qcompiler.layer_filter import check_patterns
 from qcompiler.op_registry import args_of, call_op
 from qcompiler.ops import to_csr
-from qcompiler.packing import pack_cols, pack_rows
+from qcompiler.algorithms.packing import pack_cols, pack_rows
 from qcompiler.pass_base import GraphProperty, Pass, PassContext
-from qcompiler.spqr import SpQRResult, check_spqr_spec, spqr_quantize
-from qcompiler.weight_only import LayerQuant, check_packable, quantize_block_linears, replace_linear
+from qcompiler.algorithms.spqr import SpQRResult, check_spqr_spec, spqr_quantize
+from qcompiler.folding import replace_linear
+from qcompiler.weight_only import LayerQuant, check_packable, quantize_block_linears
 
 __all__ = ["SpQR", "pack_spqr"]
 
@@ -76,7 +77,7 @@ class SpQR(Pass):
         if self.stat_bits is None:  # the algorithm allows fp16 statistics; the stored layout does not
             raise QuantizationError("SpQR(stat_bits=None): the SpQR pass stores quantized group statistics; "
                                     "choose stat_bits 2, 3, 4 or 8 (fp16 statistics exist only in "
-                                    "qcompiler.spqr.spqr_quantize)")
+                                    "qcompiler.algorithms.spqr.spqr_quantize)")
         check_spqr_spec(self.bits, self.group_size, self.stat_bits, self.stat_group_size)
         if self.outlier_fraction is not None and not 0 <= self.outlier_fraction < 1:
             raise QuantizationError(f"outlier_fraction must be in [0, 1), got {self.outlier_fraction}")

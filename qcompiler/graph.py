@@ -1,4 +1,4 @@
-"""Graph helpers every pass shares: linears, their producing norms and siblings, blocks, networkx.
+"""Graph helpers every pass shares: linears, their producing norms and siblings, blocks.
 
 Structure is matched, not names: a linear's input is walked back through value-preserving nodes
 (dropout in eval, dtype casts, flattening views) to the node that really produces it; a
@@ -11,13 +11,12 @@ import re
 from dataclasses import dataclass
 from typing import Iterable, Optional
 
-import networkx as nx
 import torch
 from torch.fx import GraphModule, Node
 
 __all__ = ["module_path", "LinearLayer", "NormInfo", "find_linears", "source_of", "find_producing_norm",
            "find_siblings", "producer_groups", "ProducerGroup", "transformer_blocks", "block_of",
-           "to_networkx", "get_tensor", "set_tensor", "drop_attr_if_unused", "contiguous_before_reshape", "aten"]
+           "get_tensor", "set_tensor", "drop_attr_if_unused", "contiguous_before_reshape", "aten"]
 
 aten = torch.ops.aten
 
@@ -303,13 +302,3 @@ def transformer_blocks(gm: GraphModule) -> dict[str, list[Node]]:
         if block is not None:
             blocks.setdefault(block, []).append(node)
     return blocks
-
-
-def to_networkx(gm: GraphModule) -> nx.DiGraph:
-    """The dataflow graph: one vertex per node name, edges from producer to consumer."""
-    g = nx.DiGraph()
-    for node in gm.graph.nodes:
-        g.add_node(node.name, op=node.op, target=str(node.target), path=module_path(node))
-        for inp in node.all_input_nodes:
-            g.add_edge(inp.name, node.name)
-    return g

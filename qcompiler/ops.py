@@ -18,9 +18,10 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .op_registry import OpSpec, register
-from .packing import pack_cols, pack_rows, unpack_cols, unpack_rows
+from .algorithms.int8 import quantize_per_token
+from .algorithms.packing import pack_cols, pack_rows, unpack_cols, unpack_rows
 
-__all__ = ["GPTQWeight", "pack_gptq", "dequantize_gptq", "quant_linear", "quantize_per_token", "int8_matmul",
+__all__ = ["GPTQWeight", "pack_gptq", "dequantize_gptq", "quant_linear", "int8_matmul",
            "int8_linear", "expert_ranges", "quant_experts_linear", "dequantize_spqr_dense", "spqr_group_stats",
            "spqr_dense_linear", "sparse_outlier_linear", "to_csr", "GPTQ_TENSORS"]
 
@@ -113,12 +114,6 @@ def _quant_experts_linear_fake(x, offsets, qweight, qzeros, scales, g_idx, bits,
 
 register(OpSpec("quant_experts_linear", storage=("qweight", "qzeros", "scales"),
                 weights=_in_times_out("g_idx", "scales")))   # g_idx [E, in]: E x in x out weights
-
-
-def quantize_per_token(x: Tensor) -> tuple[Tensor, Tensor]:
-    """Symmetric int8 per row of the last dim: ``x ≈ q · scale``, ``scale = max|x_row| / 127``."""
-    scale = (x.abs().amax(dim=-1, keepdim=True).float() / 127.0).clamp(min=1e-8)
-    return torch.clamp(torch.round(x.float() / scale), -127, 127).to(torch.int8), scale
 
 
 def int8_matmul(xq: Tensor, wq: Tensor) -> Tensor:

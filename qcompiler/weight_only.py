@@ -17,16 +17,16 @@ from . import lazy_weights
 from .calibration import CalibrationEngine
 from .errors import QuantizationError
 from .experts import ExpertLinear, find_expert_linears
-from .gptq import QuantResult, output_error
-from .graph import LinearLayer, block_of, drop_attr_if_unused, find_linears, is_router, set_tensor
+from .algorithms.gptq import QuantResult, output_error
+from .folding import replace_experts, replace_linear
+from .graph import LinearLayer, block_of, find_linears, is_router, set_tensor
 from .layer_filter import ignore_reason, report_unmatched
-from .op_registry import call_op
 from .ops import GPTQ_TENSORS, GPTQWeight, pack_gptq
-from .packing import packed_length
+from .algorithms.packing import packed_length
 from .pass_base import PassContext
 
-__all__ = ["LayerQuant", "quantize_block_linears", "is_output_head", "gptq_layer_quant", "replace_linear", "check_packable",
-           "UnpackableLayer", "replace_experts"]
+__all__ = ["LayerQuant", "quantize_block_linears", "is_output_head", "gptq_layer_quant", "check_packable",
+           "UnpackableLayer"]
 
 
 class LayerQuant(NamedTuple):
@@ -262,42 +262,3 @@ def gptq_layer_quant(layer: LinearLayer, W: torch.Tensor, res: QuantResult, bits
                        lambda x, a: dict(x=x, **a, bias=layer.bias_node, bits=packed.bits, group_size=packed.group_size))
     return LayerQuant(res.dequantized, figures, {f: getattr(packed, f) for f in GPTQ_TENSORS},
                       rewrite, packed)
-
-
-def replace_experts(gm: GraphModule, expert: ExpertLinear, tensors: dict[str, torch.Tensor],
-                    packed: GPTQWeight) -> torch.fx.Node:
-    """Swap a grouped matmul over 3-D expert weights for ``qc.quant_experts_linear`` on the
-    stacked packed tensors (stored beside the parameter, as ``{path}_qweight`` etc.)."""
-    graph = gm.graph
-    for name, tensor in tensors.items():
-        set_tensor(gm, f"{expert.path}_{name}", tensor)
-    with graph.inserting_before(expert.node):
-        attrs = {name: graph.get_attr(f"{expert.path}_{name}") for name in GPTQ_TENSORS}
-        new = call_op(graph, "quant_experts_linear", x=expert.input, offsets=expert.offsets, **attrs,
-                      bits=packed.bits, group_size=packed.group_size)
-    new.meta.update({k: v for k, v in expert.node.meta.items() if k in ("nn_module_stack", "val", "stack_trace")})
-    weight_user = expert.weight_user
-    expert.node.replace_all_uses_with(new)
-    graph.erase_node(expert.node)
-    if weight_user is not expert.weight_node and not weight_user.users:
-        graph.erase_node(weight_user)  # the transpose that read the FP weight
-    drop_attr_if_unused(gm, expert.weight_node)
-    return new
-
-
-def replace_linear(gm: GraphModule, layer: LinearLayer, op_name: str, tensors: dict[str, torch.Tensor],
-                   make_args: Callable[[torch.fx.Node, dict], dict]) -> torch.fx.Node:
-    """Store ``tensors`` beside the layer (``{path}.{name}``; callers put them where the graph's
-    weights live) and swap its node for ``qc.{op_name}(**make_args(x, attrs))``."""
-    graph = gm.graph
-    base = layer.path or layer.node.name
-    for name, tensor in tensors.items():
-        set_tensor(gm, f"{base}.{name}", tensor)
-    with graph.inserting_before(layer.node):
-        attrs = {name: graph.get_attr(f"{base}.{name}") for name in tensors}
-        new = call_op(graph, op_name, **make_args(layer.input, attrs))
-    new.meta.update({k: v for k, v in layer.node.meta.items() if k in ("nn_module_stack", "val", "stack_trace")})
-    layer.node.replace_all_uses_with(new)
-    graph.erase_node(layer.node)
-    drop_attr_if_unused(gm, layer.weight_node)
-    return new

@@ -8,9 +8,9 @@ import qcompiler as qc
 from qcompiler.errors import RecipeError
 from qcompiler.graph import get_tensor, module_path
 from qcompiler.interop import ExportError, export_compressed_tensors, export_gptq, import_gptq
-from qcompiler.interop.gptq_checkpoint import zeros_from_v1, zeros_to_v1
+from qcompiler.interop.gptq_format import zeros_from_v1, zeros_to_v1
 from qcompiler.ops import dequantize_gptq
-from qcompiler.packing import pack_cols, unpack_rows
+from qcompiler.algorithms.packing import pack_cols, unpack_rows
 from qcompiler.recipe_files import load_recipe_file, recipe_from_dict, recipe_to_dict
 from tiny_models import example_inputs, main_output, make_model
 

@@ -1,6 +1,5 @@
 """Quality claims on the real bundled models (small calibration sets to keep CI fast)."""
 import pytest
-import torch
 
 import qcompiler as qc
 from qcompiler import models

@@ -4,9 +4,9 @@ import pytest
 import torch
 
 from qcompiler.errors import QuantizationError
-from qcompiler.gptq import (gptq_quantize, gptq_quantize_reference, group_index, hessian_factor,
+from qcompiler.algorithms.gptq import (gptq_quantize, gptq_quantize_reference, group_index, hessian_factor,
                             inverse_hessian_cholesky, output_error, rtn_quantize)
-from qcompiler.quant_grid import fit_grid, fake_quantize
+from qcompiler.algorithms.quant_grid import fit_grid, fake_quantize
 
 
 def problem(out=32, n=96, seed=0, tokens=512):

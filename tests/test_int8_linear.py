@@ -3,8 +3,8 @@ import pytest
 import torch
 
 import qcompiler as qc
-from qcompiler.ops import int8_matmul, quantize_per_token
-from qcompiler.passes.lower_int8 import quantize_weight_per_channel
+from qcompiler.algorithms.int8 import quantize_per_token, quantize_weight_per_channel
+from qcompiler.ops import int8_matmul
 from tiny_models import example_inputs, main_output, make_model
 
 I8 = torch.ops.qc.int8_linear.default

@@ -9,7 +9,7 @@ from causal_lms import calibration, causal_lm, prompt
 from qcompiler.errors import BackendError
 from qcompiler.eval import bits_per_parameter
 from qcompiler.experts import find_expert_linears
-from qcompiler.gptq import rtn_quantize
+from qcompiler.algorithms.gptq import rtn_quantize
 from qcompiler.ops import pack_gptq
 
 QEXPERTS = torch.ops.qc.quant_experts_linear.default

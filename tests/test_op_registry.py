@@ -13,7 +13,7 @@ from qcompiler.ops import pack_gptq
 ROOT = Path(__file__).resolve().parents[1]
 
 # Files that pattern-match aten / transformers graphs (never qc ops) may index node arguments.
-ATEN_MATCHERS = {"qcompiler/graph.py", "qcompiler/smoothquant.py", "qcompiler/experts.py", "passes/lower_int8.py"}
+ATEN_MATCHERS = {"qcompiler/graph.py", "qcompiler/smoothing_plan.py", "qcompiler/experts.py", "passes/lower_int8.py"}
 
 
 def _sources():

@@ -4,7 +4,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from qcompiler.ops import dequantize_gptq, pack_gptq
-from qcompiler.packing import pack_cols, pack_rows, unpack_cols, unpack_rows
+from qcompiler.algorithms.packing import pack_cols, pack_rows, unpack_cols, unpack_rows
 
 
 @settings(max_examples=60, deadline=None)

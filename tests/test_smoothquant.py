@@ -3,7 +3,7 @@ import pytest
 import torch
 
 import qcompiler as qc
-from qcompiler.smoothquant import search_alpha, smoothing_scales
+from qcompiler.algorithms.smoothquant import search_alpha, smoothing_scales
 from tiny_models import ARCHS, Stack, example_inputs, main_output, make_model
 
 # Producer groups per block and the form each must get.

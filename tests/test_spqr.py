@@ -7,11 +7,11 @@ import torch
 
 import qcompiler as qc
 from qcompiler.eval import bits_per_parameter
-from qcompiler.gptq import gptq_quantize, output_error
+from qcompiler.algorithms.gptq import gptq_quantize, output_error
 from qcompiler.ops import dequantize_spqr_dense, sparse_outlier_linear, spqr_dense_linear
 from qcompiler.passes.spqr import pack_spqr, stored_bits
-from qcompiler.quant_grid import fit_grid
-from qcompiler.spqr import leave_one_out_reduction, quantize_stats, spqr_quantize, spqr_quantize_reference
+from qcompiler.algorithms.quant_grid import fit_grid
+from qcompiler.algorithms.spqr import leave_one_out_reduction, quantize_stats, spqr_quantize, spqr_quantize_reference
 from tiny_models import example_inputs, main_output, make_model
 
 
@@ -145,7 +145,6 @@ def test_bad_settings_and_narrow_layers():
         spqr_quantize(W, H, outlier_threshold=0.0)
     with pytest.raises(qc.QuantizationError, match="not a multiple of the SpQR group size"):
         spqr_quantize(W[:, :8], H[:8, :8])
-    model = torch.nn.Sequential()
 
     class Narrow(torch.nn.Module):
         def __init__(self):

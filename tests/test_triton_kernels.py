@@ -7,10 +7,11 @@ import pytest
 import torch
 
 from qcompiler import kernels
-from qcompiler.ops import (int8_linear, pack_gptq, quant_linear, quantize_per_token, sparse_outlier_linear,
+from qcompiler.algorithms.int8 import quantize_per_token
+from qcompiler.ops import (int8_linear, pack_gptq, quant_linear, sparse_outlier_linear,
                            spqr_dense_linear, to_csr)
 from qcompiler.passes.spqr import pack_spqr
-from qcompiler.spqr import spqr_quantize
+from qcompiler.algorithms.spqr import spqr_quantize
 
 FP32_TOL = dict(rtol=1e-5, atol=1e-4)
 HALF_TOL = {torch.float16: dict(rtol=2e-2, atol=2e-2), torch.bfloat16: dict(rtol=5e-2, atol=1e-1)}

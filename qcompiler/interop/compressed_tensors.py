@@ -17,7 +17,7 @@ import torch
 from ..graph import find_linears
 from ..op_registry import OpArgs, args_of, quantized_layer_path, spec_of
 from ..ops import GPTQ_TENSORS
-from ..packing import unpack_cols
+from ..algorithms.packing import unpack_cols
 from .checkpoint import ExportError, fp_tensors, model_config_of, source_files, write_checkpoint
 
 __all__ = ["export_compressed_tensors"]

@@ -1,4 +1,5 @@
-"""GPTQ-format Hugging Face checkpoints: export a quantized graph, import one back into a graph.
+"""GPTQ-format Hugging Face checkpoints: export a quantized graph; import one through the compile
+pipeline (the ``LoadGPTQCheckpoint`` pass).
 
 Per quantized layer the checkpoint holds ``{path}.qweight`` (int32 ``[in·bits/32, out]``),
 ``{path}.qzeros`` (int32 ``[groups, out·bits/32]``), ``{path}.scales`` (fp16 ``[groups, out]``) and
@@ -15,29 +16,19 @@ checkpoint that loads wrong.
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file
 
-from ..packing import pack_cols, unpack_cols
+from ..algorithms.packing import unpack_cols
 from ..op_registry import args_of
 from ..ops import GPTQ_TENSORS
 from .checkpoint import (ExportError, fp_tensors, model_config_of, quantized_layers, source_files,
                          write_checkpoint)
+from .gptq_format import read_gptq_checkpoint, zeros_from_v1, zeros_to_v1
 
 __all__ = ["export_gptq", "import_gptq", "zeros_to_v1", "zeros_from_v1"]
-
-
-def zeros_to_v1(qzeros: torch.Tensor, bits: int, n_out: int) -> torch.Tensor:
-    z = unpack_cols(qzeros, bits, n_out)
-    return pack_cols((z - 1) & ((1 << bits) - 1), bits)
-
-
-def zeros_from_v1(qzeros: torch.Tensor, bits: int, n_out: int) -> torch.Tensor:
-    z = unpack_cols(qzeros, bits, n_out)
-    return pack_cols((z + 1) & ((1 << bits) - 1), bits)
 
 
 def _is_act_order(g_idx: torch.Tensor, group_size: int) -> bool:
@@ -83,62 +74,37 @@ def export_gptq(cm, out_dir, *, zero_format: str = "auto", progress=print, overw
                             copy_files=source_files(gm), overwrite=overwrite)
 
 
-def import_gptq(folder):
-    """A CompiledModel (eager backend) whose quantized layers are the checkpoint's packed tensors, unchanged."""
+def import_gptq(folder, backend: str = "eager", *, progress: bool = False):
+    """A CompiledModel whose quantized layers are the checkpoint's packed tensors, unchanged: the
+    model is built from ``config.json``, its other weights loaded, and compiled with the
+    ``LoadGPTQCheckpoint`` pass (so a causal LM keeps its KV cache and generates)."""
     from transformers import AutoConfig
 
-    from ..capture import capture, normalize_inputs
-    from ..compiler import CompiledModel
-    from ..graph import find_linears
+    from ..compiler import compile
     from ..models import _check_folder, loaded_from_model
-    from ..pass_base import PassRecord
+    from ..passes import LoadGPTQCheckpoint
     from ..recipes import Recipe
-    from ..report import Report
-    from ..weight_only import replace_linear
 
     folder = Path(folder)
     _check_folder(folder)
-    raw = json.loads((folder / "config.json").read_text())
-    quant = raw.pop("quantization_config", None)
-    if not quant or quant.get("quant_method") != "gptq":
-        raise ExportError(f"{folder}/config.json has no quantization_config with quant_method 'gptq'")
-    bits, group_size = int(quant["bits"]), int(quant["group_size"])
-    v1 = quant.get("checkpoint_format", "gptq") == "gptq"
-    state = {}
-    for file in sorted(folder.glob("*.safetensors")):
-        state.update(load_file(str(file)))
+    ckpt = read_gptq_checkpoint(folder)
+    raw = dict(ckpt.config)
     config = AutoConfig.for_model(raw.pop("model_type"), **raw)
     loaded = loaded_from_model(folder.name, config, folder)
     model = loaded.model
-    paths = sorted(k[: -len(".qweight")] for k in state if k.endswith(".qweight"))
-    if not paths:
-        raise ExportError(f"{folder} has no '*.qweight' tensors: not a GPTQ checkpoint")
-    fp = {k: v for k, v in state.items() if not k.endswith((".qweight", ".qzeros", ".scales", ".g_idx"))}
-    missing, _ = model.load_state_dict(fp, strict=False)
-    quantized_weights = {f"{p}.weight" for p in paths}
+    packed = ckpt.packed_keys()
+    state = {}
+    for file in sorted(folder.glob("*.safetensors")):
+        state.update({k: v for k, v in load_file(str(file)).items() if k not in packed})
+    missing, _ = model.load_state_dict(state, strict=False)
+    quantized_weights = {f"{p}.weight" for p in ckpt.layers}
     missing = [k for k in missing if k not in quantized_weights and not _tied(model, k)]
     if missing:
         raise ExportError(f"{folder}: tensors missing from the checkpoint: {', '.join(missing[:5])}")
     if getattr(config, "tie_word_embeddings", False):
         model.tie_weights()
-    example = loaded.example_inputs()
-    gm = capture(model, example)
-    layers = {layer.path: layer for layer in find_linears(gm)}
-    record = PassRecord("import:gptq", {"folder": str(folder), **quant}, modified=True)
-    for path in paths:
-        if path not in layers:
-            raise ExportError(f"checkpoint layer {path} is not a linear layer of {type(model).__name__}")
-        layer = layers[path]
-        t = {n: state[f"{path}.{n}"] for n in GPTQ_TENSORS}
-        if v1:
-            t["qzeros"] = zeros_from_v1(t["qzeros"], bits, t["scales"].shape[1])
-        replace_linear(gm, layer, "quant_linear", t,
-                       lambda x, a, layer=layer: dict(x=x, **a, bias=layer.bias_node, bits=bits, group_size=group_size))
-        record.layers[path] = {"bits": bits}
-    gm.graph.lint()
-    gm.recompile()
-    recipe = Recipe("gptq-checkpoint", (), f"imported from {folder}")
-    return CompiledModel(gm, recipe, Report([record]), "eager", gm, normalize_inputs(example))
+    recipe = Recipe("gptq-checkpoint", (LoadGPTQCheckpoint(str(folder)),), f"imported from {folder}")
+    return compile(model, loaded.example_inputs(), recipe=recipe, backend=backend, progress=progress)
 
 
 def _tied(model, key: str) -> bool:

@@ -1,7 +1,5 @@
-"""SmoothQuant (Xiao et al., 2023): the math, and where each ``1/s`` can go.
-
-``Y = X W^T = (X diag(s)^-1)(W diag(s))^T`` for any ``s > 0``. With
-``s_j = max|X_j|^α / max|W_j|^(1−α)`` activation outliers move into the weights, where int8 copes.
+"""Where each SmoothQuant ``diag(s)^-1`` can go in a graph (the scales themselves are
+``qcompiler.algorithms.smoothquant``).
 
 Where ``diag(s)^-1`` goes (:func:`plan_smoothing`), by the producer of ``X``:
 
@@ -20,25 +18,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
-import torch
 from torch.fx import Node
 
 from .graph import LinearLayer, NormInfo, aten, find_producing_norm, source_of
-from .ops import quantize_per_token
 
-__all__ = ["smoothing_scales", "SmoothingPlan", "plan_smoothing", "int8_output_error", "search_alpha",
-           "ALPHA_GRID"]
-
-ALPHA_GRID = tuple(round(0.05 * i, 2) for i in range(2, 20))  # 0.10 … 0.95
-
-
-def smoothing_scales(act_absmax: torch.Tensor, weight_absmax: torch.Tensor, alpha: float) -> torch.Tensor:
-    """``s = max|X|^α / max|W|^(1−α)`` per input channel; channels never activated keep ``s = 1``."""
-    act = act_absmax.float()
-    w = weight_absmax.float()
-    s = act.clamp(min=1e-5).pow(alpha) / w.clamp(min=1e-5).pow(1 - alpha)
-    s = torch.where((act > 0) & (w > 0), s, torch.ones_like(s))
-    return s.clamp(min=1e-5, max=1e5)
+__all__ = ["SmoothingPlan", "plan_smoothing"]
 
 
 @dataclass
@@ -138,28 +122,3 @@ def plan_smoothing(consumers: Sequence[LinearLayer], all_layers: Sequence[Linear
                              f"{consumers[0].in_features} channels (e.g. grouped-query attention)", label=producer.path)
     return SmoothingPlan("linear", f"folded into the output rows of {producer.path}",
                          producer=producer, label=producer.path, path_nodes=path)
-
-
-def _int8_weight(W: torch.Tensor) -> torch.Tensor:
-    scale = (W.abs().amax(dim=1, keepdim=True) / 127).clamp(min=1e-8)
-    return torch.clamp(torch.round(W / scale), -127, 127) * scale
-
-
-def int8_output_error(X: torch.Tensor, weights: Sequence[torch.Tensor], s: torch.Tensor) -> float:
-    """Relative error of W8A8 (per-token activations, per-channel weights) after smoothing by ``s``."""
-    xq, sx = quantize_per_token(X / s)
-    Xh = xq.float() * sx
-    num = den = 0.0
-    for W in weights:
-        ref = X @ W.t()
-        num += (ref - Xh @ _int8_weight(W * s).t()).pow(2).sum().item()
-        den += ref.pow(2).sum().item()
-    return (num / den) ** 0.5 if den > 0 else num ** 0.5
-
-
-def search_alpha(X: torch.Tensor, weights: Sequence[torch.Tensor], act_absmax: torch.Tensor,
-                 grid: Sequence[float] = ALPHA_GRID) -> tuple[float, float]:
-    """The α of ``grid`` whose smoothing minimises the consumers' int8 output error on rows ``X``."""
-    wmax = torch.stack([W.abs().amax(dim=0) for W in weights]).amax(dim=0)
-    best = min(((int8_output_error(X, weights, smoothing_scales(act_absmax, wmax, a)), a) for a in grid))
-    return best[1], best[0]

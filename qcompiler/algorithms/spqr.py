@@ -22,7 +22,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from .errors import QuantizationError
+from ..errors import QuantizationError
 from .gptq import _prepare, inverse_hessian_cholesky, lazy_sweep
 from .quant_grid import Grid, fit_grid
 

@@ -13,7 +13,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from .errors import QuantizationError
+from ..errors import QuantizationError
 from .packing import SUPPORTED_BITS
 from .quant_grid import Grid, dequantize_codes, fit_grid, quantize
 

@@ -1,0 +1,74 @@
+"""Reading a GPTQ checkpoint folder (config + safetensors): what the import pass and the loader share.
+
+Zero points: ``checkpoint_format: "gptq"`` (v1: AutoGPTQ, transformers, vLLM) stores ``zero − 1``
+wrapped to ``bits`` bits; ``"gptq_v2"`` (GPTQModel) stores the real zero, as ``qc.quant_linear`` does.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+from safetensors import safe_open
+
+from ..algorithms.packing import pack_cols, unpack_cols
+from ..ops import GPTQ_TENSORS
+from .checkpoint import ExportError
+
+__all__ = ["GPTQCheckpoint", "read_gptq_checkpoint", "zeros_to_v1", "zeros_from_v1"]
+
+
+def zeros_to_v1(qzeros: torch.Tensor, bits: int, n_out: int) -> torch.Tensor:
+    z = unpack_cols(qzeros, bits, n_out)
+    return pack_cols((z - 1) & ((1 << bits) - 1), bits)
+
+
+def zeros_from_v1(qzeros: torch.Tensor, bits: int, n_out: int) -> torch.Tensor:
+    z = unpack_cols(qzeros, bits, n_out)
+    return pack_cols((z + 1) & ((1 << bits) - 1), bits)
+
+
+class GPTQCheckpoint(NamedTuple):
+    folder: Path
+    config: dict          # config.json without its quantization_config
+    quant: dict           # the quantization_config
+    bits: int
+    group_size: int
+    v1: bool              # zero points stored minus one
+    layers: dict          # module path -> the safetensors file holding its packed tensors
+
+    def packed(self, path: str) -> dict[str, torch.Tensor]:
+        """``path``'s four tensors in ``qc.quant_linear``'s layout (v1 zero points converted)."""
+        with safe_open(str(self.layers[path]), framework="pt") as f:
+            t = {name: f.get_tensor(f"{path}.{name}") for name in GPTQ_TENSORS}
+        if self.v1:
+            t["qzeros"] = zeros_from_v1(t["qzeros"], self.bits, t["scales"].shape[1])
+        return t
+
+    def packed_keys(self) -> set[str]:
+        return {f"{path}.{name}" for path in self.layers for name in GPTQ_TENSORS}
+
+
+def read_gptq_checkpoint(folder) -> GPTQCheckpoint:
+    """The checkpoint's settings and where each quantized layer's tensors are; no tensor is read."""
+    folder = Path(folder)
+    config_file = folder / "config.json"
+    if not config_file.is_file():
+        raise ExportError(f"{folder} has no config.json (not a Hugging Face checkpoint folder)")
+    config = json.loads(config_file.read_text())
+    quant = config.pop("quantization_config", None)
+    if not quant or quant.get("quant_method") != "gptq":
+        raise ExportError(f"{config_file} has no quantization_config with quant_method 'gptq'")
+    try:
+        bits, group_size = int(quant["bits"]), int(quant["group_size"])
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ExportError(f"{config_file}: quantization_config needs integer 'bits' and 'group_size' ({exc})") from exc
+    layers = {}
+    for file in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as f:
+            layers.update({key[: -len(".qweight")]: file for key in f.keys() if key.endswith(".qweight")})
+    if not layers:
+        raise ExportError(f"{folder} has no '*.qweight' tensors: not a GPTQ checkpoint")
+    return GPTQCheckpoint(folder, config, quant, bits, group_size,
+                          quant.get("checkpoint_format", "gptq") == "gptq", layers)
