@@ -33,13 +33,12 @@ from qcompiler import causal_lm
 from qcompiler.capture import dynamic_shapes_for
 from qcompiler.errors import BackendError
 
-from .onnx_layout import lower_for_onnx
+from .onnx_layout import LOWERED_OPS, lower_for_onnx
 
-__all__ = ["export_onnx", "ONNX_OPSET", "MSFT_OPSET", "SUPPORTED_QC_OPS", "default_accuracy_level"]
+__all__ = ["export_onnx", "ONNX_OPSET", "MSFT_OPSET", "default_accuracy_level"]
 
 ONNX_OPSET = 18
 MSFT_OPSET = 1
-SUPPORTED_QC_OPS = ("quant_linear", "int8_linear", "spqr_dense_linear", "sparse_outlier_linear")
 _TWO_GB = 2 * 1024 ** 3
 
 
@@ -95,6 +94,33 @@ def _translation_table(accuracy_level: int) -> dict:
             y = op.Add(y, op.MatMul(sums, group_corr))
         return y if bias is None else op.Add(y, bias)
 
+    def by_expert(x, offsets, n_experts, n_out, matmul):
+        """Each expert's rows (sorted by expert; ``offsets`` cumulative counts) through ``matmul(rows, e)``,
+        concatenated; rows past the last offset are zero (as the torch op)."""
+        ends = op.Cast(offsets, to=onnx.TensorProto.INT64)
+        zero, axis0 = op.Constant(value_ints=[0]), op.Constant(value_ints=[0])
+        outs, start = [], zero
+        for e in range(n_experts):
+            end = op.Slice(ends, op.Constant(value_ints=[e]), op.Constant(value_ints=[e + 1]))
+            outs.append(matmul(op.Slice(x, start, end, axis0), op.Constant(value_int=e)))
+            start = end
+        rest = op.Sub(op.Slice(op.Shape(x), zero, op.Constant(value_ints=[1])), start)
+        outs.append(op.ConstantOfShape(op.Concat(rest, op.Constant(value_ints=[n_out]), axis=0),
+                                       value=onnx.helper.make_tensor("zero", FLOAT, [1], [0.0])))
+        return op.Concat(*outs, axis=0)
+
+    def experts_matmul_nbits(x, offsets, B, scales, zero_points, perm=None, K=0, N=0, bits=4, block_size=32):
+        def one(rows, e):  # Gather of an initializer by a constant: ORT folds it (same speed as a plain initializer)
+            rows = rows if perm is None else op.Gather(rows, op.Gather(perm, e, axis=0), axis=-1)
+            return msft.MatMulNBits(rows, op.Gather(B, e, axis=0), op.Gather(scales, e, axis=0),
+                                    op.Gather(zero_points, e, axis=0), K=K, N=N, bits=bits, block_size=block_size,
+                                    accuracy_level=accuracy_level)
+        return by_expert(x, offsets, _static_dim(B, 0), N, one)
+
+    def experts_matmul(x, offsets, weight):
+        return by_expert(x, offsets, _static_dim(weight, 0), _static_dim(weight, 2),
+                         lambda rows, e: op.MatMul(rows, op.Gather(weight, e, axis=0)))
+
     def gathered_outlier_linear(x, cols, block_t):
         return op.MatMul(op.Gather(x, cols, axis=-1), block_t)
 
@@ -116,17 +142,27 @@ def _translation_table(accuracy_level: int) -> dict:
 
     qc = torch.ops.qc
     return {qc.matmul_nbits.default: matmul_nbits, qc.gathered_outlier_linear.default: gathered_outlier_linear,
-            qc.int8_linear.default: int8_linear}
+            qc.int8_linear.default: int8_linear, qc.experts_matmul_nbits.default: experts_matmul_nbits,
+            qc.experts_matmul.default: experts_matmul}
 
 
-def _check_mappable(gm: GraphModule) -> None:
-    for node in gm.graph.nodes:
-        if node.op == "call_function" and getattr(node.target, "namespace", None) == "qc":
-            name = node.target._schema.name.split("::")[-1]
-            if name not in SUPPORTED_QC_OPS:
-                from qcompiler.graph import module_path
-                raise BackendError(f"node {node.name} ({module_path(node) or 'top level'}) uses op qc.{name}, "
-                                   f"which has no ONNX mapping (mapped: {', '.join(SUPPORTED_QC_OPS)})")
+def _static_dim(value, dim: int) -> int:
+    """A dimension of an exported value that must be static (an expert count, a width)."""
+    size = value.shape[dim] if value.shape is not None else None
+    if not isinstance(size, int):
+        raise BackendError(f"ONNX export needs a static size for dim {dim} of {value.name}, got {size!r}")
+    return size
+
+
+def _check_mappable(lowered: GraphModule, table: dict) -> None:
+    """Every ``qc`` op left after re-packing must have a translation (the table is the list)."""
+    for node in lowered.graph.nodes:
+        if node.op == "call_function" and getattr(node.target, "namespace", None) == "qc" and node.target not in table:
+            from qcompiler.graph import module_path
+            mapped = sorted({str(op).split(".")[-2] for op in (*table, *LOWERED_OPS)})
+            raise BackendError(f"node {node.name} ({module_path(node) or 'top level'}) uses op "
+                               f"qc.{str(node.target).split('.')[-2]}, which has no ONNX mapping "
+                               f"(mapped: {', '.join(mapped)})")
 
 
 @contextlib.contextmanager
@@ -151,10 +187,11 @@ def export_onnx(gm: GraphModule, path, example_inputs: tuple[tuple, dict], *, re
     An existing file is replaced only when it is an earlier qcompiler export (or ``overwrite``)."""
     path = Path(path)
     _check_target(path, overwrite)
-    _check_mappable(gm)
     level = default_accuracy_level() if accuracy_level is None else accuracy_level
+    table = _translation_table(level)
     with _quiet():  # deep-copying torch.export's pytree specs warns about LeafSpec (torch's own deprecation)
         lowered, notes = lower_for_onnx(gm)
+    _check_mappable(lowered, table)
     args, kwargs = example_inputs
     info = gm.meta["qcompiler"]
     kwargs = {**kwargs, **info.constant_kwargs}
@@ -164,7 +201,7 @@ def export_onnx(gm: GraphModule, path, example_inputs: tuple[tuple, dict], *, re
     try:
         with _quiet():
             program = torch.onnx.export(lowered, args, kwargs=kwargs or None, dynamo=True, opset_version=ONNX_OPSET,
-                                        custom_translation_table=_translation_table(level), dynamic_shapes=shapes,
+                                        custom_translation_table=table, dynamic_shapes=shapes,
                                         verbose=False, optimize=True)
     except Exception as exc:
         raise BackendError(f"ONNX export of {info.model_class} failed: {failure_reason(exc)}") from exc

@@ -4,99 +4,33 @@ ONNX translation functions see symbolic values, not tensor data, so layout conve
 here, on a copy of the graph, as ops with their own torch references (tested against the
 ``qc`` ops they replace):
 
-- ``qc.quant_linear`` and SpQR's dense branch → ``qc.matmul_nbits``, ORT's ``MatMulNBits``
-  layout: ``B`` uint8 ``[N, K/block, block·bits/8]`` (first value in the low bits), ``scales``
-  ``[N·K/block]``, uint8-packed integer zero points. SpQR's fractional zeros are split into the
-  nearest integer plus a per-block correction (ORT's float zero-point path is ~10x slower).
-  Act-order columns are permuted once here and the input is gathered (``perm``). 3-bit codes are
-  widened to 4 bits (ORT has no 3-bit kernel): same values, 4/3 of the code bytes.
+- ``qc.quant_linear`` and SpQR's dense branch → ``qc.matmul_nbits`` (``onnx_nbits.py``). SpQR's
+  fractional zeros are split into the nearest integer plus a per-block correction (ORT's float
+  zero-point path is ~10x slower). Act-order columns are permuted once here and the input is
+  gathered (``perm``). 3-bit codes are widened to 4 bits (ORT has no 3-bit kernel): same values,
+  4/3 of the code bytes.
+- ``qc.quant_experts_linear`` → ``qc.experts_matmul_nbits`` (each expert's matrix re-packed the
+  same way, stacked); a full-precision grouped matmul over 3-D expert weights → ``qc.experts_matmul``.
 - ``qc.sparse_outlier_linear`` → ``qc.gathered_outlier_linear``: only the columns that hold
   outliers are gathered from the input and multiplied by a small dense ``[k, N]`` block.
 """
 from __future__ import annotations
 
 import copy
-import math
-from typing import Optional
 
 import torch
 from torch import Tensor
 from torch.fx import GraphModule
 
+from qcompiler.algorithms.packing import unpack_rows
+from qcompiler.experts import find_expert_linears
 from qcompiler.graph import contiguous_before_reshape, set_tensor
 from qcompiler.op_registry import OpArgs, OpSpec, args_of, call_op, quantized_layer_path, register
 from qcompiler.ops import GPTQ_TENSORS, dequantize_gptq, spqr_group_stats
-from qcompiler.algorithms.packing import pack_rows, unpack_cols, unpack_rows
 
-__all__ = ["to_matmul_nbits_layout", "dequantize_matmul_nbits", "lower_for_onnx", "matmul_nbits",
-           "gathered_outlier_linear"]
+from .onnx_nbits import gptq_to_nbits, to_matmul_nbits_layout
 
-
-def _pack_bytes(codes: Tensor, bits: int) -> Tensor:
-    """[N, K] codes → uint8 [N, K·bits/8], little-endian bit stream along K."""
-    n, k = codes.shape
-    pad = (-k) % (32 // bits)
-    if pad:
-        codes = torch.cat([codes, torch.zeros(n, pad, dtype=codes.dtype)], dim=1)
-    words = pack_rows(codes.t().contiguous().long(), bits).t().contiguous()  # [N, K·bits/32] int32
-    return words.reshape(-1).view(torch.uint8).reshape(n, -1)[:, : math.ceil(k * bits / 8)]
-
-
-def _unpack_bytes(data: Tensor, bits: int, k: int) -> Tensor:
-    n = data.shape[0]
-    pad = (-data.shape[1]) % 4
-    data = torch.cat([data, torch.zeros(n, pad, dtype=torch.uint8)], dim=1) if pad else data
-    words = data.contiguous().reshape(-1).view(torch.int32).reshape(n, -1).t()
-    total = words.shape[0] * 32 // bits
-    return unpack_rows(words, bits, total).t()[:, :k]
-
-
-def to_matmul_nbits_layout(codes: Tensor, scales: Tensor, zeros: Tensor, bits: int, block_size: int,
-                           float_zeros: bool) -> dict[str, Tensor]:
-    """Codes [N, K] and per-block scales/zeros [N, ceil(K/block)] (columns already in processing
-    order). A K that is not a multiple of the block pads the last block with zero codes, as
-    MatMulNBits defines (``n_blocks_per_col = ceil(K / block_size)``)."""
-    n, k = codes.shape
-    blocks = -(-k // block_size)
-    if blocks * block_size != k:
-        codes = torch.cat([codes, codes.new_zeros(n, blocks * block_size - k)], dim=1)
-    b = _pack_bytes(codes, bits).reshape(n, blocks, block_size * bits // 8)
-    zp = zeros.float().reshape(-1) if float_zeros else _pack_bytes(zeros.round().to(torch.int64), bits).reshape(-1)
-    return {"B": b.contiguous(), "scales": scales.float().reshape(-1).contiguous(), "zero_points": zp.contiguous()}
-
-
-def dequantize_matmul_nbits(B: Tensor, scales: Tensor, zero_points: Tensor, K: int, N: int, bits: int,
-                            block_size: int) -> Tensor:
-    """The float32 weight [N, K] that a MatMulNBits node computes with (ORT's definition; the last
-    block may be partial)."""
-    blocks = -(-K // block_size)
-    codes = _unpack_bytes(B.reshape(N, -1), bits, K).float()
-    s = scales.float().reshape(N, blocks).repeat_interleave(block_size, dim=1)[:, :K]
-    if zero_points.dtype == torch.uint8:
-        z = _unpack_bytes(zero_points.reshape(N, -1), bits, blocks).float()
-    else:
-        z = zero_points.float().reshape(N, blocks)
-    return (codes - z.repeat_interleave(block_size, dim=1)[:, :K]) * s
-
-
-@torch.library.custom_op("qc::matmul_nbits", mutates_args=())
-def matmul_nbits(x: Tensor, B: Tensor, scales: Tensor, zero_points: Tensor, perm: Optional[Tensor],
-                 group_corr: Optional[Tensor], bias: Optional[Tensor], K: int, N: int, bits: int,
-                 block_size: int) -> Tensor:
-    """ORT MatMulNBits semantics (after gathering input columns by ``perm`` when given), plus
-    ``(per-block sums of x) @ group_corr`` when zero points were fractional."""
-    if perm is not None:
-        x = x[..., perm.long()]
-    w = dequantize_matmul_nbits(B, scales, zero_points, K, N, bits, block_size).to(x.dtype)
-    y = x @ w.t()
-    if group_corr is not None:
-        y = y + x.reshape(*x.shape[:-1], K // block_size, block_size).sum(-1) @ group_corr.to(x.dtype)
-    return y if bias is None else y + bias.to(x.dtype)
-
-
-@matmul_nbits.register_fake
-def _matmul_nbits_fake(x, B, scales, zero_points, perm, group_corr, bias, K, N, bits, block_size):
-    return x.new_empty((*x.shape[:-1], N))
+__all__ = ["lower_for_onnx", "gathered_outlier_linear"]
 
 
 @torch.library.custom_op("qc::gathered_outlier_linear", mutates_args=())
@@ -110,47 +44,7 @@ def _gathered_fake(x, cols, block_t):
     return x.new_empty((*x.shape[:-1], block_t.shape[1]))
 
 
-register(OpSpec("matmul_nbits"))             # export-only layouts: never counted, never saved
-register(OpSpec("gathered_outlier_linear"))
-
-
-def _block_size_for(group: int, k: int) -> Optional[int]:
-    """The MatMulNBits block (a power of two >= 16) that tiles ``group`` (a shorter last group
-    becomes the padded last block); per-channel: 128 (every block of a row has its scale).
-    None if no block tiles the group."""
-    if group == -1:
-        return 128
-    for b in (128, 64, 32, 16):
-        if group % b == 0:
-            return b
-    return None
-
-
-def _sorted_groups(g_idx: Tensor) -> Optional[Tensor]:
-    """The permutation that makes groups contiguous (None if they already are)."""
-    if bool((g_idx[1:] >= g_idx[:-1]).all()):
-        return None
-    return torch.argsort(g_idx.long(), stable=True)
-
-
-def _gptq_to_nbits(gm, a: OpArgs) -> Optional[tuple]:
-    qweight, qzeros, scales, g_idx = a.tensors(gm, *GPTQ_TENSORS)
-    bits, group = a.bits, a.group_size
-    k, n = g_idx.numel(), scales.shape[1]
-    block = _block_size_for(group, k)
-    if block is None:
-        return None
-    codes = unpack_rows(qweight, bits, k).t()                     # [N, K]
-    zeros = unpack_cols(qzeros, bits, n).t()                      # [N, groups]
-    perm = _sorted_groups(g_idx)
-    order = perm if perm is not None else torch.arange(k)
-    g = g_idx.long()[order]
-    col_scale = scales.float().t()[:, g]                          # [N, K] per column, processing order
-    col_zero = zeros[:, g]
-    pick = torch.arange(0, k, block)
-    out_bits = 4 if bits == 3 else bits
-    tensors = to_matmul_nbits_layout(codes[:, order], col_scale[:, pick], col_zero[:, pick], out_bits, block, False)
-    return tensors, perm, k, n, out_bits, block
+register(OpSpec("gathered_outlier_linear"))  # export-only: never counted, never saved
 
 
 def _spqr_to_nbits(gm, a: OpArgs) -> tuple:
@@ -174,7 +68,7 @@ def _spqr_to_nbits(gm, a: OpArgs) -> tuple:
 def _lower_dense(gm: GraphModule, a: OpArgs, path: str, notes: list[str]):
     """GPTQ / SpQR dense branch -> ``qc.matmul_nbits`` (or an fp32 MatMul when no block fits)."""
     is_gptq = a.spec.name == "quant_linear"
-    lowered = _gptq_to_nbits(gm, a) if is_gptq else _spqr_to_nbits(gm, a)
+    lowered = gptq_to_nbits(*a.tensors(gm, *GPTQ_TENSORS), a.bits, a.group_size) if is_gptq else _spqr_to_nbits(gm, a)
     graph = gm.graph
     if lowered is None:
         w = dequantize_gptq(*a.tensors(gm, *GPTQ_TENSORS), a.bits)
@@ -213,8 +107,44 @@ def _lower_outliers(gm: GraphModule, a: OpArgs, path: str, notes: list[str]):
                    block_t=gm.graph.get_attr(f"{path}.onnx_block_t"))
 
 
+def _lower_experts(gm: GraphModule, a: OpArgs, path: str, notes: list[str]):
+    """GPTQ-layout experts -> ``qc.experts_matmul_nbits`` (or ``qc.experts_matmul`` on the
+    dequantized weights when no MatMulNBits block fits)."""
+    path = a.qweight.target.removesuffix("_qweight")  # one module holds several expert parameters
+    stacked = a.tensors(gm, *GPTQ_TENSORS)
+    experts = [gptq_to_nbits(*(t[e] for t in stacked), a.bits, a.group_size) for e in range(stacked[0].shape[0])]
+    graph = gm.graph
+    if any(lowered is None for lowered in experts):
+        w = torch.stack([dequantize_gptq(*(t[e] for t in stacked), a.bits).t() for e in range(stacked[0].shape[0])])
+        set_tensor(gm, f"{path}.onnx_weight", w.contiguous())                      # [E, in, out]
+        notes.append(f"{path}: group size {a.group_size} has no MatMulNBits block size; exported as fp32 MatMul")
+        return call_op(graph, "experts_matmul", x=a.x, offsets=a.offsets, weight=graph.get_attr(f"{path}.onnx_weight"))
+    _, _, k, n, nbits, block = experts[0]
+    tensors = {name: torch.stack([lowered[0][name] for lowered in experts]) for name in experts[0][0]}
+    if any(lowered[1] is not None for lowered in experts):
+        tensors["perm"] = torch.stack([lowered[1] if lowered[1] is not None else torch.arange(k) for lowered in experts])
+    for name, t in tensors.items():
+        set_tensor(gm, f"{path}.onnx_{name}", t.contiguous())
+    attrs = {name: graph.get_attr(f"{path}.onnx_{name}") for name in tensors}
+    return call_op(graph, "experts_matmul_nbits", x=a.x, offsets=a.offsets, B=attrs["B"], scales=attrs["scales"],
+                   zero_points=attrs["zero_points"], perm=attrs.get("perm"), K=k, N=n, bits=nbits, block_size=block)
+
+
+def _lower_fp_experts(gm: GraphModule) -> None:
+    """transformers' full-precision grouped matmuls -> ``qc.experts_matmul`` (ONNX has no grouped matmul)."""
+    for expert in find_expert_linears(gm):
+        with gm.graph.inserting_before(expert.node):
+            new = call_op(gm.graph, "experts_matmul", x=expert.input, offsets=expert.offsets, weight=expert.weight_user)
+        new.meta.update({k: v for k, v in expert.node.meta.items() if k in ("nn_module_stack", "val")})
+        expert.node.replace_all_uses_with(new)
+        gm.graph.erase_node(expert.node)
+
+
 _LOWERINGS = {torch.ops.qc.quant_linear.default: _lower_dense, torch.ops.qc.spqr_dense_linear.default: _lower_dense,
-              torch.ops.qc.sparse_outlier_linear.default: _lower_outliers}
+              torch.ops.qc.sparse_outlier_linear.default: _lower_outliers,
+              torch.ops.qc.quant_experts_linear.default: _lower_experts}
+
+LOWERED_OPS = tuple(_LOWERINGS)  # re-packed here; the translation table maps the rest
 
 
 def lower_for_onnx(gm: GraphModule) -> tuple[GraphModule, list[str]]:
@@ -231,6 +161,7 @@ def lower_for_onnx(gm: GraphModule) -> tuple[GraphModule, list[str]]:
         new.meta.update({k: v for k, v in node.meta.items() if k in ("nn_module_stack", "val")})
         node.replace_all_uses_with(new)
         graph.erase_node(node)
+    _lower_fp_experts(gm)
     contiguous_before_reshape(graph)
     graph.eliminate_dead_code()
     gm.delete_all_unused_submodules()

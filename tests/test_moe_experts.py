@@ -6,7 +6,6 @@ import torch
 
 import qcompiler as qc
 from causal_lms import calibration, causal_lm, prompt
-from qcompiler.errors import BackendError
 from qcompiler.eval import bits_per_parameter
 from qcompiler.experts import find_expert_linears
 from qcompiler.algorithms.gptq import rtn_quantize
@@ -52,6 +51,33 @@ def test_quant_experts_linear_equals_each_expert_matmul():
     got = QEXPERTS(x, offsets, *stacked, bits, group)
     want = torch.cat([x[:5] @ results[0].dequantized.t(), x[5:] @ results[2].dequantized.t()])
     torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-3)  # scales are stored in fp16
+
+
+@pytest.mark.parametrize("act_order,group", [(False, 32), (True, 16)])
+def test_onnx_experts_layout_equals_the_quantized_experts_op(act_order, group):
+    """The MatMulNBits re-packing of quantized experts (what the ONNX export runs) against
+    ``qc.quant_experts_linear``: act-order permutations per expert, an empty expert, and rows past
+    the last offset (zero in both)."""
+    from qcompiler.algorithms.gptq import gptq_quantize
+    from qcompiler.backends.onnx_nbits import experts_matmul_nbits, gptq_to_nbits
+    torch.manual_seed(2)
+    E, n_in, n_out, bits = 3, 64, 32, 3
+    results = []
+    for w in torch.randn(E, n_out, n_in):
+        X = torch.randn(256, n_in) * torch.linspace(0.1, 3, n_in)
+        results.append(gptq_quantize(w, X.t() @ X, bits=bits, group_size=group, act_order=act_order))
+    packed = [pack_gptq(r.codes, r.scales, r.zeros, r.g_idx, bits, group) for r in results]
+    stacked = [torch.stack([getattr(p, f) for p in packed]) for f in ("qweight", "qzeros", "scales", "g_idx")]
+    lowered = [gptq_to_nbits(*(s[e] for s in stacked), bits, group) for e in range(E)]
+    assert all((lw[1] is not None) == act_order for lw in lowered)
+    nbits = {name: torch.stack([lw[0][name] for lw in lowered]) for name in ("B", "scales", "zero_points")}
+    perm = torch.stack([lw[1] for lw in lowered]) if act_order else None
+    x = torch.randn(9, n_in)
+    offsets = torch.tensor([4, 4, 7], dtype=torch.int32)   # expert 1 gets no rows; rows 7, 8 none
+    got = experts_matmul_nbits(x, offsets, nbits["B"], nbits["scales"], nbits["zero_points"], perm,
+                               n_in, n_out, lowered[0][4], lowered[0][5])
+    torch.testing.assert_close(got, QEXPERTS(x, offsets, *stacked, bits, group), rtol=1e-4, atol=1e-4)
+    assert not got[7:].any()
 
 
 def test_triton_experts_kernel_equals_the_reference_op(kernel_device):
@@ -138,14 +164,20 @@ def test_spqr_keeps_experts_in_full_precision_and_says_so(mixtral):
     assert "model.layers.0.mlp.experts.gate_up_proj: kept in full precision" in notes
 
 
-def test_quantized_experts_save_load_and_name_the_node_onnx_cannot_map(mixtral_gptq, tmp_path):
+def test_quantized_experts_run_in_onnxruntime_with_the_eager_tokens(mixtral_gptq):
+    """One MatMulNBits per expert on its rows (qcompiler/backends/onnx_layout.py), decoding with the KV cache."""
+    ids = prompt(batch=2)
+    ort = mixtral_gptq.with_backend("onnxruntime", accuracy_level=0)
+    torch.testing.assert_close(ort(input_ids=ids).logits, mixtral_gptq(input_ids=ids).logits, rtol=1e-4, atol=1e-4)
+    assert torch.equal(ort.generate(ids, 8), mixtral_gptq.generate(ids, 8))
+
+
+def test_quantized_experts_save_load_and_gptq_export_refuses_them(mixtral_gptq, tmp_path):
     ids = prompt()
     mixtral_gptq.save(tmp_path / "art")
     back = qc.load(tmp_path / "art")
     assert torch.equal(back(input_ids=ids).logits, mixtral_gptq(input_ids=ids).logits)
     assert torch.equal(back.generate(ids, 4), mixtral_gptq.generate(ids, 4))
-    with pytest.raises(BackendError, match="qc.quant_experts_linear"):
-        mixtral_gptq.export_onnx(tmp_path / "m.onnx")
     from qcompiler.interop.checkpoint import ExportError
     from qcompiler.interop.gptq_checkpoint import export_gptq
     with pytest.raises(ExportError, match="quant_experts_linear"):

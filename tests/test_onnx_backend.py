@@ -7,7 +7,7 @@ import torch
 
 import qcompiler as qc
 from qcompiler.backends import onnx_export
-from qcompiler.backends.onnx_layout import dequantize_matmul_nbits, to_matmul_nbits_layout
+from qcompiler.backends.onnx_nbits import dequantize_matmul_nbits, to_matmul_nbits_layout
 from tiny_models import example_inputs, main_output, make_model
 
 RECIPES = {  # recipe -> max |ORT − eager| relative to max |eager| (float reassociation only)
