@@ -2,7 +2,7 @@
 
 The bundled causal LM is trained on the ``train`` split and evaluated on ``heldout``, a fixed list
 of modules that training never sees. Tokens are bytes (vocabulary 256), so no tokenizer file is
-needed and any text round-trips exactly.
+needed and any text round-trips exactly; exports write one for other runtimes.
 """
 from __future__ import annotations
 
@@ -35,6 +35,27 @@ class ByteTokenizer:
 
     def decode(self, ids) -> str:
         return bytes(int(i) for i in ids).decode("utf-8", errors="replace")
+
+    def save_pretrained(self, folder) -> list[str]:
+        """The same tokenizer as Hugging Face files (``tokenizer.json``: byte-level BPE with the 256
+        bytes as its vocabulary and no merges, id = byte value), so that runtimes which load a
+        tokenizer from the model folder (transformers, GPTQModel, vLLM, onnxruntime-genai) tokenize
+        text exactly as this class does. Returns the names written."""
+        import json
+
+        from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+        from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+        alphabet = bytes_to_unicode()
+        tok = Tokenizer(models.BPE(vocab={alphabet[b]: b for b in range(256)}, merges=[]))
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+        tok.decoder = decoders.ByteLevel()
+        folder = Path(folder)
+        tok.save(str(folder / "tokenizer.json"))
+        (folder / "tokenizer_config.json").write_text(json.dumps(
+            {"tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": False,
+             "model_max_length": 1 << 30, "pad_token": alphabet[0]}, indent=2) + "\n")  # NUL pads, as in generate()
+        return ["tokenizer.json", "tokenizer_config.json"]
 
 
 def _stdlib_root() -> Path:

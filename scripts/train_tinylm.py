@@ -28,7 +28,8 @@ def make_config() -> LlamaConfig:
     return LlamaConfig(vocab_size=ByteTokenizer.vocab_size, hidden_size=256, intermediate_size=512,
                        num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4,
                        max_position_embeddings=512, rms_norm_eps=1e-5, tie_word_embeddings=False,
-                       bos_token_id=None, eos_token_id=None, pad_token_id=None)
+                       bos_token_id=None, eos_token_id=None,
+                       pad_token_id=0)  # the NUL byte: never in source text; what generate() pads with
 
 
 def main() -> None:

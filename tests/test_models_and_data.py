@@ -21,6 +21,16 @@ def test_splits_are_disjoint_and_calibration_is_reproducible():
     assert ByteTokenizer().decode(ByteTokenizer().encode("déjà vu")) == "déjà vu"
 
 
+def test_byte_tokenizer_as_hugging_face_files_gives_the_same_ids(tmp_path):
+    from transformers import AutoTokenizer
+    assert ByteTokenizer().save_pretrained(tmp_path) == ["tokenizer.json", "tokenizer_config.json"]
+    hf = AutoTokenizer.from_pretrained(tmp_path)
+    text = "déjà vu:\n\tdef f(x):  return x  # 日本\r\n" + "".join(map(chr, range(1, 128)))
+    ids = hf.encode(text, add_special_tokens=False)
+    assert ids == ByteTokenizer().encode(text).tolist() and hf.decode(ids) == text
+    assert len(hf) == 256 and hf.pad_token_id == 0
+
+
 def test_calibration_errors():
     with pytest.raises(ValueError, match="exceed the model's context of 512"):
         calibration_windows(2, 1024, max_length=512)

@@ -43,6 +43,11 @@ def test_onnxruntime_genai_generates_the_same_32_greedy_tokens(recipe, tinylm, t
     prompt = tinylm.encode("class Parser:\n    def __init__(self")
     expected = cm.generate(prompt, 32)[0, prompt.shape[1]:].tolist()
     assert genai_tokens(tmp_path / "genai", prompt[0].tolist(), 32) == expected
+    # the byte tokenizer travels as Hugging Face files: genai's own tokenizer gives our ids for text
+    tokenizer = og.Tokenizer(og.Model(str(tmp_path / "genai")))
+    text = "class Parser:\n    def __init__(self, é):  # 日本"
+    assert tokenizer.encode(text).tolist() == tinylm.tokenize(text).tolist()
+    assert tokenizer.decode(np.asarray(tinylm.tokenize(text), dtype=np.int32)) == text
 
 
 def test_cli_export_onnx_genai_and_refusals(tinylm, tmp_path, capsys):
@@ -50,7 +55,8 @@ def test_cli_export_onnx_genai_and_refusals(tinylm, tmp_path, capsys):
     cm.save(tmp_path / "art", metadata={"source": "bundled:tinylm"})
     assert main(["export", str(tmp_path / "art"), "--format", "onnx-genai", "--out", str(tmp_path / "g")]) == 0
     assert sorted(p.name for p in (tmp_path / "g").iterdir()) == [".qcompiler-output.json", "genai_config.json",
-                                                                  "generation_config.json", "model.onnx"]
+                                                                  "generation_config.json", "model.onnx",
+                                                                  "tokenizer.json", "tokenizer_config.json"]
     prompt = tinylm.encode("import os")[0].tolist()
     assert genai_tokens(tmp_path / "g", prompt, 8) == \
         cm.with_backend("onnxruntime").generate(torch.tensor([prompt]), 8)[0, len(prompt):].tolist()

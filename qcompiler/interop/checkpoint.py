@@ -12,6 +12,7 @@ from safetensors.torch import save_file
 from torch.fx import GraphModule, Node
 
 from ..atomic import publish_directory
+from ..data import ByteTokenizer
 from ..errors import QCompilerError
 from ..graph import get_tensor
 from ..op_registry import args_of, quantized_layer_path, spec_of
@@ -86,22 +87,34 @@ def source_files(gm: GraphModule) -> dict[str, Path]:
     return {name: Path(source) / name for name in TOKENIZER_FILES if (Path(source) / name).is_file()}
 
 
+def write_tokenizer_files(tmp: Path, gm: GraphModule, copied) -> list[str]:
+    """Copy the source folder's tokenizer files into ``tmp``; a 256-token model without any (the
+    bundled byte-level LM) gets the byte tokenizer as Hugging Face files. Returns the names."""
+    for name, src in copied.items():
+        shutil.copyfile(src, tmp / name)
+    names = list(copied)
+    has_tokenizer = any(n in copied for n in ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt"))
+    vocab = (getattr(gm.meta.get("qcompiler"), "model_config", None) or {}).get("vocab_size")
+    if not has_tokenizer and vocab == ByteTokenizer.vocab_size:
+        names += ByteTokenizer().save_pretrained(tmp)
+    return names
+
+
 def write_checkpoint(out_dir, tensors: dict[str, torch.Tensor], config: dict,
-                     extra_files: Optional[dict[str, dict]] = None, *, kind: str, copy_files=None,
+                     extra_files: Optional[dict[str, dict]] = None, *, kind: str, gm: GraphModule,
                      overwrite: bool = False, protect=()) -> Path:
-    """``model.safetensors`` + ``config.json`` (+ extra JSON files, + ``copy_files`` such as the
-    tokenizer), published atomically and only over an earlier export of the same ``kind``."""
+    """``model.safetensors`` + ``config.json`` (+ extra JSON files, + the tokenizer and generation
+    files of ``gm``'s source folder), published atomically and only over an earlier export of the same ``kind``."""
     out_dir = Path(out_dir)
     unique, seen = {}, set()
     for name, t in tensors.items():  # safetensors refuses tensors that share storage (tied embeddings)
         key = (t.data_ptr(), tuple(t.shape))
         unique[name] = t.clone() if key in seen else t.contiguous()
         seen.add(key)
-    copy_files = dict(copy_files or {})
+    copy_files = source_files(gm)
     protect = (*protect, *{str(p.parent) for p in copy_files.values()})
     with publish_directory(out_dir, kind, overwrite=overwrite, protect=protect) as tmp:
-        for name, src in copy_files.items():
-            shutil.copyfile(src, tmp / name)
+        write_tokenizer_files(tmp, gm, copy_files)
         save_file(unique, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         for name, data in (extra_files or {}).items():
             (tmp / name).write_text(json.dumps(data, indent=2) + "\n")

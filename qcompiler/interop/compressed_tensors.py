@@ -18,7 +18,7 @@ from ..graph import find_linears
 from ..op_registry import OpArgs, args_of, quantized_layer_path, spec_of
 from ..ops import GPTQ_TENSORS
 from ..algorithms.packing import unpack_cols
-from .checkpoint import ExportError, fp_tensors, model_config_of, source_files, write_checkpoint
+from .checkpoint import ExportError, fp_tensors, model_config_of, write_checkpoint
 
 __all__ = ["export_compressed_tensors"]
 
@@ -105,5 +105,5 @@ def export_compressed_tensors(cm, out_dir, *, progress=print, overwrite: bool = 
     }
     progress(f"compressed-tensors checkpoint: {sum(len(p) for _, p in groups.values())} layers in "
              f"{len(groups)} scheme group(s)")
-    return write_checkpoint(out_dir, tensors, config, kind="compressed-tensors", copy_files=source_files(gm),
+    return write_checkpoint(out_dir, tensors, config, kind="compressed-tensors", gm=gm,
                             overwrite=overwrite)

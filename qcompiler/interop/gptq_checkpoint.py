@@ -24,8 +24,7 @@ from safetensors.torch import load_file
 from ..algorithms.packing import unpack_cols
 from ..op_registry import args_of
 from ..ops import GPTQ_TENSORS
-from .checkpoint import (ExportError, fp_tensors, model_config_of, quantized_layers, source_files,
-                         write_checkpoint)
+from .checkpoint import (ExportError, fp_tensors, model_config_of, quantized_layers, write_checkpoint)
 from .gptq_format import read_gptq_checkpoint, zeros_from_v1, zeros_to_v1
 
 __all__ = ["export_gptq", "import_gptq", "zeros_to_v1", "zeros_from_v1"]
@@ -71,7 +70,7 @@ def export_gptq(cm, out_dir, *, zero_format: str = "auto", progress=print, overw
     progress(f"GPTQ checkpoint: {len(layers)} layers, {bits}-bit, group {group_size}, "
              f"{'v1' if v1 else 'v2'} zero points{'' if v1 else ' (some zeros are 0: v1 cannot hold them)'}")
     return write_checkpoint(out_dir, tensors, config, {"quantize_config.json": quant}, kind="gptq",
-                            copy_files=source_files(gm), overwrite=overwrite)
+                            gm=gm, overwrite=overwrite)
 
 
 def import_gptq(folder, backend: str = "eager", *, progress: bool = False):

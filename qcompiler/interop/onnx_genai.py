@@ -9,12 +9,11 @@ dense part) and ``MatMulInteger`` (W8A8), as in every qcompiler ONNX export (doc
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 from typing import Optional
 
 from ..atomic import publish_directory
-from .checkpoint import ExportError, source_files
+from .checkpoint import ExportError, source_files, write_tokenizer_files
 
 __all__ = ["export_onnx_genai", "genai_config"]
 
@@ -80,8 +79,7 @@ def export_onnx_genai(cm, out_dir, *, accuracy_level: Optional[int] = None, over
         progress(f"exporting {cm.capture_info.model_class} ({cm.recipe.name}) to ONNX with its KV cache")
         cm.export_onnx(tmp / "model.onnx", accuracy_level=accuracy_level, overwrite=True)
         (tmp / "genai_config.json").write_text(json.dumps(config, indent=2) + "\n")
-        for name, src in copies.items():
-            shutil.copyfile(src, tmp / name)
+        written = write_tokenizer_files(tmp, cm.graph_module, copies)
         progress(f"genai_config.json ({config['model']['type']}, {config['model']['decoder']['num_hidden_layers']} "
-                 f"layers); copied from the model folder: {', '.join(copies) or 'nothing'}")
+                 f"layers); tokenizer and generation files: {', '.join(written) or 'none'}")
     return out_dir
