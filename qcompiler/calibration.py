@@ -61,9 +61,8 @@ class LayerStats:
         if self.want_hessian:
             if self.hessian is None:
                 self.hessian = torch.zeros(self.in_features, self.in_features, device=x.device)
-            self.hessian.mul_(self.rows / (self.rows + m))
-            x = x * (2.0 / (self.rows + m)) ** 0.5
-            self.hessian.addmm_(x.t(), x)
+            # running mean of 2 x xᵀ in one GEMM call (no scaled copy of the rows)
+            self.hessian.addmm_(x.t(), x, beta=self.rows / (self.rows + m), alpha=2.0 / (self.rows + m))
         self.rows += m
 
 
@@ -220,7 +219,10 @@ class CalibrationEngine:
         return {a for n in self.nodes[start:end] for a in n.all_input_nodes if a.op == "get_attr"}
 
     def _run_range(self, start: int, end: int, observers: dict[Node, Callable], *, advance_to: Optional[int]) -> None:
+        """Run nodes ``start:end`` per batch; an observed node's observer sees the values before it
+        runs, so a node at ``end`` may be observed without running (the last linear of a collect)."""
         attrs = {n: self._to(get_tensor(self.gm, n.target), self.device) for n in self.weights_read(start, end)}
+        last = self.nodes[end] if end < len(self.nodes) and self.nodes[end] in observers else None
         keep = self._live_after(advance_to) if advance_to is not None else None
         for b, state in enumerate(self._states):
             env = {**attrs, **self._to(state, self.device)}
@@ -233,6 +235,8 @@ class CalibrationEngine:
                 if node in observers:
                     observers[node](env, self._masks[b])
                 env[node] = self._interp.run_node(node)
+            if last is not None:
+                observers[last](env, self._masks[b])
             if keep is not None:
                 self._states[b] = self._to({n: env[n] for n in keep}, self.cache_device)
             self._interp.env = {}
@@ -261,8 +265,8 @@ class CalibrationEngine:
             stats.update((expert.expert_path(e), st) for e, st in enumerate(per_expert))
             observers[expert.node] = self._expert_observer(expert, per_expert)
         nodes = [layer.node for layer in layers] + [expert.node for expert in experts]
-        last = max(self._index[node] for node in nodes) + 1 if nodes else seg.start
-        self._run_range(seg.start, last, observers, advance_to=None)
+        last = max(self._index[node] for node in nodes) if nodes else seg.start
+        self._run_range(seg.start, last, observers, advance_to=None)  # observes the last node without running it
         return stats
 
     @staticmethod

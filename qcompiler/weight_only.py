@@ -38,6 +38,7 @@ class LayerQuant(NamedTuple):
     tensors: dict                                             # name -> tensor the rewrite stores
     rewrite: Callable[[GraphModule, LinearLayer, dict], None]  # swaps the node for the method's op(s)
     packed: Optional[GPTQWeight] = None                       # set when stored in the GPTQ layout
+    damped_error: Optional[tuple[float, float]] = None        # GPTQ's (‖E‖², λ): output_error without a GEMM
 
 
 QuantizeFn = Callable[[LinearLayer, torch.Tensor, Optional[torch.Tensor]], LayerQuant]
@@ -137,7 +138,7 @@ def quantize_block_linears(gm: GraphModule, ctx: PassContext, *, quantize: Quant
             _store_dequantized(gm, layer, result.dequantized, stored)
         figures = dict(result.figures)
         if H is not None:
-            figures["rel_error"] = output_error(W, result.dequantized, H)
+            figures["rel_error"] = output_error(W, result.dequantized, H, result.damped_error)
         figures["seconds"] = round(time.perf_counter() - start, 4)
         if figures.get("damp_steps"):
             record.notes.append(f"{layer.path}: Hessian needed damping {figures['damp']:g} "
@@ -182,7 +183,7 @@ def quantize_block_linears(gm: GraphModule, ctx: PassContext, *, quantize: Quant
             if st is not None:
                 figures["calib_rows"] = st.rows
             if H is not None:
-                figures["rel_error"] = output_error(W, result.dequantized, H)
+                figures["rel_error"] = output_error(W, result.dequantized, H, result.damped_error)
                 errors.append(figures["rel_error"])
             elif st is not None:
                 figures["fallback"] = "rtn"
@@ -261,4 +262,4 @@ def gptq_layer_quant(layer: LinearLayer, W: torch.Tensor, res: QuantResult, bits
         replace_linear(gm, layer, "quant_linear", tensors,
                        lambda x, a: dict(x=x, **a, bias=layer.bias_node, bits=packed.bits, group_size=packed.group_size))
     return LayerQuant(res.dequantized, figures, {f: getattr(packed, f) for f in GPTQ_TENSORS},
-                      rewrite, packed)
+                      rewrite, packed, res.damped_error)

@@ -66,6 +66,20 @@ def test_output_error_is_the_relative_error_of_the_layer_outputs():
     assert output_error(W, W_hat, H) == pytest.approx(direct.item(), rel=1e-5)
 
 
+@pytest.mark.parametrize("spec", [dict(group_size=32), dict(group_size=32, act_order=True, static_groups=True),
+                                  dict(group_size=-1, act_order=True)], ids=["g32", "act-static", "channel-act"])
+def test_gptq_sweep_errors_give_the_output_error_without_a_gemm(spec):
+    """tr(ΔW (H + λI) ΔWᵀ) = ‖E‖² for the sweep's scaled errors E: the report's rel_error from them
+    equals the Hessian GEMM's, with a dead input and on a rank-deficient H (where λ‖ΔW‖² is most of ‖E‖²)."""
+    for seed, dead, low_rank in ((1, False, False), (2, True, False), (3, True, True)):
+        W, H = problem(seed=seed, tokens=40 if low_rank else 512)   # 40 rows < 96 inputs: rank-deficient H
+        if dead:
+            H[:, 9] = H[9, :] = 0
+        res = gptq_quantize(W, H, bits=3, **spec)
+        via_gemm = output_error(W, res.dequantized, H)
+        assert output_error(W, res.dequantized, H, res.damped_error) == pytest.approx(via_gemm, rel=1e-4)
+
+
 def test_codes_scales_and_zeros_reproduce_the_dequantized_weight():
     W, H = problem()
     for res in (gptq_quantize(W, H, bits=3, group_size=32, act_order=True), rtn_quantize(W, bits=3, group_size=32)):

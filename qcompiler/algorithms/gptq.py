@@ -29,6 +29,8 @@ class QuantResult(NamedTuple):
     dequantized: torch.Tensor  # float32 [out, in]: what the stored tensors stand for
     damp: float                # relative damping that made H positive definite (0 for RTN)
     damp_steps: int            # how many times damping was raised (0: the default sufficed)
+    # GPTQ only: (‖E‖², λ) with E the sweep's scaled errors: tr(ΔW (H + λI) ΔWᵀ) = ‖E‖² (output_error)
+    damped_error: Optional[tuple[float, float]] = None
 
 
 def check_spec(bits: int, group_size: int) -> None:
@@ -94,12 +96,13 @@ class HessianFactor(NamedTuple):
     U: torch.Tensor                  # upper Cholesky factor of (H + λI)⁻¹, processing order
     damp: float
     damp_steps: int
+    lam: float                       # the absolute λ = damp · mean(diag H) (dead inputs' H_ii counted as 1)
 
 
 def hessian_factor(H: torch.Tensor, damp: float, act_order: bool) -> HessianFactor:
     H, dead, perm = _condition(H, act_order)
     U, damp_used, steps = inverse_hessian_cholesky(H, damp)
-    return HessianFactor(dead, perm, U, damp_used, steps)
+    return HessianFactor(dead, perm, U, damp_used, steps, damp_used * torch.diagonal(H).mean().item())
 
 
 class _Groups:
@@ -190,6 +193,7 @@ def gptq_quantize(W: torch.Tensor, H: Optional[torch.Tensor], *, bits: int, grou
     codesT = torch.empty_like(WT)                      # integer codes as floats until the end
     diag = torch.diagonal(U).tolist()                  # one sync per layer, not one per column
     maxq = float(2 ** bits - 1)
+    error_sq = 0.0
     for i1 in range(0, n_in, block_size):
         i2 = min(i1 + block_size, n_in)
         W1, U1 = WT[i1:i2], U[i1:i2, i1:i2]
@@ -203,12 +207,13 @@ def gptq_quantize(W: torch.Tensor, H: Optional[torch.Tensor], *, bits: int, grou
             err = torch.sub(W1[i], QT[j], out=Err1[i]).div_(diag[j])
             W1[i + 1:].addr_(U1[i, i + 1:], err, alpha=-1)
         WT[i2:].addmm_(U[i1:i2, i2:].t(), Err1, alpha=-1)
+        error_sq += torch.linalg.vector_norm(Err1).item() ** 2
     if perm is not None:  # back to the original column order: whole rows of the transposed tensors
         inv = torch.argsort(perm)
         QT, codesT = QT[inv], codesT[inv]
     # codes stay a transposed view: packing wants exactly [in, out] (pack_gptq's .t().contiguous() is free)
     return QuantResult(codesT.to(torch.int32).t(), groups.scales, groups.zeros, groups.g_idx.to(QT.device),
-                       QT.t().contiguous(), f.damp, f.damp_steps)
+                       QT.t().contiguous(), f.damp, f.damp_steps, (error_sq, f.lam))
 
 
 def gptq_quantize_reference(W: torch.Tensor, H: torch.Tensor, *, bits: int, group_size: int = 128,
@@ -246,14 +251,28 @@ def rtn_quantize(W: torch.Tensor, *, bits: int, group_size: int = 128, sym: bool
     return QuantResult(codes, groups.scales, groups.zeros, g_idx, scale * (codes.float() - zero), 0.0, 0)
 
 
-def output_error(W: torch.Tensor, W_hat: torch.Tensor, H: torch.Tensor) -> float:
+def output_error(W: torch.Tensor, W_hat: torch.Tensor, H: torch.Tensor,
+                 damped_error: Optional[tuple[float, float]] = None) -> float:
     """‖WX − ŴX‖ / ‖WX‖ over the calibration inputs, from their Hessian (no activations needed).
 
-    One float32 GEMM for both quadratic forms (``[D; W] @ H``), the row dot products summed in
-    float64: a report figure, ~10x cheaper than float64 einsums (it was ~15 % of a GPTQ run)."""
+    The quadratic forms are float32 GEMMs with the row dot products summed in float64. With GPTQ's
+    ``damped_error`` = (‖E‖², λ) the numerator needs no GEMM: the sweep's scaled errors E satisfy
+    ``ΔW = E·U`` with ``UᵀU = (H + λI)⁻¹``, so ``tr(ΔW (H + λI) ΔWᵀ) = ‖E‖²`` exactly; subtract
+    λ‖ΔW‖² (and the unit diagonal GPTQ gave dead inputs, whose weights it zeroed)."""
     W = W.float()
     D = W - W_hat.float()
-    both = torch.cat([D, W]) @ H.float()
-    num = (both[: W.shape[0]] * D).double().sum().clamp(min=0).item()
-    den = (both[W.shape[0]:] * W).double().sum().item()
+    if damped_error is None:
+        both = torch.cat([D, W]) @ H.float()
+        num = (both[: W.shape[0]] * D).double().sum().clamp(min=0).item()
+        den = (both[W.shape[0]:] * W).double().sum().item()
+    else:
+        dead = torch.diagonal(H) == 0
+        swept_sq = torch.linalg.vector_norm(D, dtype=torch.float64).item() ** 2
+        dead_sq = 0.0
+        if bool(dead.any()):  # GPTQ zeroed these weights and gave them H_ii = 1: it saw 0 − Ŵ there
+            dead_sq = torch.linalg.vector_norm(W_hat[:, dead], dtype=torch.float64).item() ** 2
+            swept_sq += dead_sq - torch.linalg.vector_norm(D[:, dead], dtype=torch.float64).item() ** 2
+        error_sq, lam = damped_error
+        num = max(error_sq - lam * swept_sq - dead_sq, 0.0)
+        den = torch.mul(W @ H.float(), W).sum(dtype=torch.float64).item()
     return (num / den) ** 0.5 if den > 0 else num ** 0.5
