@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 import warnings
-from typing import Callable, NamedTuple, Optional
+from typing import Callable, NamedTuple, Optional, Union
 
 import torch
 from torch.fx import GraphModule
@@ -85,6 +85,124 @@ def is_output_head(path: str) -> bool:
     return path.rsplit(".", 1)[-1] in ("lm_head", "embed_out")
 
 
+class _BlockQuantizer:
+    """One weight-quantizing pass's walk: solves each layer (or expert matrix) on the compute
+    device, records it, and keeps what the final rewrite stores."""
+
+    def __init__(self, gm: GraphModule, ctx: PassContext, quantize: QuantizeFn, fallback: Optional[QuantizeFn],
+                 ignore: tuple[str, ...]):
+        self.gm, self.ctx, self.record = gm, ctx, ctx.record
+        self.quantize, self.fallback, self.ignore = quantize, fallback, ignore
+        self.done: list[tuple[LinearLayer, dict, Callable]] = []
+        self.experts_done: list[tuple[ExpertLinear, dict, GPTQWeight]] = []
+        self.skipped: list[str] = []
+        self._on_device: list = []  # (Hessian, its compute-device copy): siblings share one copy, so one factor
+
+    def _to_compute(self, H: Optional[torch.Tensor], compute) -> Optional[torch.Tensor]:
+        if H is None:
+            return None
+        if not self._on_device or self._on_device[0] is not H:
+            self._on_device[:] = [H, H.to(compute)]
+        return self._on_device[1]
+
+    def skip(self, path: str, why: str) -> None:
+        self.skipped.append(path)
+        self.record.notes.append(f"{path}: kept in full precision ({why})")
+        self.ctx.log(f"  {path}: kept in full precision ({why})")
+
+    @staticmethod
+    def solve(method: QuantizeFn, layer: LinearLayer, path: str, W: torch.Tensor,
+              H: Optional[torch.Tensor]) -> tuple[Optional[LayerQuant], Union[dict, str]]:
+        """``method`` on one fp32 matrix (on the compute device) and its report figures, or
+        ``(None, why)`` when the packed layout cannot hold it (the caller skips the layer)."""
+        _check_finite(path, W)
+        try:
+            result = method(layer, W, H)
+        except UnpackableLayer as exc:
+            return None, str(exc).split(": ", 1)[-1]
+        except QuantizationError as exc:
+            raise QuantizationError(exc.args[0] if str(exc).startswith("layer ") else f"layer {path}: {exc}") from None
+        figures = dict(result.figures)
+        if H is not None:
+            figures["rel_error"] = output_error(W, result.dequantized, H, result.damped_error)
+        return result, figures
+
+    def linear(self, layer: LinearLayer, H: Optional[torch.Tensor], start: float, *,
+               method: Optional[QuantizeFn] = None, store: bool = True) -> None:
+        if is_router(layer.path):
+            return self.skip(layer.path, "mixture-of-experts router")
+        if why := ignore_reason(layer.path, self.ignore):
+            return self.skip(layer.path, why)
+        stored = layer.weight(self.gm)  # read once (a streamed weight comes from disk)
+        compute = self.ctx.device or stored.device
+        result, figures = self.solve(method or self.quantize, layer, layer.path, stored.detach().float().to(compute),
+                                     self._to_compute(H, compute))
+        if result is None:
+            return self.skip(layer.path, figures)
+        if store:  # later blocks must see the quantized weights; nothing runs after the head
+            _store_dequantized(self.gm, layer, result.dequantized, stored)
+        figures["seconds"] = round(time.perf_counter() - start, 4)
+        if figures.get("damp_steps"):
+            self.record.notes.append(f"{layer.path}: Hessian needed damping {figures['damp']:g} "
+                                     f"(raised {figures['damp_steps']}x from the default)")
+        self.record.layers[layer.path] = figures
+        error = f", relative output error {figures['rel_error']:.3g}" if "rel_error" in figures else ""
+        self.ctx.log(f"  {layer.path}: {figures.get('bits', '?')}-bit{error}, {figures['seconds']:.2f}s")
+        # Only what is stored is kept (on the weights' device), not the fp32 dequantized weight.
+        self.done.append((layer, {k: v.to(stored.device) for k, v in result.tensors.items()}, result.rewrite))
+
+    def experts(self, expert: ExpertLinear, stats: Optional[dict], *, store: bool = True) -> None:
+        """Quantize each expert matrix of one 3-D parameter; later blocks see the dequantized ones.
+        An expert no calibration row reached is quantized with the fallback (RTN), with a note."""
+        why = ignore_reason(expert.path, self.ignore) or (
+            None if self.fallback else f"{self.record.name} does not quantize 3-D expert weights")
+        if why:
+            return self.skip(expert.path, why)
+        start, stored = time.perf_counter(), expert.stored(self.gm)
+        compute = self.ctx.device or stored.device
+        dequantized, packs, errors = [], [], []
+        for e in range(expert.num_experts):
+            path = expert.expert_path(e)
+            layer = LinearLayer(expert.node, path, expert.input, expert.weight_node, None, False)
+            st = None if stats is None else stats[path]
+            H = None if st is None or st.rows == 0 else st.hessian.to(compute)
+            method = self.quantize if st is None or H is not None else self.fallback
+            W = expert.expert_weight(stored, e).detach().float().to(compute)
+            result, figures = self.solve(method, layer, path, W, H)
+            if result is None:
+                return self.skip(expert.path, figures)
+            if result.packed is None:
+                raise QuantizationError(f"layer {path}: {self.record.name} did not store the GPTQ layout")
+            if st is not None:
+                figures["calib_rows"] = st.rows
+            if "rel_error" in figures:
+                errors.append(figures["rel_error"])
+            elif st is not None:
+                figures["fallback"] = "rtn"
+                self.record.notes.append(f"{path}: received no calibration tokens, quantized with RTN")
+            self.record.layers[path] = figures
+            dequantized.append(result.dequantized.to(stored.device))
+            packs.append(result.packed)
+        if store:
+            W_hat = torch.stack(dequantized)  # [E, out, in]
+            set_tensor(self.gm, expert.weight_node.target,
+                       (W_hat if expert.transposed else W_hat.transpose(1, 2)).to(stored.dtype).contiguous())
+        tensors = {f: torch.stack([getattr(p, f) for p in packs]).to(stored.device) for f in GPTQ_TENSORS}
+        self.experts_done.append((expert, tensors, packs[0]))
+        error = f", mean relative output error {sum(errors) / len(errors):.3g}" if errors else ""
+        self.ctx.log(f"  {expert.path}: {expert.num_experts} experts, {packs[0].bits}-bit{error}, "
+                     f"{time.perf_counter() - start:.2f}s")
+
+    def rewrite(self) -> bool:
+        """Swap every solved node for the method's op(s); returns whether anything was quantized."""
+        for layer, tensors, rewrite in self.done:
+            rewrite(self.gm, layer, tensors)
+        for expert, tensors, packed in self.experts_done:
+            replace_experts(self.gm, expert, tensors, packed)
+        self.gm.graph.eliminate_dead_code()
+        return bool(self.done or self.experts_done)
+
+
 def quantize_block_linears(gm: GraphModule, ctx: PassContext, *, quantize: QuantizeFn,
                            true_sequential: bool, needs_hessian: bool, head: Optional[QuantizeFn] = None,
                            ignore: tuple[str, ...] = (), fallback: Optional[QuantizeFn] = None) -> bool:
@@ -98,154 +216,51 @@ def quantize_block_linears(gm: GraphModule, ctx: PassContext, *, quantize: Quant
 
     Layers are solved on ``ctx.device`` (one at a time: only that layer's weight, Hessian and result
     are there); what is stored goes back to where the graph's weights live."""
-    record = ctx.record
-    done: list[tuple[LinearLayer, dict, Callable]] = []
-
-    skipped: list[str] = []
-    on_device: list = []  # (Hessian, its copy on the compute device): siblings share one copy, so one factor
-
-    def to_compute(H: Optional[torch.Tensor], compute) -> Optional[torch.Tensor]:
-        if H is None:
-            return None
-        if not on_device or on_device[0] is not H:
-            on_device[:] = [H, H.to(compute)]
-        return on_device[1]
-
-    def skip(layer: LinearLayer, why: str) -> None:
-        skipped.append(layer.path)
-        record.notes.append(f"{layer.path}: kept in full precision ({why})")
-        ctx.log(f"  {layer.path}: kept in full precision ({why})")
-
-    def finish(layer: LinearLayer, H: Optional[torch.Tensor], start: float, *,
-               method: QuantizeFn = quantize, store: bool = True) -> None:
-        if is_router(layer.path):
-            return skip(layer, "mixture-of-experts router")
-        why = ignore_reason(layer.path, ignore)
-        if why:
-            return skip(layer, why)
-        stored = layer.weight(gm)  # read once (a streamed weight comes from disk)
-        W = stored.detach().float()
-        _check_finite(layer.path, W)
-        compute = ctx.device or stored.device
-        W, H = W.to(compute), to_compute(H, compute)
-        try:
-            result = method(layer, W, H)
-        except UnpackableLayer as exc:
-            return skip(layer, str(exc).split(": ", 1)[-1])
-        except QuantizationError as exc:
-            raise QuantizationError(exc.args[0] if str(exc).startswith("layer ") else f"layer {layer.path}: {exc}") from None
-        if store:  # later blocks must see the quantized weights; nothing runs after the head
-            _store_dequantized(gm, layer, result.dequantized, stored)
-        figures = dict(result.figures)
-        if H is not None:
-            figures["rel_error"] = output_error(W, result.dequantized, H, result.damped_error)
-        figures["seconds"] = round(time.perf_counter() - start, 4)
-        if figures.get("damp_steps"):
-            record.notes.append(f"{layer.path}: Hessian needed damping {figures['damp']:g} "
-                                f"(raised {figures['damp_steps']}x from the default)")
-        record.layers[layer.path] = figures
-        error = f", relative output error {figures['rel_error']:.3g}" if "rel_error" in figures else ""
-        ctx.log(f"  {layer.path}: {figures.get('bits', '?')}-bit{error}, {figures['seconds']:.2f}s")
-        # Only what is stored is kept (on the weights' device), not the fp32 dequantized weight.
-        done.append((layer, {k: v.to(stored.device) for k, v in result.tensors.items()}, result.rewrite))
-
-    experts_done: list[tuple[ExpertLinear, dict, GPTQWeight]] = []
-
-    def finish_experts(expert: ExpertLinear, stats: Optional[dict], *, store: bool = True) -> None:
-        """Quantize each expert matrix of one 3-D parameter; later blocks see the dequantized ones."""
-        why = ignore_reason(expert.path, ignore) or (None if fallback else
-                                                   f"{record.name} does not quantize 3-D expert weights")
-        if why:
-            skipped.append(expert.path)
-            record.notes.append(f"{expert.path}: kept in full precision ({why})")
-            return
-        start, stored = time.perf_counter(), expert.stored(gm)
-        compute = ctx.device or stored.device
-        dequantized, packs, errors = [], [], []
-        for e in range(expert.num_experts):
-            path = expert.expert_path(e)
-            layer = LinearLayer(expert.node, path, expert.input, expert.weight_node, None, False)
-            W = expert.expert_weight(stored, e).detach().float()
-            _check_finite(path, W)
-            W = W.to(compute)
-            st = None if stats is None else stats[path]
-            H = None if st is None or st.rows == 0 else st.hessian.to(compute)
-            method = quantize if st is None or H is not None else fallback
-            try:
-                result = method(layer, W, H)
-            except UnpackableLayer as exc:
-                skipped.append(expert.path)
-                record.notes.append(f"{expert.path}: kept in full precision ({str(exc).split(': ', 1)[-1]})")
-                return
-            if result.packed is None:
-                raise QuantizationError(f"layer {path}: {record.name} did not store the GPTQ layout")
-            figures = dict(result.figures)
-            if st is not None:
-                figures["calib_rows"] = st.rows
-            if H is not None:
-                figures["rel_error"] = output_error(W, result.dequantized, H, result.damped_error)
-                errors.append(figures["rel_error"])
-            elif st is not None:
-                figures["fallback"] = "rtn"
-                record.notes.append(f"{path}: received no calibration tokens, quantized with RTN")
-            record.layers[path] = figures
-            dequantized.append(result.dequantized.to(stored.device))
-            packs.append(result.packed)
-        if store:
-            W_hat = torch.stack(dequantized)  # [E, out, in]
-            set_tensor(gm, expert.weight_node.target,
-                       (W_hat if expert.transposed else W_hat.transpose(1, 2)).to(stored.dtype).contiguous())
-        tensors = {f: torch.stack([getattr(p, f) for p in packs]).to(stored.device)
-                   for f in GPTQ_TENSORS}
-        experts_done.append((expert, tensors, packs[0]))
-        error = f", mean relative output error {sum(errors) / len(errors):.3g}" if errors else ""
-        ctx.log(f"  {expert.path}: {expert.num_experts} experts, {packs[0].bits}-bit{error}, "
-                f"{time.perf_counter() - start:.2f}s")
-
+    walk = _BlockQuantizer(gm, ctx, quantize, fallback, ignore)
     if ctx.calibration is None:
         if needs_hessian:
             raise QuantizationError("calibration data is required")
         for layer in find_linears(gm):  # nothing runs the graph: no need to store what stands for the codes
             if block_of(layer.path) is not None:
-                finish(layer, None, time.perf_counter(), store=False)
+                walk.linear(layer, None, time.perf_counter(), store=False)
         for expert in find_expert_linears(gm):
             if block_of(expert.path) is not None:
-                finish_experts(expert, None, store=False)
+                walk.experts(expert, None, store=False)
     else:
-        engine = CalibrationEngine.for_pass(gm, ctx)
-        previous: list[LinearLayer] = []
-        for seg in engine.blocks():
-            _release(gm, previous)  # the previous block has run with them: nothing reads them again
-            for group in (seg.sibling_groups() if true_sequential else [seg.linears]):
-                if not group:
-                    continue
-                start = time.perf_counter()
-                stats = engine.collect(seg, group)
-                for layer in group:
-                    finish(layer, stats[layer.path].hessian, start)
-            for expert in seg.experts:  # one at a time: down_proj sees the quantized gate_up_proj
-                finish_experts(expert, engine.collect(seg, [], experts=[expert]) if fallback else None)
-            previous = [layer for layer in seg.linears if layer.path in record.layers]  # quantized, not skipped
+        _calibrated_walk(walk, CalibrationEngine.for_pass(gm, ctx), true_sequential)
     if head is not None:  # not stored back: a tied embedding keeps reading the FP weight
         heads = [layer for layer in find_linears(gm) if is_output_head(layer.path)]
         if not heads:
-            record.notes.append("asked to quantize the output head, but the graph has no lm_head/embed_out linear")
+            ctx.record.notes.append("asked to quantize the output head, but the graph has no lm_head/embed_out linear")
         for layer in heads:
-            finish(layer, None, time.perf_counter(), method=head, store=False)
-    report_unmatched(record.name, ignore, [layer.path for layer in find_linears(gm)]
-                     + [expert.path for expert in find_expert_linears(gm)], record.notes)
-    for layer, tensors, rewrite in done:
-        rewrite(gm, layer, tensors)
-    for expert, tensors, packed in experts_done:
-        replace_experts(gm, expert, tensors, packed)
-    gm.graph.eliminate_dead_code()
-    if not done and not experts_done:
-        record.notes.append("nothing was quantized: " + (f"every eligible layer was kept in full precision "
-                            f"({len(skipped)})" if skipped else "no unquantized linear layer inside a transformer block "
-                            "(an earlier pass quantized them, or the model's linears lie outside numbered "
-                            "blocks such as model.layers.N; lm_head is never quantized)"))
-        warnings.warn(f"qcompiler: {record.name} quantized no layer: {record.notes[-1]}", stacklevel=2)
-    return bool(done)
+            walk.linear(layer, None, time.perf_counter(), method=head, store=False)
+    report_unmatched(ctx.record.name, ignore, [layer.path for layer in find_linears(gm)]
+                     + [expert.path for expert in find_expert_linears(gm)], ctx.record.notes)
+    if walk.rewrite():
+        return True
+    ctx.record.notes.append("nothing was quantized: " + (
+        f"every eligible layer was kept in full precision ({len(walk.skipped)})" if walk.skipped else
+        "no unquantized linear layer inside a transformer block (an earlier pass quantized them, or the "
+        "model's linears lie outside numbered blocks such as model.layers.N; lm_head is never quantized)"))
+    warnings.warn(f"qcompiler: {ctx.record.name} quantized no layer: {ctx.record.notes[-1]}", stacklevel=2)
+    return False
+
+
+def _calibrated_walk(walk: _BlockQuantizer, engine: CalibrationEngine, true_sequential: bool) -> None:
+    """Block by block: collect the inputs' statistics, solve, move on with the quantized weights."""
+    previous: list[LinearLayer] = []
+    for seg in engine.blocks():
+        _release(walk.gm, previous)  # the previous block has run with them: nothing reads them again
+        for group in (seg.sibling_groups() if true_sequential else [seg.linears]):
+            if not group:
+                continue
+            start = time.perf_counter()
+            stats = engine.collect(seg, group)
+            for layer in group:
+                walk.linear(layer, stats[layer.path].hessian, start)
+        for expert in seg.experts:  # one at a time: down_proj sees the quantized gate_up_proj
+            walk.experts(expert, engine.collect(seg, [], experts=[expert]) if walk.fallback else None)
+        previous = [layer for layer in seg.linears if layer.path in walk.record.layers]  # quantized, not skipped
 
 
 def gptq_layer_quant(layer: LinearLayer, W: torch.Tensor, res: QuantResult, bits: int, group_size: int) -> LayerQuant:

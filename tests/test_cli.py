@@ -131,6 +131,11 @@ def test_generate_streams_the_artifacts_greedy_continuation(artifact, capsys):
     cm, loaded = qc.load(artifact), load("tinylm")
     expected = loaded.decode(cm.generate(loaded.encode(prompt), 24)[0])
     assert printed.rstrip("\n") == expected.rstrip("\n")
+
+
+@pytest.mark.parametrize("backend", ["eager", pytest.param("onnxruntime", marks=pytest.mark.slow)])
+def test_generate_takes_several_prompts_on_any_backend(artifact, backend, capsys):
     assert main(["generate", str(artifact), "--prompt", "import os", "--prompt", "def f(", "--max-new-tokens",
-                 "4", "--backend", "onnxruntime"]) == 0
-    assert printed and "'import os' -> " in capsys.readouterr().out
+                 "4", "--backend", backend]) == 0
+    printed = capsys.readouterr().out
+    assert "'import os' -> " in printed and "'def f(' -> " in printed

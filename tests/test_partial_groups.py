@@ -40,12 +40,11 @@ def test_every_layer_records_the_recipes_group_size(compiled):
 def test_onnx_export_uses_matmul_nbits_for_every_layer(compiled, tmp_path):
     pytest.importorskip("onnxruntime")
     _, cm, x = compiled
-    path = cm.export_onnx(tmp_path / "m.onnx")
-    proto = onnx.load(str(path), load_external_data=False)
+    ort = cm.with_backend("onnxruntime", path=str(tmp_path / "run.onnx"), accuracy_level=0)  # fp32 compute: exact layout check
+    proto = onnx.load(str(tmp_path / "run.onnx"), load_external_data=False)
     assert sum(n.op_type == "MatMulNBits" for n in proto.graph.node) == 7
     notes = {p.key: p.value for p in proto.metadata_props}.get("qcompiler.notes", "")
     assert "fp32 MatMul" not in notes, notes
-    ort = cm.with_backend("onnxruntime", path=str(tmp_path / "run.onnx"), accuracy_level=0)  # fp32 compute: exact layout check
     want, got = main_output(cm(**x)), main_output(ort(**x))
     assert ((got - want).norm() / want.norm()) < 1e-3
 
