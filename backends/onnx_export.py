@@ -211,7 +211,7 @@ def export_onnx(gm: GraphModule, path, example_inputs: tuple[tuple, dict], *, re
     for node in model.graph.node:  # the exporter's per-node debug metadata (stack traces) was ~20 % of the file
         del node.metadata_props[:]
         node.doc_string = ""
-    meta = {"qcompiler.recipe": recipe, "qcompiler.onnx_opset": str(ONNX_OPSET),
+    meta = {"qcompiler.recipe": recipe or gm.meta.get("qcompiler_recipe", ""), "qcompiler.onnx_opset": str(ONNX_OPSET),
             "qcompiler.com_microsoft_opset": str(MSFT_OPSET), "qcompiler.matmul_nbits_accuracy_level": str(level),
             "qcompiler.notes": "; ".join(notes)}
     for key, value in meta.items():

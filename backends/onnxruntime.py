@@ -35,15 +35,15 @@ def session_for(path, *, threads: Optional[int] = None):
 
 
 def prepare_onnxruntime(gm: GraphModule, example_inputs: tuple[tuple, dict], *, path=None,
-                        threads: Optional[int] = None, accuracy_level: Optional[int] = None, recipe: str = ""):
+                        threads: Optional[int] = None, accuracy_level: Optional[int] = None):
     """Export ``gm`` (to ``path``, or to a temporary folder removed once the session holds the
     model) and return a callable session wrapper."""
     if path is None:
         with tempfile.TemporaryDirectory(prefix="qcompiler-onnx-") as tmp:
-            export_onnx(gm, Path(tmp) / "model.onnx", example_inputs, recipe=recipe, accuracy_level=accuracy_level)
+            export_onnx(gm, Path(tmp) / "model.onnx", example_inputs, accuracy_level=accuracy_level)
             session = session_for(Path(tmp) / "model.onnx", threads=threads)
     else:
-        export_onnx(gm, path, example_inputs, recipe=recipe, accuracy_level=accuracy_level, overwrite=True)
+        export_onnx(gm, path, example_inputs, accuracy_level=accuracy_level, overwrite=True)
         session = session_for(path, threads=threads)
     names = [i.name for i in session.get_inputs()]
     out_spec = gm._out_spec

@@ -158,10 +158,8 @@ def on_backend(gm: GraphModule, recipe: Recipe, report: Report, backend: str, ex
     Shared by ``compile``, ``qc.load`` and ``with_backend``."""
     from .backends import get_backend  # qcompiler.backends imports this module's package
 
-    options = dict(options or {})
-    if backend == "onnxruntime":
-        options.setdefault("recipe", recipe.name)
-    runner = get_backend(backend)(gm, example_inputs, **options)
+    gm.meta["qcompiler_recipe"] = recipe.name  # what made this graph: exports record it (ONNX metadata)
+    runner = get_backend(backend)(gm, example_inputs, **dict(options or {}))
     if getattr(runner, "record", None) is not None:
         report.passes.append(runner.record)
     return CompiledModel(gm, recipe, report, backend, runner, example_inputs)
