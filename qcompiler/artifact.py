@@ -264,7 +264,8 @@ def read(path) -> StoredModel:
                                            capture.get("model_config"), capture.get("source_path"),
                                            capture.get("cache"), {
                                                str(k): v for k, v in (capture.get("optional_inputs") or {}).items()
-                                               if k in OPTIONAL_INPUTS and v in ("ones", "zeros")})
+                                               if k in OPTIONAL_INPUTS and v in ("ones", "zeros")},
+                                           tuple(str(name) for name in capture.get("transient", ())))
         layout = manifest["example_inputs"]
         example_inputs = (tuple(examples[k] for k in layout["args"]),
                           {k: examples[v["tensor"]] if "tensor" in v else

@@ -36,6 +36,9 @@ class CaptureInfo:
     source_path: Optional[str] = None    # the folder the model was loaded from (never overwritten)
     cache: Optional[dict] = None         # a causal LM captured with its KV cache: causal_lm.CacheLayout
     optional_inputs: dict = field(default_factory=dict)  # inputs filled in when the caller omits them
+    # graph tensors that are not the model's state (non-persistent buffers such as rotary inv_freq,
+    # torch.export's lifted constants): checkpoint exports leave them out, as from_pretrained would
+    transient: tuple[str, ...] = ()
 
 
 def normalize_inputs(example_inputs) -> tuple[tuple, dict]:
@@ -137,8 +140,15 @@ def capture(model: torch.nn.Module, example_inputs) -> torch.fx.GraphModule:
     gm.meta["qcompiler"] = CaptureInfo(
         model_class=type(model).__name__, arg_count=len(args), kwarg_names=tuple(kwargs),
         constant_kwargs={k: v for k, v in kwargs.items() if not isinstance(v, torch.Tensor)},
-        model_config=_config_dict(model), source_path=_source_folder(model), optional_inputs=optional)
+        model_config=_config_dict(model), source_path=_source_folder(model), optional_inputs=optional,
+        transient=transient_tensors(gm, model))
     return gm
+
+
+def transient_tensors(gm: torch.fx.GraphModule, model: torch.nn.Module) -> tuple[str, ...]:
+    """The graph's stored tensors that are not in ``model``'s state dict."""
+    state = set(model.state_dict(keep_vars=True))
+    return tuple(sorted({n.target for n in gm.graph.nodes if n.op == "get_attr" and n.target not in state}))
 
 
 # Inputs an encoder's callers may or may not pass: captured always (with the value that means
@@ -205,7 +215,8 @@ def _capture_with_cache(model: torch.nn.Module, kwargs: dict) -> torch.fx.GraphM
     gm.recompile()
     gm.meta["qcompiler"] = CaptureInfo(
         model_class=type(model).__name__, arg_count=0, kwarg_names=tuple(inputs), constant_kwargs={},
-        model_config=_config_dict(model), source_path=_source_folder(model), cache=layout.to_dict())
+        model_config=_config_dict(model), source_path=_source_folder(model), cache=layout.to_dict(),
+        transient=transient_tensors(gm, model))
     return gm
 
 

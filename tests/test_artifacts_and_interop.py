@@ -109,6 +109,26 @@ def test_gptq_checkpoint_round_trip_is_bit_identical(recipe, zero_format, desc_a
     assert _same_outputs(cm, back)
 
 
+def test_checkpoint_exports_hold_only_the_models_own_tensor_names(tmp_path):
+    """Loaders map every tensor name to a parameter (vLLM refuses an unknown one): no export-lifted
+    constants, no non-persistent buffers (rotary inv_freq), nothing beside the packed layers."""
+    from safetensors import safe_open
+    model = make_model("llama")
+    cm = qc.compile(model, {"input_ids": example_inputs("llama")["input_ids"]}, recipe="rtn-w4g128", progress=False)
+    assert cm.cache_layout is not None and any("lifted_tensor" in n for n in cm.capture_info.transient)
+    state = set(model.state_dict())
+    quantized = {row["layer"] for row in cm.report.layer_table()}
+    for export, suffixes in ((export_gptq, ("qweight", "qzeros", "scales", "g_idx")),
+                             (export_compressed_tensors, ("weight_packed", "weight_scale", "weight_zero_point",
+                                                          "weight_shape"))):
+        folder = export(cm, tmp_path / export.__name__, progress=lambda _m: None)
+        with safe_open(str(folder / "model.safetensors"), "pt") as f:
+            names = set(f.keys())
+        packed = {f"{layer}.{s}" for layer in quantized for s in suffixes}
+        assert names - packed <= state, sorted(names - packed - state)
+        assert names - packed == state - {f"{layer}.weight" for layer in quantized}
+
+
 def test_gptq_v1_refuses_zero_points_it_cannot_hold(tmp_path):
     model = make_model("llama")
     with torch.no_grad():

