@@ -178,6 +178,7 @@ def export(artifact: Path = typer.Argument(..., help="artifact folder written by
            format: ExportFormat = typer.Option(..., "--format"),
            dest: Path = typer.Option(..., "--out", help="file (onnx) or folder (onnx-genai, gptq, compressed-tensors)"),
            zero_format: str = typer.Option("auto", help="gptq only: auto | v1 | v2 zero points"),
+           max_shard_gb: float = typer.Option(5.0, help="gptq, compressed-tensors: safetensors shard size (GiB)"),
            accuracy_level: Optional[int] = typer.Option(None, help="onnx, onnx-genai: MatMulNBits accuracy_level "
                                                         "(default 4: int8 activations, fastest on CPU; 0: exact)"),
            overwrite: bool = typer.Option(False, help="replace --out even if qcompiler did not write it")):
@@ -194,9 +195,11 @@ def export(artifact: Path = typer.Argument(..., help="artifact folder written by
     elif format is ExportFormat.onnx_genai:
         export_onnx_genai(cm, dest, accuracy_level=accuracy_level, overwrite=overwrite, progress=out.print)
     elif format is ExportFormat.gptq:
-        export_gptq(cm, dest, zero_format=zero_format, progress=out.print, overwrite=overwrite)
+        export_gptq(cm, dest, zero_format=zero_format, progress=out.print, overwrite=overwrite,
+                    max_shard_bytes=int(max_shard_gb * 1024 ** 3))
     else:
-        export_compressed_tensors(cm, dest, progress=out.print, overwrite=overwrite)
+        export_compressed_tensors(cm, dest, progress=out.print, overwrite=overwrite,
+                                  max_shard_bytes=int(max_shard_gb * 1024 ** 3))
     out.print(f"wrote {dest}")
 
 

@@ -129,6 +129,28 @@ def test_checkpoint_exports_hold_only_the_models_own_tensor_names(tmp_path):
         assert names - packed == state - {f"{layer}.weight" for layer in quantized}
 
 
+def test_sharded_checkpoint_has_an_index_and_imports_bit_identical(tmp_path):
+    cm = _compile("rtn-w4g128")
+    limit = 40_000
+    folder = export_gptq(cm, tmp_path / "sharded", max_shard_bytes=limit, progress=lambda _m: None)
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    shards = sorted(p.name for p in folder.glob("*.safetensors"))
+    assert len(shards) > 2 and shards == sorted(set(index["weight_map"].values()))
+    assert not (folder / "model.safetensors").exists()
+    from safetensors import safe_open
+    total = 0
+    for shard in shards:
+        with safe_open(str(folder / shard), "pt") as f:
+            sizes = [f.get_tensor(k).numel() * f.get_tensor(k).element_size() for k in f.keys()]
+            assert all(index["weight_map"][k] == shard for k in f.keys())
+        assert sum(sizes) <= limit or len(sizes) == 1          # a bigger tensor gets a shard of its own
+        total += sum(sizes)
+    assert index["metadata"]["total_size"] == total
+    assert _same_outputs(cm, import_gptq(folder))
+    with pytest.raises(ValueError, match="max_shard_bytes"):
+        export_gptq(cm, tmp_path / "bad", max_shard_bytes=0, progress=lambda _m: None)
+
+
 def test_gptq_v1_refuses_zero_points_it_cannot_hold(tmp_path):
     model = make_model("llama")
     with torch.no_grad():

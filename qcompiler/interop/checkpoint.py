@@ -102,22 +102,63 @@ def write_tokenizer_files(tmp: Path, gm: GraphModule, copied) -> list[str]:
     return names
 
 
+DEFAULT_SHARD_BYTES = 5 * 1024 ** 3  # the Hugging Face Hub's long-standing shard size
+
+
+def plan_shards(tensors: dict[str, torch.Tensor], max_bytes: int) -> list[list[str]]:
+    """Names in order, cut into shards of at most ``max_bytes`` (a bigger tensor gets its own)."""
+    shards, size = [[]], 0
+    for name, t in tensors.items():
+        nbytes = t.numel() * t.element_size()
+        if shards[-1] and size + nbytes > max_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(name)
+        size += nbytes
+    return shards
+
+
+def _write_shards(tmp: Path, tensors: dict[str, torch.Tensor], max_bytes: int) -> list[str]:
+    """``model.safetensors``, or ``model-0000k-of-0000n.safetensors`` + ``model.safetensors.index.json``
+    (what transformers, vLLM and GPTQModel read). One shard's contiguous copies exist at a time, so
+    the packed layers are never all copied at once. Returns the files written."""
+    shards = plan_shards(tensors, max_bytes)
+    names = (["model.safetensors"] if len(shards) == 1 else
+             [f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors" for k in range(len(shards))])
+    seen, weight_map, total = set(), {}, 0
+    for file, shard in zip(names, shards):
+        unique = {}
+        for name in shard:  # safetensors refuses tensors that share storage (tied embeddings)
+            t = tensors[name]
+            key = (t.data_ptr(), tuple(t.shape))
+            unique[name] = t.clone() if key in seen else t.contiguous()
+            seen.add(key)
+            weight_map[name], total = file, total + t.numel() * t.element_size()
+        save_file(unique, str(tmp / file), metadata={"format": "pt"})
+        del unique
+    if len(shards) > 1:
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+    return names
+
+
 def write_checkpoint(out_dir, tensors: dict[str, torch.Tensor], config: dict,
                      extra_files: Optional[dict[str, dict]] = None, *, kind: str, gm: GraphModule,
-                     overwrite: bool = False, protect=()) -> Path:
-    """``model.safetensors`` + ``config.json`` (+ extra JSON files, + the tokenizer and generation
-    files of ``gm``'s source folder), published atomically and only over an earlier export of the same ``kind``."""
+                     overwrite: bool = False, protect=(), max_shard_bytes: int = DEFAULT_SHARD_BYTES,
+                     progress=None) -> Path:
+    """The weights (one ``model.safetensors``, or shards of at most ``max_shard_bytes`` with an
+    index) + ``config.json`` (+ extra JSON files, + the tokenizer and generation files of ``gm``'s
+    source folder), published atomically and only over an earlier export of the same ``kind``."""
+    if max_shard_bytes <= 0:
+        raise ValueError(f"max_shard_bytes must be positive, got {max_shard_bytes}")
     out_dir = Path(out_dir)
-    unique, seen = {}, set()
-    for name, t in tensors.items():  # safetensors refuses tensors that share storage (tied embeddings)
-        key = (t.data_ptr(), tuple(t.shape))
-        unique[name] = t.clone() if key in seen else t.contiguous()
-        seen.add(key)
     copy_files = source_files(gm)
     protect = (*protect, *{str(p.parent) for p in copy_files.values()})
     with publish_directory(out_dir, kind, overwrite=overwrite, protect=protect) as tmp:
         write_tokenizer_files(tmp, gm, copy_files)
-        save_file(unique, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        files = _write_shards(tmp, tensors, max_shard_bytes)
+        if progress is not None and len(files) > 1:
+            progress(f"{len(files)} safetensors shards of at most {max_shard_bytes / 1024 ** 3:.3g} GiB, with an index")
         for name, data in (extra_files or {}).items():
             (tmp / name).write_text(json.dumps(data, indent=2) + "\n")
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")

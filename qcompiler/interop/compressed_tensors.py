@@ -18,7 +18,7 @@ from ..graph import find_linears
 from ..op_registry import OpArgs, args_of, quantized_layer_path, spec_of
 from ..ops import GPTQ_TENSORS
 from ..algorithms.packing import unpack_cols
-from .checkpoint import ExportError, fp_tensors, model_config_of, write_checkpoint
+from .checkpoint import DEFAULT_SHARD_BYTES, ExportError, fp_tensors, model_config_of, write_checkpoint
 
 __all__ = ["export_compressed_tensors"]
 
@@ -74,7 +74,8 @@ def _int8_layer(gm, a: OpArgs, path: str) -> tuple[dict, dict]:
 _WRITERS = {torch.ops.qc.quant_linear.default: _gptq_layer, torch.ops.qc.int8_linear.default: _int8_layer}
 
 
-def export_compressed_tensors(cm, out_dir, *, progress=print, overwrite: bool = False):
+def export_compressed_tensors(cm, out_dir, *, progress=print, overwrite: bool = False,
+                              max_shard_bytes: int = DEFAULT_SHARD_BYTES):
     """Write ``cm`` as a compressed-tensors checkpoint folder (atomic)."""
     gm = cm.graph_module if hasattr(cm, "graph_module") else cm
     config = model_config_of(gm)
@@ -106,4 +107,4 @@ def export_compressed_tensors(cm, out_dir, *, progress=print, overwrite: bool = 
     progress(f"compressed-tensors checkpoint: {sum(len(p) for _, p in groups.values())} layers in "
              f"{len(groups)} scheme group(s)")
     return write_checkpoint(out_dir, tensors, config, kind="compressed-tensors", gm=gm,
-                            overwrite=overwrite)
+                            overwrite=overwrite, max_shard_bytes=max_shard_bytes, progress=progress)

@@ -24,7 +24,8 @@ from safetensors.torch import load_file
 from ..algorithms.packing import unpack_cols
 from ..op_registry import args_of
 from ..ops import GPTQ_TENSORS
-from .checkpoint import (ExportError, fp_tensors, model_config_of, quantized_layers, write_checkpoint)
+from .checkpoint import (DEFAULT_SHARD_BYTES, ExportError, fp_tensors, model_config_of, quantized_layers,
+                         write_checkpoint)
 from .gptq_format import read_gptq_checkpoint, zeros_from_v1, zeros_to_v1
 
 __all__ = ["export_gptq", "import_gptq", "zeros_to_v1", "zeros_from_v1"]
@@ -36,7 +37,8 @@ def _is_act_order(g_idx: torch.Tensor, group_size: int) -> bool:
     return not torch.equal(g_idx.long(), torch.arange(g_idx.numel()) // group_size)
 
 
-def export_gptq(cm, out_dir, *, zero_format: str = "auto", progress=print, overwrite: bool = False) -> Path:
+def export_gptq(cm, out_dir, *, zero_format: str = "auto", progress=print, overwrite: bool = False,
+                max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> Path:
     """Write ``cm``'s GPTQ/RTN layers as a GPTQ Hugging Face checkpoint folder (atomic)."""
     if zero_format not in ("auto", "v1", "v2"):
         raise ValueError(f"zero_format must be 'auto', 'v1' or 'v2', got {zero_format!r}")
@@ -70,7 +72,7 @@ def export_gptq(cm, out_dir, *, zero_format: str = "auto", progress=print, overw
     progress(f"GPTQ checkpoint: {len(layers)} layers, {bits}-bit, group {group_size}, "
              f"{'v1' if v1 else 'v2'} zero points{'' if v1 else ' (some zeros are 0: v1 cannot hold them)'}")
     return write_checkpoint(out_dir, tensors, config, {"quantize_config.json": quant}, kind="gptq",
-                            gm=gm, overwrite=overwrite)
+                            gm=gm, overwrite=overwrite, max_shard_bytes=max_shard_bytes, progress=progress)
 
 
 def import_gptq(folder, backend: str = "eager", *, progress: bool = False):
