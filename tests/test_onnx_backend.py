@@ -74,8 +74,9 @@ def test_export_records_metadata_and_passes_checker(tmp_path):
 
 
 def test_failed_export_leaves_no_file(tmp_path, monkeypatch):
-    model = make_model("llama")
-    cm = qc.compile(model, example_inputs("llama"), recipe="w8a8", progress=False)
+    """The failure is injected after the ONNX model exists (at the checker): any model shows it."""
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU()).eval()
+    cm = qc.compile(model, (torch.randn(2, 8),), recipe="none", progress=False)
     target = tmp_path / "out" / "m.onnx"
 
     def broken(*a, **k):
