@@ -114,6 +114,15 @@ def test_dead_inputs_get_zero_weight():
     assert (res.dequantized[:, 7] == 0).all() and torch.isfinite(res.dequantized).all()
 
 
+def test_inverse_hessian_factor_is_the_upper_cholesky_of_the_damped_inverse():
+    _, H = problem(n=64)
+    U, damp, steps = inverse_hessian_cholesky(H, 0.01)
+    damped = H.double() + 0.01 * H.diagonal().mean().double() * torch.eye(64, dtype=torch.float64)
+    assert steps == 0 and torch.equal(U, torch.triu(U)) and bool((U.diagonal() > 0).all())
+    want = torch.linalg.cholesky(torch.linalg.inv(damped), upper=True)   # the definition, in float64
+    assert ((U.double() - want).abs().max() / want.abs().max()).item() < 1e-5
+
+
 def test_damping_is_raised_until_the_hessian_factors():
     n = 16
     v = torch.randn(n, 1, generator=torch.Generator().manual_seed(0))
