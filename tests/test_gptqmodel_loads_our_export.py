@@ -1,5 +1,5 @@
 """The GPTQ checkpoint export as GPTQModel (the maintained GPTQ loader, also behind transformers'
-GPTQ support) loads it: same logits within bf16 rounding, same greedy tokens.
+GPTQ support) loads it: same logits within bf16 rounding, our greedy tokens (up to bf16 near-ties).
 
 GPTQModel declares a newer torch than the project's, so it lives in its own virtual environment
 (`.ci/run` builds one; recipe in docs/formats.md) named by ``QC_GPTQMODEL_PYTHON``; without it the
@@ -56,4 +56,9 @@ def test_gptqmodel_loads_the_export_with_the_same_outputs(tmp_path):
     theirs = torch.load(tmp_path / "ckpt" / "client_logits.pt", weights_only=True)
     rel = ((theirs - ours).norm() / ours.norm()).item()
     assert rel < 0.01, rel                        # bf16 activations in GPTQModel: measured 0.003
-    assert result["tokens"] == cm.generate(ids, 16).tolist()
+    # its greedy tokens, fed back through our fp32 model: each our argmax or a bf16 near-tie
+    tokens = result["tokens"][0][ids.shape[1]:]
+    logits = cm(input_ids=torch.tensor(result["tokens"])).logits[0, ids.shape[1] - 1:-1]
+    gap = logits.max(-1).values - logits.gather(1, torch.tensor(tokens)[:, None])[:, 0]
+    assert len(tokens) == 16 and float(gap.max()) < 0.1, gap.tolist()
+    assert int((gap == 0).sum()) >= 14, gap.tolist()   # measured: all 16
