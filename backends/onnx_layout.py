@@ -110,7 +110,6 @@ def _lower_outliers(gm: GraphModule, a: OpArgs, path: str, notes: list[str]):
 def _lower_experts(gm: GraphModule, a: OpArgs, path: str, notes: list[str]):
     """GPTQ-layout experts -> ``qc.experts_matmul_nbits`` (or ``qc.experts_matmul`` on the
     dequantized weights when no MatMulNBits block fits)."""
-    path = a.qweight.target.removesuffix("_qweight")  # one module holds several expert parameters
     stacked = a.tensors(gm, *GPTQ_TENSORS)
     experts = [gptq_to_nbits(*(t[e] for t in stacked), a.bits, a.group_size) for e in range(stacked[0].shape[0])]
     graph = gm.graph

@@ -144,6 +144,16 @@ def call_op(graph: Graph, name: str, **arguments: Any) -> Node:
 
 
 def quantized_layer_path(a: OpArgs) -> str:
-    """The quantized layer's module path: where its first stored tensor lives (else the node's name)."""
-    stored = a.stored()
-    return (module_path(stored[0]) or a.node.name) if stored else a.node.name
+    """The quantized layer's path: its first stored tensor's target without the argument's name.
+    Tensors are stored as ``{path}.{name}`` beside a linear and as ``{path}_{name}`` beside a 3-D
+    expert parameter (one module holds several of those, so the module path would not tell them
+    apart); else the node's name."""
+    stored = [(name, v) for name, v in a.as_dict().items() if isinstance(v, Node) and v.op == "get_attr"]
+    if not stored:
+        return a.node.name
+    name, node = stored[0]
+    target = str(node.target)
+    for suffix in (f".{name}", f"_{name}"):
+        if target.endswith(suffix) and len(target) > len(suffix):
+            return target[: -len(suffix)]
+    return module_path(node) or a.node.name
