@@ -129,14 +129,13 @@ def _lower_experts(gm: GraphModule, a: OpArgs, path: str, notes: list[str]):
                    zero_points=attrs["zero_points"], perm=attrs.get("perm"), K=k, N=n, bits=nbits, block_size=block)
 
 
-def _lower_fp_experts(gm: GraphModule) -> None:
-    """transformers' full-precision grouped matmuls -> ``qc.experts_matmul`` (ONNX has no grouped matmul)."""
-    for expert in find_expert_linears(gm):
-        with gm.graph.inserting_before(expert.node):
-            new = call_op(gm.graph, "experts_matmul", x=expert.input, offsets=expert.offsets, weight=expert.weight_user)
-        new.meta.update({k: v for k, v in expert.node.meta.items() if k in ("nn_module_stack", "val")})
-        expert.node.replace_all_uses_with(new)
-        gm.graph.erase_node(expert.node)
+def _swap(graph, old, make) -> None:
+    """Replace node ``old`` by the node ``make()`` builds in front of it (keeping its metadata)."""
+    with graph.inserting_before(old):
+        new = make()
+    new.meta.update({k: v for k, v in old.meta.items() if k in ("nn_module_stack", "val")})
+    old.replace_all_uses_with(new)
+    graph.erase_node(old)
 
 
 _LOWERINGS = {torch.ops.qc.quant_linear.default: _lower_dense, torch.ops.qc.spqr_dense_linear.default: _lower_dense,
@@ -154,13 +153,10 @@ def lower_for_onnx(gm: GraphModule) -> tuple[GraphModule, list[str]]:
         if node.op != "call_function" or node.target not in _LOWERINGS:
             continue
         a = args_of(node)
-        path = quantized_layer_path(a)
-        with graph.inserting_before(node):
-            new = _LOWERINGS[node.target](gm, a, path, notes)
-        new.meta.update({k: v for k, v in node.meta.items() if k in ("nn_module_stack", "val")})
-        node.replace_all_uses_with(new)
-        graph.erase_node(node)
-    _lower_fp_experts(gm)
+        _swap(graph, node, lambda: _LOWERINGS[node.target](gm, a, quantized_layer_path(a), notes))
+    for expert in find_expert_linears(gm):  # full-precision grouped matmuls: ONNX has no grouped matmul
+        _swap(graph, expert.node, lambda: call_op(graph, "experts_matmul", x=expert.input, offsets=expert.offsets,
+                                                  weight=expert.weight_user))
     contiguous_before_reshape(graph)
     graph.eliminate_dead_code()
     gm.delete_all_unused_submodules()
