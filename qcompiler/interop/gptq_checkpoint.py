@@ -19,7 +19,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
+from safetensors import safe_open
 
 from ..algorithms.packing import unpack_cols
 from ..op_registry import args_of
@@ -93,10 +93,11 @@ def import_gptq(folder, backend: str = "eager", *, progress: bool = False):
     config = AutoConfig.for_model(raw.pop("model_type"), **raw)
     loaded = loaded_from_model(folder.name, config, folder)
     model = loaded.model
-    packed = ckpt.packed_keys()
+    packed = ckpt.packed_keys()  # read by the pass, where they are used: not here too
     state = {}
     for file in sorted(folder.glob("*.safetensors")):
-        state.update({k: v for k, v in load_file(str(file)).items() if k not in packed})
+        with safe_open(str(file), framework="pt") as f:
+            state.update({k: f.get_tensor(k) for k in f.keys() if k not in packed})
     missing, _ = model.load_state_dict(state, strict=False)
     quantized_weights = {f"{p}.weight" for p in ckpt.layers}
     missing = [k for k in missing if k not in quantized_weights and not _tied(model, k)]
