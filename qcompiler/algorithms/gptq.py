@@ -59,12 +59,12 @@ def inverse_hessian_cholesky(H: torch.Tensor, damp: float, max_steps: int = 6) -
     mean_diag = torch.diagonal(H).mean().item()
     for step in range(max_steps + 1):
         lam = damp * (10 ** step) * mean_diag
-        damped = H.clone()
-        damped.diagonal().add_(lam)   # no n x n identity: one copy of H is all the damping costs
         # The upper factor of H⁻¹ without forming H⁻¹: with J the order reversal, chol(J H J) = L' gives
         # H = V Vᵀ for the upper V = J L' J, so H⁻¹ = (V⁻¹)ᵀ V⁻¹ and U = V⁻¹ = J L'⁻¹ J (one Cholesky and
         # one triangular solve instead of Cholesky, inverse, Cholesky: ~20 % faster, same U to 4e-7).
-        L, info = torch.linalg.cholesky_ex(damped.flip(0, 1))
+        damped = H.flip(0, 1)           # a copy; the reversal keeps the diagonal on the diagonal
+        damped.diagonal().add_(lam)     # no n x n identity: this one copy of H is all the damping costs
+        L, info = torch.linalg.cholesky_ex(damped)
         del damped
         if info.item() == 0:
             eye = torch.eye(L.shape[0], dtype=L.dtype, device=L.device)
@@ -197,7 +197,7 @@ def gptq_quantize(W: torch.Tensor, H: Optional[torch.Tensor], *, bits: int, grou
     codesT = torch.empty_like(WT)                      # integer codes as floats until the end
     diag = torch.diagonal(U).tolist()                  # one sync per layer, not one per column
     maxq = float(2 ** bits - 1)
-    error_sq = 0.0
+    error_sq = torch.zeros((), dtype=torch.float64, device=WT.device)  # ‖E‖², read once at the end (no sync per block)
     for i1 in range(0, n_in, block_size):
         i2 = min(i1 + block_size, n_in)
         W1, U1 = WT[i1:i2], U[i1:i2, i1:i2]
@@ -211,13 +211,13 @@ def gptq_quantize(W: torch.Tensor, H: Optional[torch.Tensor], *, bits: int, grou
             err = torch.sub(W1[i], QT[j], out=Err1[i]).div_(diag[j])
             W1[i + 1:].addr_(U1[i, i + 1:], err, alpha=-1)
         WT[i2:].addmm_(U[i1:i2, i2:].t(), Err1, alpha=-1)
-        error_sq += torch.linalg.vector_norm(Err1).item() ** 2
+        error_sq += torch.linalg.vector_norm(Err1).double() ** 2
     if perm is not None:  # back to the original column order: whole rows of the transposed tensors
         inv = torch.argsort(perm)
         QT, codesT = QT[inv], codesT[inv]
     # codes stay a transposed view: packing wants exactly [in, out] (pack_gptq's .t().contiguous() is free)
     return QuantResult(codesT.to(torch.int32).t(), groups.scales, groups.zeros, groups.g_idx.to(QT.device),
-                       QT.t().contiguous(), f.damp, f.damp_steps, (error_sq, f.lam))
+                       QT.t().contiguous(), f.damp, f.damp_steps, (error_sq.item(), f.lam))
 
 
 def gptq_quantize_reference(W: torch.Tensor, H: torch.Tensor, *, bits: int, group_size: int = 128,
