@@ -7,15 +7,13 @@ test is skipped and says why.
 """
 import json
 import os
-import subprocess
 import textwrap
 
 import pytest
 import torch
 
-import qcompiler as qc
+from client_runtimes import greedy_gaps, quantized_tinylm, run_client
 from qcompiler.interop import export_gptq
-from qcompiler.models import load
 
 GPTQMODEL_PYTHON = os.environ.get("QC_GPTQMODEL_PYTHON")
 
@@ -39,17 +37,12 @@ _CLIENT = textwrap.dedent("""
 @pytest.mark.slow
 @pytest.mark.skipif(not GPTQMODEL_PYTHON, reason="set QC_GPTQMODEL_PYTHON to a python with gptqmodel (see .ci/run)")
 def test_gptqmodel_loads_the_export_with_the_same_outputs(tmp_path):
-    tinylm = load("tinylm")
-    cm = qc.compile(tinylm.model, tinylm.example_inputs(), recipe="gptq-w4g128",
-                    calibration=tinylm.calibration(8, 128), progress=False)
+    tinylm, cm = quantized_tinylm()
     # GPTQModel refuses asymmetric checkpoints in the v1 zero-point format from other quantizers
     # (an old AutoGPTQ bug), so asymmetric grids travel as v2 (real zero points).
     export_gptq(cm, tmp_path / "ckpt", zero_format="v2", progress=lambda _m: None)
     ids = tinylm.encode("def parse(self, text):\n    return")
-    done = subprocess.run([GPTQMODEL_PYTHON, "-c", _CLIENT, str(tmp_path / "ckpt"), json.dumps(ids.tolist())],
-                          capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    result = json.loads(done.stdout.split("RESULT", 1)[1].splitlines()[0])
+    result = run_client(GPTQMODEL_PYTHON, _CLIENT, tmp_path / "ckpt", json.dumps(ids.tolist()), timeout=600)
     # its own GPTQ kernel for all 28 block linears; lm_head stays a plain Linear (not quantized)
     assert result["kernels"] == {"TorchLinear": 28, "Linear": 1}, result["kernels"]
     ours = cm(input_ids=ids).logits
@@ -57,8 +50,8 @@ def test_gptqmodel_loads_the_export_with_the_same_outputs(tmp_path):
     rel = ((theirs - ours).norm() / ours.norm()).item()
     assert rel < 0.01, rel                        # bf16 activations in GPTQModel: measured 0.003
     # its greedy tokens, fed back through our fp32 model: each our argmax or a bf16 near-tie
-    tokens = result["tokens"][0][ids.shape[1]:]
-    logits = cm(input_ids=torch.tensor(result["tokens"])).logits[0, ids.shape[1] - 1:-1]
-    gap = logits.max(-1).values - logits.gather(1, torch.tensor(tokens)[:, None])[:, 0]
+    prompt = ids[0].tolist()
+    tokens = result["tokens"][0][len(prompt):]
+    gap = greedy_gaps(cm, prompt, tokens)
     assert len(tokens) == 16 and float(gap.max()) < 0.1, gap.tolist()
     assert int((gap == 0).sum()) >= 14, gap.tolist()   # measured: all 16

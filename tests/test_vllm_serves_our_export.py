@@ -8,15 +8,12 @@ the fp32 model, must be its argmax or within 0.1 of it.
 """
 import json
 import os
-import subprocess
 import textwrap
 
 import pytest
-import torch
 
-import qcompiler as qc
+from client_runtimes import greedy_gaps, quantized_tinylm, run_client
 from qcompiler.interop import export_compressed_tensors
-from qcompiler.models import load
 
 VLLM_PYTHON = os.environ.get("QC_VLLM_PYTHON")
 
@@ -39,22 +36,15 @@ _CLIENT = textwrap.dedent("""
 @pytest.mark.slow
 @pytest.mark.skipif(not VLLM_PYTHON, reason="set QC_VLLM_PYTHON to a python with vllm (see docs/formats.md)")
 def test_vllm_generates_the_quantized_models_tokens(tmp_path):
-    tinylm = load("tinylm")
-    cm = qc.compile(tinylm.model, tinylm.example_inputs(), recipe="gptq-w4g128",
-                    calibration=tinylm.calibration(8, 128), progress=False)
+    tinylm, cm = quantized_tinylm()
     export_compressed_tensors(cm, tmp_path / "ct", progress=lambda _m: None)
     prompts = [tinylm.encode(p)[0].tolist() for p in
                ("def parse(self, text):\n    return", "import os\nimport sys\n\n", "class Parser:\n    def __init__(self")]
-    (tmp_path / "client.py").write_text(_CLIENT)
-    done = subprocess.run([VLLM_PYTHON, str(tmp_path / "client.py"), str(tmp_path / "ct"), json.dumps(prompts)],
-                          capture_output=True, text=True, timeout=900, cwd=tmp_path)
-    assert done.returncode == 0, done.stderr[-3000:]
-    served = json.loads(done.stdout.split("RESULT", 1)[1].splitlines()[0])
+    served = run_client(VLLM_PYTHON, _CLIENT, tmp_path / "ct", json.dumps(prompts), timeout=900)
     exact = total = 0
     for prompt, tokens in zip(prompts, served):
         assert len(tokens) == 16
-        logits = cm(input_ids=torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1:-1]
-        gap = logits.max(-1).values - logits.gather(1, torch.tensor(tokens)[:, None])[:, 0]
+        gap = greedy_gaps(cm, prompt, tokens)
         assert float(gap.max()) < 0.1, (prompt, tokens, gap.tolist())
         exact, total = exact + int((gap == 0).sum()), total + len(tokens)
     assert exact >= 0.9 * total, (exact, total)
