@@ -1,5 +1,6 @@
-"""What the tests that run our exports in other runtimes (GPTQModel, vLLM) share: the quantized
-bundled LM, running a client script in the runtime's own venv, and judging its greedy tokens."""
+"""What the tests that run our exports in other runtimes (GPTQModel, vLLM, onnxruntime-genai) share:
+the quantized bundled LM, running a client script in the runtime's own venv, greedy decoding in
+onnxruntime-genai, and judging a client's greedy tokens."""
 from __future__ import annotations
 
 import json
@@ -18,6 +19,22 @@ def quantized_tinylm():
     cm = qc.compile(tinylm.model, tinylm.example_inputs(), recipe="gptq-w4g128",
                     calibration=tinylm.calibration(8, 128), progress=False)
     return tinylm, cm
+
+
+def genai_tokens(folder, prompt: list[int], new: int) -> list[int]:
+    """Greedy tokens onnxruntime-genai generates from the exported ``folder`` after ``prompt``."""
+    import numpy as np
+    import onnxruntime_genai as og
+    model = og.Model(str(folder))
+    params = og.GeneratorParams(model)
+    params.set_search_options(max_length=len(prompt) + new, do_sample=False)
+    generator = og.Generator(model, params)
+    generator.append_tokens(np.array([prompt], dtype=np.int32))
+    out = []
+    while not generator.is_done() and len(out) < new:
+        generator.generate_next_token()
+        out.append(int(generator.get_next_tokens()[0]))
+    return out
 
 
 def run_client(python: str, script: str, folder: Path, *args: str, timeout: int) -> object:

@@ -34,7 +34,7 @@ def kernel_device():
 # (the README's command) skips them; `pytest -m slow` (run by .ci/run) runs them.
 SLOW_VARIANTS = (
     "test_triton_backend.py::test_triton_backend_matches_eager_on_bundled_models[tinylm-",
-    "test_onnx_genai.py::test_cli_export_onnx_genai_and_refusals",
+    "test_onnx_genai.py::test_cli_export_onnx_genai_from_an_artifact",
     *(f"test_onnx_backend.py::test_onnxruntime_matches_eager[{v}]" for v in (
         "llama-rtn-8bit-channel", "llama-w8a8", "llama-gptq-act", "llama-w8a8-static", "llama-rtn-2bit",
         "llama-gptq-w4g128",  # 4-bit MatMulNBits exactness: test_partial_groups, test_causal_lm (ORT tokens)

@@ -8,6 +8,7 @@ import torch
 import qcompiler as qc
 from qcompiler.cli import main
 from qcompiler.models import load
+from client_runtimes import genai_tokens
 
 
 @pytest.fixture(scope="module")
@@ -31,14 +32,15 @@ def test_quantize_save_load_eval_export_run_agree(artifact, tmp_path, capsys):
     assert abs(figures["loss"]) < 0.05
     ids = torch.randint(0, 256, (1, 16), generator=torch.Generator().manual_seed(2))
     assert not torch.equal(cm(input_ids=ids).logits, load("tinylm").model(input_ids=ids, use_cache=False).logits)
-    # ONNX export of the artifact runs in ONNX Runtime and matches the reloaded graph
-    assert main(["export", str(artifact), "--format", "onnx", "--accuracy-level", "0",
-                 "--out", str(tmp_path / "m.onnx")]) == 0
+    # the onnx-genai export of the artifact: its model.onnx computes the reloaded graph's logits in
+    # ONNX Runtime, and onnxruntime-genai generates cm.generate's 32 greedy tokens from the folder
+    assert main(["export", str(artifact), "--format", "onnx-genai", "--accuracy-level", "0",
+                 "--out", str(tmp_path / "genai")]) == 0
     import onnxruntime as ort
 
     from qcompiler.backends.onnx_export import cache_io_names
     from qcompiler.causal_lm import graph_inputs
-    session = ort.InferenceSession(str(tmp_path / "m.onnx"), providers=["CPUExecutionProvider"])
+    session = ort.InferenceSession(str(tmp_path / "genai" / "model.onnx"), providers=["CPUExecutionProvider"])
     ids = torch.randint(0, 256, (1, 24), generator=torch.Generator().manual_seed(1))
     inputs = graph_inputs(cm.cache_layout, ids)         # the KV-cache graph, empty past (prefill)
     names = cache_io_names(cm.cache_layout)
@@ -48,6 +50,20 @@ def test_quantize_save_load_eval_export_run_agree(artifact, tmp_path, capsys):
     logits = session.run(["logits"], feeds)[0]
     expected = cm(input_ids=ids).logits.numpy()
     assert np.abs(logits - expected).max() / np.abs(expected).max() < 1e-5  # level 0: fp32 activations
+    prompt = load("tinylm").encode("class Parser:\n    def __init__(self")
+    expected = cm.generate(prompt, 32)[0, prompt.shape[1]:].tolist()
+    assert genai_tokens(tmp_path / "genai", prompt[0].tolist(), 32) == expected
+    assert sorted(p.name for p in (tmp_path / "genai").iterdir()) == [
+        ".qcompiler-output.json", "genai_config.json", "generation_config.json", "model.onnx", "tokenizer.json",
+        "tokenizer_config.json"]
+    config = json.loads((tmp_path / "genai" / "genai_config.json").read_text())
+    assert config["model"]["decoder"]["num_hidden_layers"] == 4 and not config["search"]["past_present_share_buffer"]
+    # the byte tokenizer travels as Hugging Face files: genai's own tokenizer gives our ids for text
+    import onnxruntime_genai as og
+    tokenizer, tinylm = og.Tokenizer(og.Model(str(tmp_path / "genai"))), load("tinylm")
+    text = "class Parser:\n    def __init__(self, é):  # 日本"
+    assert tokenizer.encode(text).tolist() == tinylm.tokenize(text).tolist()
+    assert tokenizer.decode(np.asarray(tinylm.tokenize(text), dtype=np.int32)) == text
     assert main(["inspect", str(artifact)]) == 0
     text = capsys.readouterr().out
     assert "qc.quant_linear.default x28" in text and "GPTQ(bits=4" in text

@@ -66,3 +66,14 @@ def test_lowering_settings_are_validated():
         qc.passes.LowerInt8(activations="per_tensor_dynamic")
     with pytest.raises(qc.PipelineError, match="LowerInt8 needs calibration data"):
         qc.compile(make_model("llama"), example_inputs("llama"), recipe="w8a8-static", progress=False)
+
+
+@pytest.mark.parametrize("m, k, n", [(1, 3000, 5), (33, 7, 9), (4, 2048, 64)])
+def test_int8_matmul_is_exact_where_float32_is_not(m, k, n):
+    # all codes at ±127: the sums reach k·127², past float32's 2^24 exact-integer range for k > 1040
+    gen = torch.Generator().manual_seed(m)
+    xq = (torch.randint(0, 2, (m, k), generator=gen) * 254 - 127).to(torch.int8)
+    wq = (torch.randint(0, 2, (n, k), generator=gen) * 254 - 127).to(torch.int8)
+    exact = xq.long() @ wq.long().t()
+    got = int8_matmul(xq, wq)
+    assert got.dtype == torch.int32 and torch.equal(got.long(), exact)

@@ -10,21 +10,9 @@ import qcompiler as qc
 from qcompiler.cli import main
 from qcompiler.interop import ExportError, export_onnx_genai
 from qcompiler.models import load
+from client_runtimes import genai_tokens
 
 og = pytest.importorskip("onnxruntime_genai")
-
-
-def genai_tokens(folder, prompt: list[int], new: int) -> list[int]:
-    model = og.Model(str(folder))
-    params = og.GeneratorParams(model)
-    params.set_search_options(max_length=len(prompt) + new, do_sample=False)
-    generator = og.Generator(model, params)
-    generator.append_tokens(np.array([prompt], dtype=np.int32))
-    out = []
-    while not generator.is_done() and len(out) < new:
-        generator.generate_next_token()
-        out.append(int(generator.get_next_tokens()[0]))
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -32,8 +20,9 @@ def tinylm():
     return load("tinylm")
 
 
-@pytest.mark.parametrize("recipe", ["gptq-w4g128", *(pytest.param(r, marks=pytest.mark.slow)
-                                                     for r in ("w8a8-smoothquant", "spqr-w3g16"))])
+# all slow: the default run checks gptq-w4g128 through the CLI (tests/test_cli.py, the same export)
+@pytest.mark.slow
+@pytest.mark.parametrize("recipe", ["gptq-w4g128", "w8a8-smoothquant", "spqr-w3g16"])
 def test_onnxruntime_genai_generates_the_same_32_greedy_tokens(recipe, tinylm, tmp_path):
     cm = qc.compile(tinylm.model, tinylm.example_inputs(), recipe=recipe, calibration=tinylm.calibration(8),
                     progress=False)
@@ -50,7 +39,7 @@ def test_onnxruntime_genai_generates_the_same_32_greedy_tokens(recipe, tinylm, t
     assert tokenizer.decode(np.asarray(tinylm.tokenize(text), dtype=np.int32)) == text
 
 
-def test_cli_export_onnx_genai_and_refusals(tinylm, tmp_path, capsys):
+def test_cli_export_onnx_genai_from_an_artifact(tinylm, tmp_path, capsys):
     cm = qc.compile(tinylm.model, tinylm.example_inputs(), recipe="rtn-w4g128", progress=False)
     cm.save(tmp_path / "art", metadata={"source": "bundled:tinylm"})
     assert main(["export", str(tmp_path / "art"), "--format", "onnx-genai", "--out", str(tmp_path / "g")]) == 0
@@ -60,6 +49,9 @@ def test_cli_export_onnx_genai_and_refusals(tinylm, tmp_path, capsys):
     prompt = tinylm.encode("import os")[0].tolist()
     assert genai_tokens(tmp_path / "g", prompt, 8) == \
         cm.with_backend("onnxruntime").generate(torch.tensor([prompt]), 8)[0, len(prompt):].tolist()
+
+
+def test_an_encoder_is_refused_and_nothing_is_written(tmp_path):
     from tiny_models import example_inputs, make_model
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
