@@ -17,6 +17,8 @@ graph itself does not depend on it, so the guard is dropped for these graphs.
 """
 from __future__ import annotations
 
+import contextlib
+
 import inspect
 from dataclasses import asdict, dataclass
 from typing import Optional
@@ -93,10 +95,26 @@ def _present(out) -> tuple[torch.Tensor, ...]:
     return tuple(flat)
 
 
+@contextlib.contextmanager
+def _experts_without_grouped_mm(model: torch.nn.Module):
+    """transformers runs MoE experts eagerly through ``grouped_mm``, whose fake-tensor kernel
+    accepts only bf16: a streamed (fake-weight) float32 MoE could not run the probe. Its
+    ``batched_mm`` computes the same for the probe, which only reads the cache's shapes."""
+    configs = [m.config for m in model.modules()
+               if getattr(getattr(m, "config", None), "_experts_implementation", None) == "grouped_mm"]
+    for config in configs:
+        config._experts_implementation = "batched_mm"
+    try:
+        yield
+    finally:
+        for config in configs:
+            config._experts_implementation = "grouped_mm"
+
+
 def cache_layout(model: torch.nn.Module) -> CacheLayout:
     """Read the cache shapes off one tiny forward pass of the real model."""
     ids = torch.zeros(1, 2, dtype=torch.long)
-    with torch.no_grad():
+    with torch.no_grad(), _experts_without_grouped_mm(model):
         out = model(input_ids=ids, use_cache=True)
     present = _present(out)
     keys, values = present[0::2], present[1::2]

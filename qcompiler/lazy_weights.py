@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
@@ -24,6 +23,7 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.fx import GraphModule
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
+from .checkpoint_keys import Converted, Entry, checkpoint_keys
 from .errors import PassError
 from .graph import LAZY_META_KEY, drop_tensor, get_raw_tensor, set_tensor
 
@@ -78,6 +78,19 @@ class Checkpoint:
             tensor = f.get_tensor(key)
         return tensor if dtype is None else tensor.to(dtype)
 
+    def read_entry(self, entry: Entry, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+        """One model parameter: a stored tensor, or one transformers' conversion builds from
+        several (read one parameter's sources at a time, e.g. one block's experts)."""
+        if not isinstance(entry, Converted):
+            return self.read(entry, dtype)
+        tensor = entry.build(self.read)
+        return tensor if dtype is None else tensor.to(dtype)
+
+    def shape_of_entry(self, entry: Entry) -> tuple:
+        if not isinstance(entry, Converted):
+            return self.shape_of[entry]
+        return tuple(entry.build(lambda key: torch.empty(self.shape_of[key], device="meta")).shape)
+
 
 @contextlib.contextmanager
 def _fake_parameters(mode: FakeTensorMode, dtype: torch.dtype):
@@ -118,71 +131,23 @@ def fake_mode_of(model: torch.nn.Module) -> Optional[FakeTensorMode]:
     return next((p.fake_mode for p in model.parameters() if isinstance(p, FakeTensor)), None)
 
 
-def _renamings(model: torch.nn.Module) -> tuple[list[tuple[str, str]], bool]:
-    """transformers' checkpoint-to-model key renamings for ``model`` (e.g. GPT-NeoX ``embed_out`` ->
-    ``lm_head``), and whether it also has layout conversions (stacking MoE experts, ...)."""
-    try:
-        from transformers.conversion_mapping import WeightRenaming, get_model_conversion_mapping
-        transforms = get_model_conversion_mapping(model)
-    except Exception:  # not a transformers model, or an API change: names are used as they are
-        return [], False
-    pairs, converts = [], False
-    for t in transforms:
-        if isinstance(t, WeightRenaming):
-            targets = list(t.target_patterns)
-            pairs += [(src, targets[min(i, len(targets) - 1)]) for i, src in enumerate(t.source_patterns)]
-        else:
-            converts = True
-    return pairs, converts
-
-
-def _checkpoint_keys(model: torch.nn.Module, checkpoint: Checkpoint) -> dict[str, Optional[str]]:
-    """Parameter name -> checkpoint tensor name (None: not there). Checkpoint names go through
-    transformers' renamings and the base-model prefix (a ``transformer.h.0`` checkpoint for an
-    ``h.0`` model); a tied parameter (lm_head sharing the embedding) maps to whichever of its
-    names the checkpoint holds."""
-    pairs, _ = _renamings(model)
-    prefix = getattr(model, "base_model_prefix", "") or ""
-    by_model_name: dict[str, str] = {}
-    for key in checkpoint.file_of:
-        name = key
-        for src, dst in pairs:
-            name = re.sub(src, dst, name)
-        by_model_name.setdefault(name, key)
-        if prefix and name.startswith(prefix + "."):
-            by_model_name.setdefault(name[len(prefix) + 1:], key)
-        elif prefix:
-            by_model_name.setdefault(f"{prefix}.{name}", key)
-    names: dict[int, list[str]] = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        names.setdefault(id(p), []).append(name)
-    keys = {}
-    for group in names.values():
-        stored = next((by_model_name[n] for n in group if n in by_model_name), None)
-        for n in group:
-            keys[n] = stored
-    return keys
-
-
 def _check_against_checkpoint(model: torch.nn.Module, checkpoint: Checkpoint) -> None:
     """The same refusals as a full load: a missing tensor, one of the wrong shape, or an extra one."""
-    keys = _checkpoint_keys(model, checkpoint)
+    keys = checkpoint_keys(model, checkpoint.file_of)
     folder = checkpoint.folder
     missing = sorted(n for n, k in keys.items() if k is None)
-    if missing and _renamings(model)[1]:
-        raise ValueError(f"model folder {folder}: {type(model).__name__}'s checkpoint layout is converted by "
-                         f"transformers on load ({missing[0]} is built from several stored tensors, e.g. stacked "
-                         f"experts); streaming does not convert layouts yet: load it without streaming (--no-stream)")
     if missing:
         raise ValueError(f"model folder {folder}: the checkpoint is missing {', '.join(missing[:3])}"
                          + (f" and {len(missing) - 3} more" if len(missing) > 3 else ""))
     params = dict(model.named_parameters(remove_duplicate=False))
-    for name, key in keys.items():
-        if tuple(params[name].shape) != checkpoint.shape_of[key]:
+    for name, entry in keys.items():
+        shape = checkpoint.shape_of_entry(entry)
+        if tuple(params[name].shape) != shape:
             raise ValueError(f"model folder {folder}: the checkpoint has the wrong shape for {name} "
-                             f"({list(checkpoint.shape_of[key])}, the model expects {list(params[name].shape)})")
+                             f"({list(shape)}, the model expects {list(params[name].shape)})")
     buffers = {n for n, _ in model.named_buffers()}
-    extra = sorted(set(checkpoint.file_of) - set(keys.values()) - buffers)
+    used = {k for entry in keys.values() for k in (entry.keys() if isinstance(entry, Converted) else [entry])}
+    extra = sorted(set(checkpoint.file_of) - used - buffers)
     if extra:
         raise ValueError(f"model folder {folder}: the checkpoint holds tensors the model does not have: "
                          f"{', '.join(extra[:3])}" + (f" and {len(extra) - 3} more" if len(extra) > 3 else ""))
@@ -193,18 +158,18 @@ class LazySource:
     """Where each placeholder of a captured graph comes from."""
 
     checkpoint: Checkpoint
-    keys: dict[str, str] = field(default_factory=dict)        # graph target -> checkpoint tensor
+    keys: dict[str, Entry] = field(default_factory=dict)      # graph target -> checkpoint tensor(s)
     dtypes: dict[str, torch.dtype] = field(default_factory=dict)
 
     def read(self, target: str) -> torch.Tensor:
-        return self.checkpoint.read(self.keys[target], self.dtypes[target])
+        return self.checkpoint.read_entry(self.keys[target], self.dtypes[target])
 
 
 def attach(gm: GraphModule, model: torch.nn.Module) -> None:
     """Replace the fake tensors of ``gm`` (captured from the skeleton ``model``) by ``meta``
     placeholders read from the checkpoint on access."""
     checkpoint: Checkpoint = model._qcompiler_checkpoint
-    by_name = _checkpoint_keys(model, checkpoint)
+    by_name = checkpoint_keys(model, checkpoint.file_of)
     source = LazySource(checkpoint)
     for target, tensor in list(gm.state_dict(keep_vars=True).items()):
         if not isinstance(tensor, FakeTensor):

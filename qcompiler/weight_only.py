@@ -112,7 +112,7 @@ class _BlockQuantizer:
 
     @staticmethod
     def solve(method: QuantizeFn, layer: LinearLayer, path: str, W: torch.Tensor,
-              H: Optional[torch.Tensor]) -> tuple[Optional[LayerQuant], Union[dict, str]]:
+              H: Optional[torch.Tensor], energy: Optional[float] = None) -> tuple[Optional[LayerQuant], Union[dict, str]]:
         """``method`` on one fp32 matrix (on the compute device) and its report figures, or
         ``(None, why)`` when the packed layout cannot hold it (the caller skips the layer)."""
         _check_finite(path, W)
@@ -124,10 +124,10 @@ class _BlockQuantizer:
             raise QuantizationError(exc.args[0] if str(exc).startswith("layer ") else f"layer {path}: {exc}") from None
         figures = dict(result.figures)
         if H is not None:
-            figures["rel_error"] = output_error(W, result.dequantized, H, result.damped_error)
+            figures["rel_error"] = output_error(W, result.dequantized, H, result.damped_error, energy)
         return result, figures
 
-    def linear(self, layer: LinearLayer, H: Optional[torch.Tensor], start: float, *,
+    def linear(self, layer: LinearLayer, H: Optional[torch.Tensor], start: float, *, energy: Optional[float] = None,
                method: Optional[QuantizeFn] = None, store: bool = True) -> None:
         if is_router(layer.path):
             return self.skip(layer.path, "mixture-of-experts router")
@@ -136,7 +136,7 @@ class _BlockQuantizer:
         stored = layer.weight(self.gm)  # read once (a streamed weight comes from disk)
         compute = self.ctx.device or stored.device
         result, figures = self.solve(method or self.quantize, layer, layer.path, stored.detach().float().to(compute),
-                                     self._to_compute(H, compute))
+                                     self._to_compute(H, compute), energy)
         if result is None:
             return self.skip(layer.path, figures)
         if store:  # later blocks must see the quantized weights; nothing runs after the head
@@ -257,7 +257,8 @@ def _calibrated_walk(walk: _BlockQuantizer, engine: CalibrationEngine, true_sequ
             start = time.perf_counter()
             stats = engine.collect(seg, group)
             for layer in group:
-                walk.linear(layer, stats[layer.path].hessian, start)
+                st = stats[layer.path]
+                walk.linear(layer, st.hessian, start, energy=st.reference_energy(layer.path))
         for expert in seg.experts:  # one at a time: down_proj sees the quantized gate_up_proj
             walk.experts(expert, engine.collect(seg, [], experts=[expert]) if walk.fallback else None)
         previous = [layer for layer in seg.linears if layer.path in walk.record.layers]  # quantized, not skipped

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 import qcompiler as qc
-from qcompiler.calibration import CalibrationEngine
+from qcompiler.calibration import CalibrationEngine, LayerStats
 from qcompiler.compiler import normalize_calibration
 from qcompiler.graph import set_tensor
 from tiny_models import Stack, example_inputs, make_model
@@ -27,6 +27,42 @@ def capture_inputs(module: torch.nn.Module, run) -> list[torch.Tensor]:
 def engine_for(model, example, batches):
     gm = qc.capture(model, example)
     return gm, CalibrationEngine(gm, normalize_calibration(batches, gm.meta["qcompiler"]))
+
+
+@pytest.mark.parametrize("width", [512, 515, 1030])
+def test_wide_hessians_accumulated_by_blocks_equal_the_float64_mean_and_are_symmetric(width):
+    """Wide inputs accumulate only the upper blocks (uneven when the width is not a multiple of
+    the block count), over batches of different sizes; reading gives the whole symmetric matrix."""
+    gen = torch.Generator().manual_seed(width)
+    batches = [torch.randn(n, width, generator=gen) * (1 + torch.rand(width, generator=gen)) for n in (7, 64, 1)]
+    st = LayerStats(width)
+    for i, x in enumerate(batches):
+        st.add(x)
+        if i == 0:  # reading between updates must not disturb the running mean
+            assert torch.allclose(st.hessian, reference_hessian(x), rtol=1e-4, atol=1e-4)
+    H = st.hessian
+    assert torch.equal(H, H.T)
+    assert torch.allclose(H, reference_hessian(torch.cat(batches)), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("arch", ["llama", "bert", "gpt2"])  # no bias; linear biases; Conv1D (addmm)
+def test_output_energy_of_each_linear_that_ran_equals_tr_w_h_wt(arch):
+    """The report's error denominator comes from the collect's own FP outputs (padding excluded):
+    it must equal the quadratic form tr(W H Wᵀ) it replaces. The collect's last linear does not run."""
+    ids = torch.randint(0, 96, (2, 12), generator=torch.Generator().manual_seed(3))
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    batch["attention_mask"][1, 7:] = 0
+    if arch == "llama":
+        del batch["attention_mask"]
+    gm, engine = engine_for(make_model(arch), example_inputs(arch), [batch, batch])
+    seg = engine.segments[0]
+    stats = engine.collect(seg, seg.linears)
+    *ran, last = seg.linears
+    assert stats[last.path].reference_energy(last.path) is None
+    for layer in ran:
+        W, H = layer.weight(gm).double(), stats[layer.path].hessian.double()
+        expected = torch.trace(W @ H @ W.T).item()
+        assert stats[layer.path].reference_energy(layer.path) == pytest.approx(expected, rel=1e-4), layer.path
 
 
 def test_padding_rows_never_enter_statistics():

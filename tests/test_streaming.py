@@ -143,11 +143,38 @@ def test_every_dense_architecture_streams(tmp_path, arch):
 
 
 @pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe"])
-def test_converted_checkpoint_layouts_are_refused_with_the_way_out(tmp_path, arch):
+def test_moe_checkpoints_transformers_converts_stream_and_compile_like_a_full_load(tmp_path, arch):
+    """Mixtral / Qwen2-MoE checkpoints store one linear per expert; the model stacks them
+    (``experts.gate_up_proj [E, 2I, H]``). Streaming builds each stacked tensor from its sources
+    through transformers' own conversion, when its block is calibrated."""
     import causal_lms
     causal_lms.causal_lm(arch).save_pretrained(tmp_path)
-    with pytest.raises(ValueError, match="converted by transformers on load.*--no-stream"):
-        load(tmp_path, stream=True)
+    assert not any(".experts.gate_up_proj" in k for f in tmp_path.glob("*.safetensors") for k in load_file(f))
+    full, streamed = load(tmp_path), load(tmp_path, stream=True)
+    x = full.example_inputs()
+    want = qc.compile(full.model, x, recipe="gptq-w4g128", calibration=[x], progress=False, device=None)
+    got = qc.compile(streamed.model, x, recipe="gptq-w4g128", calibration=[x], progress=False, device=None)
+    assert got.report.passes[0].layers.keys() == want.report.passes[0].layers.keys()
+    assert sum(".experts." in k for k in got.report.passes[0].layers) == 2 * 2 * 4  # layers x matrices x experts
+    assert torch.equal(main_output(got(**x)), main_output(want(**x)))
+
+
+def test_converted_experts_keep_their_order_past_ten(tmp_path):
+    """``experts.10`` is the eleventh expert, not the third (a plain sort of the keys)."""
+    import transformers as T
+
+    from qcompiler.checkpoint_keys import Converted, checkpoint_keys
+    torch.manual_seed(0)
+    config = T.MixtralConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                             num_attention_heads=2, num_key_value_heads=1, num_local_experts=12, num_experts_per_tok=2)
+    T.MixtralForCausalLM(config).save_pretrained(tmp_path)
+    model, checkpoint = load(tmp_path).model, lazy_weights.Checkpoint(tmp_path)
+    keys = checkpoint_keys(model, checkpoint.file_of)
+    entry = keys["model.layers.0.mlp.experts.down_proj"]
+    assert isinstance(entry, Converted) and len(entry.keys()) == 12
+    for name in ("model.layers.0.mlp.experts.down_proj", "model.layers.0.mlp.experts.gate_up_proj"):
+        assert checkpoint.shape_of_entry(keys[name]) == tuple(model.get_parameter(name).shape)
+        assert torch.equal(checkpoint.read_entry(keys[name]), model.get_parameter(name))
 
 
 def test_a_pass_that_computes_on_a_placeholder_is_caught(folder):

@@ -256,19 +256,19 @@ def rtn_quantize(W: torch.Tensor, *, bits: int, group_size: int = 128, sym: bool
 
 
 def output_error(W: torch.Tensor, W_hat: torch.Tensor, H: torch.Tensor,
-                 damped_error: Optional[tuple[float, float]] = None) -> float:
+                 damped_error: Optional[tuple[float, float]] = None, energy: Optional[float] = None) -> float:
     """‖WX − ŴX‖ / ‖WX‖ over the calibration inputs, from their Hessian (no activations needed).
 
     The quadratic forms are float32 GEMMs with the row dot products summed in float64. With GPTQ's
     ``damped_error`` = (‖E‖², λ) the numerator needs no GEMM: the sweep's scaled errors E satisfy
     ``ΔW = E·U`` with ``UᵀU = (H + λI)⁻¹``, so ``tr(ΔW (H + λI) ΔWᵀ) = ‖E‖²`` exactly; subtract
-    λ‖ΔW‖² (and the unit diagonal GPTQ gave dead inputs, whose weights it zeroed)."""
+    λ‖ΔW‖² (and the unit diagonal GPTQ gave dead inputs, whose weights it zeroed). ``energy``, when
+    the caller has it (the calibration pass's own FP outputs, ``2/n Σ ‖W x‖²``), is the denominator
+    ``tr(W H Wᵀ)`` without its GEMM."""
     W = W.float()
     D = W - W_hat.float()
     if damped_error is None:
-        both = torch.cat([D, W]) @ H.float()
-        num = (both[: W.shape[0]] * D).double().sum().clamp(min=0).item()
-        den = (both[W.shape[0]:] * W).double().sum().item()
+        num = torch.mul(D @ H.float(), D).sum(dtype=torch.float64).clamp(min=0).item()
     else:
         dead = torch.diagonal(H) == 0
         swept_sq = torch.linalg.vector_norm(D, dtype=torch.float64).item() ** 2
@@ -278,5 +278,5 @@ def output_error(W: torch.Tensor, W_hat: torch.Tensor, H: torch.Tensor,
             swept_sq += dead_sq - torch.linalg.vector_norm(D[:, dead], dtype=torch.float64).item() ** 2
         error_sq, lam = damped_error
         num = max(error_sq - lam * swept_sq - dead_sq, 0.0)
-        den = torch.mul(W @ H.float(), W).sum(dtype=torch.float64).item()
+    den = torch.mul(W @ H.float(), W).sum(dtype=torch.float64).item() if energy is None else energy
     return (num / den) ** 0.5 if den > 0 else num ** 0.5
