@@ -33,11 +33,13 @@ from .pass_base import PassRecord
 from .recipe_files import pass_classes, recipe_from_dict
 from .recipes import Recipe
 from .report import Report
+from .sharding import DEFAULT_SHARD_BYTES, plan_shards, shard_names
 
 __all__ = ["save", "read", "StoredModel", "read_manifest", "report_from_manifest", "ArtifactError", "MANIFEST"]
 
 FORMAT = "qcompiler-artifact"
 VERSION = 2            # 2: per-file SHA-256 in the manifest
+SHARDED_VERSION = 3    # 3: the tensors in several files (written only when they are; else 2 as before)
 MANIFEST = "manifest.json"
 _FILES = {"graph": "graph.json", "tensors": "tensors.safetensors", "example_inputs": "example_inputs.safetensors"}
 
@@ -58,12 +60,14 @@ def _graph_summary(gm) -> dict:
             "tensors": sum(1 for n in gm.graph.nodes if n.op == "get_attr")}
 
 
-def save(cm, path, *, metadata: Optional[dict] = None, overwrite: bool = False, protect=()) -> Path:
+def save(cm, path, *, metadata: Optional[dict] = None, overwrite: bool = False, protect=(),
+         max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> Path:
     """Write ``cm`` (a CompiledModel) to the folder ``path``, replacing an existing artifact atomically.
 
     ``metadata``: extra JSON-safe facts to keep in the manifest (the CLI records the model source).
     ``overwrite``: replace a folder that holds something other than an artifact. ``protect``: paths
     that must survive (the input model's folder; the folder the model was loaded from always is).
+    ``max_shard_bytes``: past it the tensors go to ``tensors-0000k-of-0000n.safetensors`` files.
     """
     path = Path(path)
     structure, tensors = graph_to_data(cm.graph_module)
@@ -82,9 +86,11 @@ def save(cm, path, *, metadata: Optional[dict] = None, overwrite: bool = False, 
             example_layout["kwargs"][k] = {"tensors": [f"kwargs.{k}.{i}" for i in range(len(v))]}
         else:
             example_layout["kwargs"][k] = {"value": _json_safe(v)}
+    shards = plan_shards(tensors, max_shard_bytes)
+    names = shard_names("tensors", len(shards))
     builtin = set(pass_classes())
     manifest = {
-        "format": FORMAT, "version": VERSION,
+        "format": FORMAT, "version": VERSION if len(names) == 1 else SHARDED_VERSION,
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "versions": {"qcompiler": _version(), "torch": torch.__version__},
         "recipe": {"name": cm.recipe.name, "description": cm.recipe.description,
@@ -95,16 +101,17 @@ def save(cm, path, *, metadata: Optional[dict] = None, overwrite: bool = False, 
         "graph": _graph_summary(cm.graph_module),
         "example_inputs": example_layout,
         "metadata": _json_safe(metadata or {}),
-        "files": dict(_FILES),
+        "files": {**_FILES, "tensors": names[0] if len(names) == 1 else names},
     }
     source = getattr(cm.capture_info, "source_path", None)
     protect = (*protect, *([source] if source else []))
     with publish_directory(path, "artifact", overwrite=overwrite, protect=protect) as tmp:
-        save_file(tensors, str(tmp / _FILES["tensors"]), metadata={"format": FORMAT})
+        for name, shard in zip(names, shards):
+            save_file({k: tensors[k] for k in shard}, str(tmp / name), metadata={"format": FORMAT})
         save_file(examples, str(tmp / _FILES["example_inputs"]), metadata={"format": FORMAT})
         (tmp / _FILES["graph"]).write_text(json.dumps(structure))
         manifest["sha256"] = {}
-        for name in _FILES.values():  # hashed in chunks: the tensors file is never read back whole
+        for name in file_names(manifest):  # hashed in chunks: the tensors file is never read back whole
             with open(tmp / name, "rb") as f:
                 manifest["sha256"][name] = _sha256_file(f)
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
@@ -119,18 +126,28 @@ def _sha256_file(f, chunk: int = 1 << 24) -> str:
 
 
 def _check_manifest(manifest, where) -> dict:
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT or manifest.get("version") not in (1, VERSION):
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT or \
+            manifest.get("version") not in (1, VERSION, SHARDED_VERSION):
         got = (manifest.get("format"), manifest.get("version")) if isinstance(manifest, dict) else (None, None)
         raise ArtifactError(f"{where}: format {got[0]!r} version {got[1]!r} is not supported "
-                            f"(this qcompiler reads {FORMAT} versions 1-{VERSION})")
+                            f"(this qcompiler reads {FORMAT} versions 1-{SHARDED_VERSION})")
     files = manifest.get("files")
     if not isinstance(files, dict) or set(files) != set(_FILES):
         raise ArtifactError(f"{where}: the file table must name exactly {sorted(_FILES)}")
-    for role, name in files.items():  # plain names inside the folder, never a path that leaves it
-        if not isinstance(name, str) or name != os.path.basename(name) or name in ("", ".", "..") \
-                or "\\" in name or "\0" in name:
-            raise ArtifactError(f"{where}: file name {name!r} for {role} is not a plain name inside the artifact")
+    shards = files["tensors"]
+    if isinstance(shards, list) and (manifest["version"] < SHARDED_VERSION or not shards):
+        raise ArtifactError(f"{where}: a list of tensor files needs version {SHARDED_VERSION} and at least one file")
+    for role, names in files.items():  # plain names inside the folder, never a path that leaves it
+        for name in (names if role == "tensors" and isinstance(names, list) else [names]):
+            if not isinstance(name, str) or name != os.path.basename(name) or name in ("", ".", "..") \
+                    or "\\" in name or "\0" in name:
+                raise ArtifactError(f"{where}: file name {name!r} for {role} is not a plain name inside the artifact")
     return manifest
+
+
+def file_names(manifest: dict) -> list[str]:
+    """Every file the manifest lists (the tensors may be several shards)."""
+    return [n for names in manifest["files"].values() for n in (names if isinstance(names, list) else [names])]
 
 
 def read_manifest(path) -> dict:
@@ -205,13 +222,20 @@ def _read_all(path: Path) -> tuple[dict, dict]:
         if manifest["version"] >= 2 and not isinstance(sums, dict):
             raise ArtifactError(f"{path / MANIFEST} has no checksums")
         contents = {}
-        for role, name in files.items():
-            with folder.open(name) as f:
-                if manifest["version"] >= 2 and sums.get(name) != _sha256_file(f):
-                    raise ArtifactError(f"artifact {path}: {name} does not match its SHA-256 in the manifest "
-                                        f"(damaged or modified)")
-                f.seek(0)
-                contents[role] = _tensors(f, path / name) if name.endswith(".safetensors") else f.read()
+        for role, names in files.items():
+            for name in (names if isinstance(names, list) else [names]):
+                with folder.open(name) as f:
+                    if manifest["version"] >= 2 and sums.get(name) != _sha256_file(f):
+                        raise ArtifactError(f"artifact {path}: {name} does not match its SHA-256 in the manifest "
+                                            f"(damaged or modified)")
+                    f.seek(0)
+                    if not name.endswith(".safetensors"):
+                        contents[role] = f.read()
+                        continue
+                    part = _tensors(f, path / name)
+                    if part.keys() & contents.get(role, {}).keys():
+                        raise ArtifactError(f"artifact {path}: {name} repeats a tensor of an earlier shard")
+                    contents[role] = {**contents.get(role, {}), **part}
         return manifest, contents
     except ArtifactError:
         if folder.replaced():  # a writer replaced the artifact while we read: read the new one

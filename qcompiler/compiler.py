@@ -139,12 +139,15 @@ class CompiledModel:
         return export_onnx(self.graph_module, path, self.example_inputs, recipe=self.recipe.name,
                            accuracy_level=accuracy_level, overwrite=overwrite)
 
-    def save(self, path, *, metadata: Optional[dict] = None, overwrite: bool = False, protect=()):
+    def save(self, path, *, metadata: Optional[dict] = None, overwrite: bool = False, protect=(),
+             max_shard_bytes: int = artifact.DEFAULT_SHARD_BYTES):
         """Write the quantized model to folder ``path`` (atomic; reload with ``qc.load(path)``).
 
         An existing folder is replaced only if it is empty or an earlier artifact, unless
-        ``overwrite``; the model's own source folder and ``protect`` paths never are."""
-        return artifact.save(self, path, metadata=metadata, overwrite=overwrite, protect=protect)
+        ``overwrite``; the model's own source folder and ``protect`` paths never are. Tensors past
+        ``max_shard_bytes`` (5 GiB) go to several files."""
+        return artifact.save(self, path, metadata=metadata, overwrite=overwrite, protect=protect,
+                             max_shard_bytes=max_shard_bytes)
 
     def __repr__(self) -> str:
         passes = ", ".join(repr(p) for p in self.recipe.passes) or "none"

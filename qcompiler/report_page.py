@@ -7,6 +7,7 @@ smoothing (``max|x_j|`` and ``max|x_j| / s_j``) for a few producer groups.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 
@@ -57,10 +58,15 @@ def _outlier_heatmap(artifact: Path, manifest: dict, path: Path, bins: int = 64)
         return False
     stored = lambda target: graph["aliases"].get(target, target)  # noqa: E731  (tied tensors are stored once)
     rows = []
-    with safe_open(str(artifact / manifest["files"]["tensors"]), framework="pt") as tensors:  # only what is plotted
+    shards = manifest["files"]["tensors"]
+    with contextlib.ExitStack() as stack:  # only what is plotted is read
+        files = [stack.enter_context(safe_open(str(artifact / name), framework="pt"))
+                 for name in (shards if isinstance(shards, list) else [shards])]
+        holder = {key: f for f in files for key in f.keys()}
         for t in col_targets:
-            width = tensors.get_slice(stored(t.replace(".col_idx", ".perm"))).get_shape()[0]
-            cols = tensors.get_tensor(stored(t)).float()
+            perm, col = stored(t.replace(".col_idx", ".perm")), stored(t)
+            width = holder[perm].get_slice(perm).get_shape()[0]
+            cols = holder[col].get_tensor(col).float()
             rows.append(torch.histc((cols + 0.5) / width, bins=bins, min=0, max=1))
     plt = _plt()
     fig, ax = plt.subplots(figsize=(8, max(3, 0.16 * len(rows))))

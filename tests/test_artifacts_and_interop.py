@@ -36,6 +36,36 @@ def test_save_then_load_gives_identical_outputs_without_calibration(recipe, tmp_
     assert loaded.report.to_dict() == json.loads(json.dumps(cm.report.to_dict()))
 
 
+def test_a_sharded_artifact_reloads_identical_and_each_shard_is_checked(tmp_path):
+    """Past ``max_shard_bytes`` the tensors go to several files (manifest version 3): the reload,
+    the report page and the checksums see all of them; an unsharded save stays version 2."""
+    from qcompiler.artifact import read_manifest
+    from qcompiler.report_page import write_report
+    cm = _compile("spqr-w3g16")
+    cm.save(tmp_path / "one")
+    assert read_manifest(tmp_path / "one")["version"] == 2
+    cm.save(tmp_path / "a", max_shard_bytes=16 * 1024)
+    manifest = read_manifest(tmp_path / "a")
+    shards = manifest["files"]["tensors"]
+    assert manifest["version"] == 3 and len(shards) > 2
+    from safetensors.torch import load_file
+    whole, parts = load_file(tmp_path / "one" / "tensors.safetensors"), [load_file(tmp_path / "a" / n) for n in shards]
+    for part in parts:  # at most the bound, unless one tensor alone is bigger
+        assert len(part) == 1 or sum(t.numel() * t.element_size() for t in part.values()) <= 16 * 1024
+    assert sorted(k for part in parts for k in part) == sorted(whole)
+    loaded = qc.load(tmp_path / "a")
+    assert _same_outputs(cm, loaded)
+    write_report(tmp_path / "a", tmp_path / "rep")
+    assert (tmp_path / "rep" / "outliers.png").is_file()  # reads col_idx/perm across shards
+    last = tmp_path / "a" / shards[-1]
+    data = bytearray(last.read_bytes())
+    data[-1] ^= 0xFF
+    last.write_bytes(bytes(data))
+    from qcompiler.graph_format import ArtifactError
+    with pytest.raises(ArtifactError, match=f"{shards[-1]} does not match its SHA-256"):
+        qc.load(tmp_path / "a")
+
+
 def test_interrupted_save_leaves_the_previous_artifact(tmp_path, monkeypatch):
     first, second = _compile("rtn-w4g128"), _compile("rtn-w3g128")
     first.save(tmp_path / "a")

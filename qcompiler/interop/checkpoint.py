@@ -17,6 +17,7 @@ from ..errors import QCompilerError
 from ..graph import get_tensor
 from ..op_registry import args_of, quantized_layer_path, spec_of
 from ..ops import GPTQ_TENSORS
+from ..sharding import DEFAULT_SHARD_BYTES, plan_shards, shard_names
 
 __all__ = ["ExportError", "QuantLayer", "quantized_layers", "fp_tensors", "write_checkpoint", "model_config_of",
            "source_files", "TOKENIZER_FILES"]
@@ -102,29 +103,12 @@ def write_tokenizer_files(tmp: Path, gm: GraphModule, copied) -> list[str]:
     return names
 
 
-DEFAULT_SHARD_BYTES = 5 * 1024 ** 3  # the Hugging Face Hub's long-standing shard size
-
-
-def plan_shards(tensors: dict[str, torch.Tensor], max_bytes: int) -> list[list[str]]:
-    """Names in order, cut into shards of at most ``max_bytes`` (a bigger tensor gets its own)."""
-    shards, size = [[]], 0
-    for name, t in tensors.items():
-        nbytes = t.numel() * t.element_size()
-        if shards[-1] and size + nbytes > max_bytes:
-            shards.append([])
-            size = 0
-        shards[-1].append(name)
-        size += nbytes
-    return shards
-
-
 def _write_shards(tmp: Path, tensors: dict[str, torch.Tensor], max_bytes: int) -> list[str]:
     """``model.safetensors``, or ``model-0000k-of-0000n.safetensors`` + ``model.safetensors.index.json``
     (what transformers, vLLM and GPTQModel read). One shard's contiguous copies exist at a time, so
     the packed layers are never all copied at once. Returns the files written."""
     shards = plan_shards(tensors, max_bytes)
-    names = (["model.safetensors"] if len(shards) == 1 else
-             [f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors" for k in range(len(shards))])
+    names = shard_names("model", len(shards))
     seen, weight_map, total = set(), {}, 0
     for file, shard in zip(names, shards):
         unique = {}
