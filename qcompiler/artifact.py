@@ -35,7 +35,8 @@ from .recipes import Recipe
 from .report import Report
 from .sharding import DEFAULT_SHARD_BYTES, plan_shards, shard_names
 
-__all__ = ["save", "read", "StoredModel", "read_manifest", "report_from_manifest", "ArtifactError", "MANIFEST"]
+__all__ = ["save", "read", "StoredModel", "read_manifest", "role_files", "report_from_manifest", "ArtifactError",
+           "MANIFEST"]
 
 FORMAT = "qcompiler-artifact"
 VERSION = 2            # 2: per-file SHA-256 in the manifest
@@ -137,17 +138,23 @@ def _check_manifest(manifest, where) -> dict:
     shards = files["tensors"]
     if isinstance(shards, list) and (manifest["version"] < SHARDED_VERSION or not shards):
         raise ArtifactError(f"{where}: a list of tensor files needs version {SHARDED_VERSION} and at least one file")
-    for role, names in files.items():  # plain names inside the folder, never a path that leaves it
-        for name in (names if role == "tensors" and isinstance(names, list) else [names]):
+    for role in files:  # plain names inside the folder, never a path that leaves it
+        for name in role_files(manifest, role):
             if not isinstance(name, str) or name != os.path.basename(name) or name in ("", ".", "..") \
                     or "\\" in name or "\0" in name:
                 raise ArtifactError(f"{where}: file name {name!r} for {role} is not a plain name inside the artifact")
     return manifest
 
 
+def role_files(manifest: dict, role: str) -> list[str]:
+    """The files of one role: the tensors may be several shards, the other roles are one file."""
+    names = manifest["files"][role]
+    return names if role == "tensors" and isinstance(names, list) else [names]
+
+
 def file_names(manifest: dict) -> list[str]:
-    """Every file the manifest lists (the tensors may be several shards)."""
-    return [n for names in manifest["files"].values() for n in (names if isinstance(names, list) else [names])]
+    """Every file the manifest lists."""
+    return [name for role in manifest["files"] for name in role_files(manifest, role)]
 
 
 def read_manifest(path) -> dict:
@@ -222,8 +229,8 @@ def _read_all(path: Path) -> tuple[dict, dict]:
         if manifest["version"] >= 2 and not isinstance(sums, dict):
             raise ArtifactError(f"{path / MANIFEST} has no checksums")
         contents = {}
-        for role, names in files.items():
-            for name in (names if isinstance(names, list) else [names]):
+        for role in files:
+            for name in role_files(manifest, role):
                 with folder.open(name) as f:
                     if manifest["version"] >= 2 and sums.get(name) != _sha256_file(f):
                         raise ArtifactError(f"artifact {path}: {name} does not match its SHA-256 in the manifest "

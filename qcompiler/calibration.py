@@ -39,20 +39,23 @@ _HESSIAN_BLOCKS = 4   # x xᵀ as 4 x 4 blocks, upper triangle only: 10 of 16 GE
 _BLOCKED_FROM = 512   # 1.5-2.2x faster than one full addmm at widths 1024-4096; below 512 no gain)
 
 
+def _block_starts(H: torch.Tensor) -> tuple[range, int]:
+    step = -(-H.shape[0] // _HESSIAN_BLOCKS)
+    return range(0, H.shape[0], step), step
+
+
 def _accumulate_upper(H: torch.Tensor, x: torch.Tensor, beta: float, alpha: float) -> None:
     """``H = beta·H + alpha·xᵀx`` on the block upper triangle (diagonal blocks whole): a symmetric
     rank-k update, which torch has no call for, as row-block GEMMs."""
-    n = H.shape[0]
-    step = -(-n // _HESSIAN_BLOCKS)
-    for i in range(0, n, step):
+    starts, step = _block_starts(H)
+    for i in starts:
         H[i:i + step, i:].addmm_(x[:, i:i + step].t(), x[:, i:], beta=beta, alpha=alpha)
 
 
 def _mirror_upper(H: torch.Tensor) -> None:
     """Copy the block upper triangle onto the lower one: H becomes exactly symmetric."""
-    n = H.shape[0]
-    step = -(-n // _HESSIAN_BLOCKS)
-    for i in range(0, n, step):
+    starts, step = _block_starts(H)
+    for i in starts:
         H[i + step:, i:i + step].copy_(H[i:i + step, i + step:].t())
         diagonal = H[i:i + step, i:i + step]
         diagonal.copy_(torch.triu(diagonal) + torch.triu(diagonal, 1).t())

@@ -18,7 +18,6 @@ graph itself does not depend on it, so the guard is dropped for these graphs.
 from __future__ import annotations
 
 import contextlib
-
 import inspect
 from dataclasses import asdict, dataclass
 from typing import Optional

@@ -15,14 +15,14 @@ from typing import Optional, Union
 
 import torch
 
-__all__ = ["Converted", "Entry", "checkpoint_keys", "has_conversions"]
+__all__ = ["Converted", "Entry", "checkpoint_keys"]
 
 
 @dataclass
 class Converted:
     """A model parameter transformers builds from several checkpoint tensors."""
 
-    name: str                          # the model's parameter name
+    name: str                          # the parameter, named as the checkpoint's keys rename to
     transform: object                  # the transformers ``WeightConverter`` that builds it
     sources: dict[str, list[str]]      # its source pattern -> checkpoint keys, in expert order
 
@@ -64,10 +64,6 @@ def _transforms(model: torch.nn.Module) -> tuple[list[tuple[str, str]], list]:
     return pairs, converters
 
 
-def has_conversions(model: torch.nn.Module) -> bool:
-    return bool(_transforms(model)[1])
-
-
 def _natural(key: str) -> list:
     """``experts.10`` after ``experts.9`` (a plain sort puts it after ``experts.1``)."""
     return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", key)]
@@ -85,18 +81,16 @@ def checkpoint_keys(model: torch.nn.Module, stored_keys) -> dict[str, Entry]:
         name = key
         for src, dst in pairs:
             name = re.sub(src, dst, name)
-        for converter in converters:
+        for converter in converters:  # at most one converts a key, as in transformers' loading
             target, pattern = converter.rename_source_key(name)
             if pattern is not None:
                 entry = by_model_name.get(target)
                 if not isinstance(entry, Converted):
                     entry = by_model_name[target] = Converted(target, converter, {})
                 entry.sources.setdefault(pattern, []).append(key)
-                name = None
                 break
-        if name is None:
-            continue
-        by_model_name.setdefault(name, key)
+        else:
+            by_model_name.setdefault(name, key)
     for name in list(by_model_name):
         if prefix and name.startswith(prefix + "."):
             by_model_name.setdefault(name[len(prefix) + 1:], by_model_name[name])
@@ -110,7 +104,4 @@ def checkpoint_keys(model: torch.nn.Module, stored_keys) -> dict[str, Entry]:
         stored = next((by_model_name[n] for n in group if n in by_model_name), None)
         for n in group:
             keys[n] = stored
-    for n, entry in keys.items():
-        if isinstance(entry, Converted) and entry.name != n:   # reached through the base-model prefix
-            keys[n] = Converted(n, entry.transform, entry.sources)
     return keys

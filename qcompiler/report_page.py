@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from .artifact import read_manifest
+from .artifact import read_manifest, role_files
 from .atomic import publish_directory
 
 __all__ = ["write_report"]
@@ -58,10 +58,9 @@ def _outlier_heatmap(artifact: Path, manifest: dict, path: Path, bins: int = 64)
         return False
     stored = lambda target: graph["aliases"].get(target, target)  # noqa: E731  (tied tensors are stored once)
     rows = []
-    shards = manifest["files"]["tensors"]
     with contextlib.ExitStack() as stack:  # only what is plotted is read
         files = [stack.enter_context(safe_open(str(artifact / name), framework="pt"))
-                 for name in (shards if isinstance(shards, list) else [shards])]
+                 for name in role_files(manifest, "tensors")]
         holder = {key: f for f in files for key in f.keys()}
         for t in col_targets:
             perm, col = stored(t.replace(".col_idx", ".perm")), stored(t)

@@ -103,11 +103,10 @@ def write_tokenizer_files(tmp: Path, gm: GraphModule, copied) -> list[str]:
     return names
 
 
-def _write_shards(tmp: Path, tensors: dict[str, torch.Tensor], max_bytes: int) -> list[str]:
+def _write_shards(tmp: Path, tensors: dict[str, torch.Tensor], shards: list[list[str]]) -> list[str]:
     """``model.safetensors``, or ``model-0000k-of-0000n.safetensors`` + ``model.safetensors.index.json``
     (what transformers, vLLM and GPTQModel read). One shard's contiguous copies exist at a time, so
     the packed layers are never all copied at once. Returns the files written."""
-    shards = plan_shards(tensors, max_bytes)
     names = shard_names("model", len(shards))
     seen, weight_map, total = set(), {}, 0
     for file, shard in zip(names, shards):
@@ -133,14 +132,13 @@ def write_checkpoint(out_dir, tensors: dict[str, torch.Tensor], config: dict,
     """The weights (one ``model.safetensors``, or shards of at most ``max_shard_bytes`` with an
     index) + ``config.json`` (+ extra JSON files, + the tokenizer and generation files of ``gm``'s
     source folder), published atomically and only over an earlier export of the same ``kind``."""
-    if max_shard_bytes <= 0:
-        raise ValueError(f"max_shard_bytes must be positive, got {max_shard_bytes}")
+    shards = plan_shards(tensors, max_shard_bytes)  # before any file is touched: it refuses a bound <= 0
     out_dir = Path(out_dir)
     copy_files = source_files(gm)
     protect = (*protect, *{str(p.parent) for p in copy_files.values()})
     with publish_directory(out_dir, kind, overwrite=overwrite, protect=protect) as tmp:
         write_tokenizer_files(tmp, gm, copy_files)
-        files = _write_shards(tmp, tensors, max_shard_bytes)
+        files = _write_shards(tmp, tensors, shards)
         if progress is not None and len(files) > 1:
             progress(f"{len(files)} safetensors shards of at most {max_shard_bytes / 1024 ** 3:.3g} GiB, with an index")
         for name, data in (extra_files or {}).items():
