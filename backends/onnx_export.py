@@ -9,7 +9,8 @@ Op mapping (ORT contrib ops live in the ``com.microsoft`` domain, version 1):
 - SpQR outliers → ``Gather`` of the outlier columns + ``MatMul`` with a small dense block;
 - W8A8 → standard ONNX ops with per-token scales: ``ReduceMax``/``Round``/``Clip``, codes shifted
   to uint8 with zero point 128, ``MatMulInteger`` (int32 accumulation), rescale — the same
-  integers as ``qc.int8_linear``.
+  integers as ``qc.int8_linear``;
+- cached attention (KV-cache graphs) → ``com.microsoft::GroupQueryAttention`` (``onnx_attention``).
 
 The file is written atomically (temporary file, full ``onnx.checker`` check, an ORT session
 created, then renamed into place): a failed export leaves nothing behind.
@@ -33,6 +34,7 @@ from qcompiler import causal_lm
 from qcompiler.capture import dynamic_shapes_for
 from qcompiler.errors import BackendError
 
+from .onnx_attention import fuse_kv_cache_attention
 from .onnx_layout import LOWERED_OPS, lower_for_onnx
 
 __all__ = ["export_onnx", "ONNX_OPSET", "MSFT_OPSET", "default_accuracy_level"]
@@ -54,13 +56,28 @@ def default_accuracy_level() -> int:
 
 
 def _register_contrib_schemas() -> None:
-    """Teach onnx (and so onnxscript and the checker) the contrib op signature we emit."""
+    """Teach onnx (and so onnxscript and the checker) the contrib op signatures we emit."""
     from onnx.defs import OpSchema
 
     if onnx.defs.has("MatMulNBits", "com.microsoft"):
         return
     P, opt = OpSchema.FormalParameter, OpSchema.FormalParameterOption.Optional
     A = OpSchema.Attribute
+    floats = ["tensor(float)", "tensor(float16)", "tensor(bfloat16)"]
+    gqa_inputs = [("query", "T"), ("key", "T"), ("value", "T"), ("past_key", "T"), ("past_value", "T"),
+                  ("seqlens_k", "M"), ("total_sequence_length", "M"), ("cos_cache", "T"), ("sin_cache", "T"),
+                  ("position_ids", "P"), ("attention_bias", "T"), ("head_sink", "T"), ("k_scale", "F"),
+                  ("v_scale", "F"), ("q_norm_weight", "T"), ("k_norm_weight", "T"), ("query_seqlens", "M")]
+    required = {"query", "seqlens_k", "total_sequence_length"}
+    onnx.defs.register_schema(OpSchema(  # the subset of ORT's schema we use: float caches, no quantization
+        "GroupQueryAttention", "com.microsoft", MSFT_OPSET,
+        inputs=[P(name, t, param_option=OpSchema.FormalParameterOption.Single if name in required else opt)
+                for name, t in gqa_inputs],
+        outputs=[P("output", "T"), P("present_key", "T"), P("present_value", "T")],
+        type_constraints=[("T", floats, ""), ("M", ["tensor(int32)"], ""), ("P", ["tensor(int64)"], ""),
+                          ("F", ["tensor(float)"], "")],
+        attributes=[A("num_heads", OpSchema.AttrType.INT, ""), A("kv_num_heads", OpSchema.AttrType.INT, ""),
+                    A("scale", OpSchema.AttrType.FLOAT, "", required=False)]))
     onnx.defs.register_schema(OpSchema(
         "MatMulNBits", "com.microsoft", MSFT_OPSET,
         inputs=[P("A", "T1"), P("B", "T2"), P("scales", "T1"), P("zero_points", "T3", param_option=opt),
@@ -140,8 +157,27 @@ def _translation_table(accuracy_level: int) -> dict:
         y = op.Mul(op.Mul(op.Cast(acc, to=FLOAT), sx), weight_scale)
         return y if bias is None else op.Add(y, bias)
 
+    def kv_cache_attention(query, key, value, past_key, past_value, bias, scale=1.0):
+        """GroupQueryAttention with every row's past the whole past (``seqlens_k = T - 1``,
+        ``query_seqlens = S``), so its present is ``cat([past, new])`` as in the torch op."""
+        heads, kv_heads = _static_dim(query, 1), _static_dim(past_key, 1)
+        INT32 = onnx.TensorProto.INT32
+
+        def tokens_first(x):  # [B, heads, S, D] -> [B, S, heads * D]
+            return op.Reshape(op.Transpose(x, perm=[0, 2, 1, 3]), op.Constant(value_ints=[0, 0, -1]))
+
+        batch, new = op.Shape(query, start=0, end=1), op.Shape(query, start=2, end=3)
+        total = op.Add(op.Shape(past_key, start=2, end=3), new)
+        seqlens_k = op.Cast(op.Expand(op.Sub(total, op.Constant(value_ints=[1])), batch), to=INT32)
+        out, present_key, present_value = msft.GroupQueryAttention(
+            tokens_first(query), tokens_first(key), tokens_first(value), past_key, past_value, seqlens_k,
+            op.Cast(op.Squeeze(total), to=INT32), None, None, None, bias, None, None, None, None, None,
+            op.Cast(op.Expand(new, batch), to=INT32), num_heads=heads, kv_num_heads=kv_heads, scale=scale)
+        out = op.Reshape(out, op.Constant(value_ints=[0, 0, heads, -1]))
+        return op.Transpose(out, perm=[0, 2, 1, 3]), present_key, present_value
+
     qc = torch.ops.qc
-    return {qc.matmul_nbits.default: matmul_nbits, qc.gathered_outlier_linear.default: gathered_outlier_linear,
+    return {qc.kv_cache_attention.default: kv_cache_attention, qc.matmul_nbits.default: matmul_nbits, qc.gathered_outlier_linear.default: gathered_outlier_linear,
             qc.int8_linear.default: int8_linear, qc.experts_matmul_nbits.default: experts_matmul_nbits,
             qc.experts_matmul.default: experts_matmul}
 
@@ -181,10 +217,12 @@ def _quiet():
 
 
 def export_onnx(gm: GraphModule, path, example_inputs: tuple[tuple, dict], *, recipe: str = "",
-                accuracy_level: Optional[int] = None, overwrite: bool = False) -> Path:
+                accuracy_level: Optional[int] = None, overwrite: bool = False, fused_attention: bool = True) -> Path:
     """Write ``gm`` as an ONNX model at ``path`` (atomically); returns the path.
 
-    An existing file is replaced only when it is an earlier qcompiler export (or ``overwrite``)."""
+    An existing file is replaced only when it is an earlier qcompiler export (or ``overwrite``).
+    ``fused_attention=False`` keeps a KV-cache graph's attention as standard ONNX ops (for runtimes
+    without ORT's contrib ops: an FP or W8A8 export then uses none)."""
     path = Path(path)
     _check_target(path, overwrite)
     level = default_accuracy_level() if accuracy_level is None else accuracy_level
@@ -195,6 +233,8 @@ def export_onnx(gm: GraphModule, path, example_inputs: tuple[tuple, dict], *, re
     args, kwargs = example_inputs
     info = gm.meta["qcompiler"]
     kwargs = {**kwargs, **info.constant_kwargs}
+    if info.cache and fused_attention:
+        notes += fuse_kv_cache_attention(lowered, (args, kwargs))
     if kwargs and args:
         raise BackendError("ONNX export takes either positional or keyword example inputs, not both")
     shapes = causal_lm.dynamic_shapes(kwargs) if info.cache else dynamic_shapes_for(args, kwargs, [])

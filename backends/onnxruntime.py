@@ -35,15 +35,25 @@ def session_for(path, *, threads: Optional[int] = None):
 
 
 def prepare_onnxruntime(gm: GraphModule, example_inputs: tuple[tuple, dict], *, path=None,
-                        threads: Optional[int] = None, accuracy_level: Optional[int] = None):
+                        threads: Optional[int] = None, accuracy_level: Optional[int] = None,
+                        fused_attention: Optional[bool] = None):
     """Export ``gm`` (to ``path``, or to a temporary folder removed once the session holds the
-    model) and return a callable session wrapper."""
+    model) and return a callable session wrapper.
+
+    ``fused_attention`` (default: when the session runs on the CPU provider): KV-cache attention as
+    ``GroupQueryAttention``, whose CUDA kernel takes fp16/bf16 only — an fp32 node would run on the
+    CPU, copying the cache across every step."""
+    import onnxruntime as ort
+
+    if fused_attention is None:
+        fused_attention = "CUDAExecutionProvider" not in ort.get_available_providers()
+    options = dict(accuracy_level=accuracy_level, fused_attention=fused_attention)
     if path is None:
         with tempfile.TemporaryDirectory(prefix="qcompiler-onnx-") as tmp:
-            export_onnx(gm, Path(tmp) / "model.onnx", example_inputs, accuracy_level=accuracy_level)
+            export_onnx(gm, Path(tmp) / "model.onnx", example_inputs, **options)
             session = session_for(Path(tmp) / "model.onnx", threads=threads)
     else:
-        export_onnx(gm, path, example_inputs, accuracy_level=accuracy_level, overwrite=True)
+        export_onnx(gm, path, example_inputs, overwrite=True, **options)
         session = session_for(path, threads=threads)
     names = [i.name for i in session.get_inputs()]
     out_spec = gm._out_spec
@@ -65,7 +75,7 @@ def prepare_onnxruntime(gm: GraphModule, example_inputs: tuple[tuple, dict], *, 
         missing = [n for n in names if n not in values]
         if missing:
             raise BackendError(f"the ONNX model needs inputs {missing}")
-        feeds = {n: values[n].numpy() if isinstance(values[n], torch.Tensor) else values[n] for n in names}
+        feeds = {n: values[n].detach().numpy() if isinstance(values[n], torch.Tensor) else values[n] for n in names}
         outputs = [torch.from_numpy(o) for o in session.run(None, feeds)]
         return pytree.tree_unflatten(outputs, out_spec)
 

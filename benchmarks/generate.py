@@ -14,6 +14,8 @@ stores ``lm_head`` in int4) beside qcompiler's ``rtn-w4g128-head`` (the same: ``
 The eager backend (the plain-torch reference, which dequantizes every weight on every call) is
 timed on tinylm only. The 0.5 B model has random weights, so it is quantized with RTN: decode speed depends only on the
 stored layout (``qc.quant_linear`` / ``MatMulNBits`` 4-bit g128), which GPTQ and RTN share.
+The 0.44 B run also times the ``rtn-w4g128-head`` genai export with its attention as plain ONNX ops
+(``fused_attention=False``) beside the default ``GroupQueryAttention`` one: the fused node's share.
 Writes benchmarks/results/generate.json.
 """
 from __future__ import annotations
@@ -131,7 +133,7 @@ def _byte_tokenizer(vocab: int):
 
 
 def run_model(label, model, example, calib, recipe, prompt_len, new, rounds, peer: bool, eager: bool = True,
-              genai_only: tuple[str, ...] = ()):
+              genai_only: tuple[str, ...] = (), plain_attention: tuple[str, ...] = ()):
     vocab = model.config.vocab_size
     ids = torch.randint(3, vocab, (1, prompt_len), generator=torch.Generator().manual_seed(0))
     with warnings.catch_warnings():
@@ -151,6 +153,9 @@ def run_model(label, model, example, calib, recipe, prompt_len, new, rounds, pee
         for name, cm in (("FP32", fp), (recipe, quant), *extra):
             export_onnx_genai(cm, work / name, progress=lambda _: None)
             engines[f"onnxruntime-genai, qcompiler {name}"] = GenaiEngine(work / name)
+            if name in plain_attention:  # the same export with attention as plain ops: GroupQueryAttention's share
+                export_onnx_genai(cm, work / f"{name}-plain", progress=lambda _: None, fused_attention=False)
+                engines[f"onnxruntime-genai, qcompiler {name}, plain-op attention"] = GenaiEngine(work / f"{name}-plain")
         if peer:
             engines["onnxruntime-genai, builder int4 g128"] = GenaiEngine(builder_int4(model, work))
     speeds = {name: [] for name in engines}
@@ -187,7 +192,8 @@ def main(argv=None) -> int:
         model, example, calib, recipe = llama_05b()
         params = sum(p.numel() for p in model.parameters()) / 1e9
         rows += run_model(f"llama-{params:.2f}B", model, example, calib, recipe, args.prompt, new, args.rounds,
-                          peer=True, eager=False, genai_only=("rtn-w4g128-head",))
+                          peer=True, eager=False, genai_only=("rtn-w4g128-head",),
+                          plain_attention=("rtn-w4g128-head",))
     record = {"threads": 1, "batch": 1, "prompt_tokens": args.prompt, "new_tokens": new,
               "machine": f"{platform.machine()}, {platform.processor() or 'cpu'}, torch {torch.__version__}",
               "rows": rows}

@@ -181,6 +181,8 @@ def export(artifact: Path = typer.Argument(..., help="artifact folder written by
            max_shard_gb: float = typer.Option(5.0, help="gptq, compressed-tensors: safetensors shard size (GiB)"),
            accuracy_level: Optional[int] = typer.Option(None, help="onnx, onnx-genai: MatMulNBits accuracy_level "
                                                         "(default 4: int8 activations, fastest on CPU; 0: exact)"),
+           plain_attention: bool = typer.Option(False, help="onnx, onnx-genai: attention as standard ONNX ops "
+                                                "instead of ORT's GroupQueryAttention"),
            overwrite: bool = typer.Option(False, help="replace --out even if qcompiler did not write it")):
     """Export a saved artifact to ONNX, an onnxruntime-genai folder, a GPTQ or a compressed-tensors checkpoint."""
     import qcompiler as qc
@@ -191,9 +193,10 @@ def export(artifact: Path = typer.Argument(..., help="artifact folder written by
         check_output_folder(dest, format.value, overwrite=overwrite, protect=[artifact])
     cm = qc.load(artifact)
     if format is ExportFormat.onnx:
-        cm.export_onnx(dest, accuracy_level=accuracy_level, overwrite=overwrite)
+        cm.export_onnx(dest, accuracy_level=accuracy_level, overwrite=overwrite, fused_attention=not plain_attention)
     elif format is ExportFormat.onnx_genai:
-        export_onnx_genai(cm, dest, accuracy_level=accuracy_level, overwrite=overwrite, progress=out.print)
+        export_onnx_genai(cm, dest, accuracy_level=accuracy_level, overwrite=overwrite, progress=out.print,
+                          fused_attention=not plain_attention)
     elif format is ExportFormat.gptq:
         export_gptq(cm, dest, zero_format=zero_format, progress=out.print, overwrite=overwrite,
                     max_shard_bytes=int(max_shard_gb * 1024 ** 3))

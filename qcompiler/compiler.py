@@ -133,11 +133,12 @@ class CompiledModel:
         report = Report([p for p in self.report.passes if not p.name.startswith("backend:")])
         return on_backend(self.graph_module, self.recipe, report, backend, self.example_inputs, options)
 
-    def export_onnx(self, path, *, accuracy_level: Optional[int] = None, overwrite: bool = False):
+    def export_onnx(self, path, *, accuracy_level: Optional[int] = None, overwrite: bool = False,
+                    fused_attention: bool = True):
         """Write the graph as an ONNX model that ONNX Runtime runs (see docs/backends/onnx.md)."""
         from .backends.onnx_export import export_onnx
         return export_onnx(self.graph_module, path, self.example_inputs, recipe=self.recipe.name,
-                           accuracy_level=accuracy_level, overwrite=overwrite)
+                           accuracy_level=accuracy_level, overwrite=overwrite, fused_attention=fused_attention)
 
     def save(self, path, *, metadata: Optional[dict] = None, overwrite: bool = False, protect=(),
              max_shard_bytes: int = artifact.DEFAULT_SHARD_BYTES):
@@ -222,7 +223,8 @@ def compile(model: torch.nn.Module, example_inputs, recipe="none", calibration: 
     ``recipe``: a built-in name (see ``qc.list_recipes()``), a ``qc.Recipe``, or a list of passes.
     ``calibration``: an iterable of inputs shaped like ``example_inputs`` (needed by data-driven passes).
     ``backend``: ``eager`` (reference ops), ``triton`` (GPU kernels; CPU only under TRITON_INTERPRET=1) or
-    ``onnxruntime``. ``backend_options``: passed to the backend (onnxruntime: ``path``, ``threads``, ``accuracy_level``).
+    ``onnxruntime``. ``backend_options``: passed to the backend (onnxruntime: ``path``, ``threads``, ``accuracy_level``,
+    ``fused_attention``).
     ``device``: where calibration and the solvers run, one block at a time (``auto``: the GPU when
     there is one); the model's weights stay where they are. ``offload``: keep the cached block inputs
     on the CPU (for calibration sets larger than the device's memory).

@@ -1,10 +1,12 @@
 """Causal LMs as users load them (use_cache=True): capture with the KV cache, generate, backends."""
 import warnings
 
+import onnx
 import pytest
 import torch
 
 import qcompiler as qc
+from qcompiler import causal_lm as cache_graph
 from causal_lms import ARCHITECTURES, calibration, causal_lm, prompt
 
 # The default suite runs four families (LLaMA-style GQA, GPT-2 Conv1D, Falcon, MoE); `pytest -m slow`
@@ -91,13 +93,42 @@ def test_a_left_padded_batch_generates_what_each_prompt_does_alone(llama):
     assert torch.equal(batch, llama.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=False))
 
 
-def test_onnxruntime_backend_generates_the_eager_tokens(llama_w4):
-    ort = llama_w4.with_backend("onnxruntime", accuracy_level=0)
+def test_onnxruntime_backend_generates_the_eager_tokens(llama_w4, tmp_path):
+    ort = llama_w4.with_backend("onnxruntime", path=tmp_path / "model.onnx", accuracy_level=0)
     session = ort._runner.session
     assert [i.name for i in session.get_inputs()][3:5] == ["past_key_values.0.key", "past_key_values.0.value"]
     assert [o.name for o in session.get_outputs()][:3] == ["logits", "present.0.key", "present.0.value"]
     _, ids, mask = _left_padded()
     assert torch.equal(ort.generate(ids, 12, attention_mask=mask), llama_w4.generate(ids, 12, attention_mask=mask))
+    # attention is one GroupQueryAttention node per layer (backends/onnx_attention.py), numerically the
+    # eager graph's for left padding, decode steps and batched chunks with a past
+    model = onnx.load(str(tmp_path / "model.onnx"), load_external_data=False)
+    assert sum(n.op_type == "GroupQueryAttention" for n in model.graph.node) == llama_w4.cache_layout.layers
+    assert not any(n.op_type == "Softmax" for n in model.graph.node)
+    assert_same_steps(llama_w4._runner, ort._runner, llama_w4.cache_layout)
+
+
+def assert_same_steps(eager, onnx_run, layout):
+    """Prefill of a left-padded batch, a decode step, a batched chunk of 3 with a past, a decode step:
+    logits and present K/V equal at every real token (padding rows are unspecified), rel 1e-5."""
+    ids = prompt(2, 5, seed=3)
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+    past = None
+    for step, new in enumerate((5, 1, 3, 1)):
+        if step:
+            ids = prompt(2, new, seed=10 + step)
+            mask = torch.cat([mask, torch.ones(2, new, dtype=mask.dtype)], 1)
+        inputs = cache_graph.graph_inputs(layout, ids, mask, past=past)
+        with torch.no_grad():
+            (want, want_present), (got, got_present) = eager(**inputs), onnx_run(**inputs)
+        rows = mask[:, -new:].bool()
+        assert (got[rows] - want[rows]).abs().max() <= 1e-5 * want.abs().max(), (step, new)
+        real = mask.bool()[:, None, :, None]                               # cache rows of real tokens
+        for a, b in zip(got_present, want_present):
+            assert a.shape == b.shape
+            assert ((a - b) * real).abs().max() <= 1e-5 * b.abs().max(), (step, new)
+        past = want_present                                                # both continue from the same cache
 
 
 def test_saved_artifact_keeps_the_cache_graph_and_generates(llama_w4, tmp_path):

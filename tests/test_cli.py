@@ -2,6 +2,7 @@
 import json
 
 import numpy as np
+import onnx
 import pytest
 import torch
 
@@ -41,6 +42,8 @@ def test_quantize_save_load_eval_export_run_agree(artifact, tmp_path, capsys):
     from qcompiler.backends.onnx_export import cache_io_names
     from qcompiler.causal_lm import graph_inputs
     session = ort.InferenceSession(str(tmp_path / "genai" / "model.onnx"), providers=["CPUExecutionProvider"])
+    ops = [n.op_type for n in onnx.load(str(tmp_path / "genai" / "model.onnx")).graph.node]
+    assert ops.count("GroupQueryAttention") == 4 and ops.count("MatMulNBits") == 28  # per layer / per linear
     ids = torch.randint(0, 256, (1, 24), generator=torch.Generator().manual_seed(1))
     inputs = graph_inputs(cm.cache_layout, ids)         # the KV-cache graph, empty past (prefill)
     names = cache_io_names(cm.cache_layout)

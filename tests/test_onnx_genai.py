@@ -3,6 +3,7 @@ import json
 import warnings
 
 import numpy as np
+import onnx
 import pytest
 import torch
 
@@ -42,7 +43,10 @@ def test_onnxruntime_genai_generates_the_same_32_greedy_tokens(recipe, tinylm, t
 def test_cli_export_onnx_genai_from_an_artifact(tinylm, tmp_path, capsys):
     cm = qc.compile(tinylm.model, tinylm.example_inputs(), recipe="rtn-w4g128", progress=False)
     cm.save(tmp_path / "art", metadata={"source": "bundled:tinylm"})
-    assert main(["export", str(tmp_path / "art"), "--format", "onnx-genai", "--out", str(tmp_path / "g")]) == 0
+    assert main(["export", str(tmp_path / "art"), "--format", "onnx-genai", "--out", str(tmp_path / "g"),
+                 "--plain-attention"]) == 0  # the fused node: tests/test_cli.py's genai export
+    model = onnx.load(str(tmp_path / "g" / "model.onnx"), load_external_data=False)
+    assert not any(n.op_type == "GroupQueryAttention" for n in model.graph.node)
     assert sorted(p.name for p in (tmp_path / "g").iterdir()) == [".qcompiler-output.json", "genai_config.json",
                                                                   "generation_config.json", "model.onnx",
                                                                   "tokenizer.json", "tokenizer_config.json"]

@@ -6,14 +6,16 @@ from pathlib import Path
 import pytest
 import torch
 
-import qcompiler.backends.onnx_layout  # noqa: F401  (defines the export-only ops)
+import qcompiler.backends.onnx_attention  # noqa: F401  (defines export-only ops)
+import qcompiler.backends.onnx_layout  # noqa: F401
 from qcompiler.op_registry import args_of, call_op, registered, spec
 from qcompiler.ops import pack_gptq
 
 ROOT = Path(__file__).resolve().parents[1]
 
 # Files that pattern-match aten / transformers graphs (never qc ops) may index node arguments.
-ATEN_MATCHERS = {"qcompiler/graph.py", "qcompiler/smoothing_plan.py", "qcompiler/experts.py", "passes/lower_int8.py"}
+ATEN_MATCHERS = {"qcompiler/graph.py", "qcompiler/smoothing_plan.py", "qcompiler/experts.py", "passes/lower_int8.py",
+                 "backends/onnx_attention.py"}
 
 
 def _sources():

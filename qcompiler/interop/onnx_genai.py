@@ -4,7 +4,8 @@ The KV-cache graph's ONNX export already has the input/output contract genai's d
 models use (``input_ids``, ``attention_mask``, ``position_ids``, ``past_key_values.N.key/value``
 in; ``logits``, ``present.N.key/value`` out; the cache grows by concatenation, so
 ``past_present_share_buffer`` is false). Quantized linears are ``MatMulNBits`` (GPTQ/RTN, SpQR's
-dense part) and ``MatMulInteger`` (W8A8), as in every qcompiler ONNX export (docs/backends/onnx.md).
+dense part) and ``MatMulInteger`` (W8A8), standard attention one ``GroupQueryAttention`` node per
+layer, as in every qcompiler ONNX export of a KV-cache graph (docs/backends/onnx.md).
 """
 from __future__ import annotations
 
@@ -69,7 +70,7 @@ def genai_config(cm) -> dict:
 
 
 def export_onnx_genai(cm, out_dir, *, accuracy_level: Optional[int] = None, overwrite: bool = False,
-                      progress=print) -> Path:
+                      progress=print, fused_attention: bool = True) -> Path:
     """Write ``cm`` as an onnxruntime-genai model folder (published atomically)."""
     out_dir = Path(out_dir)
     config = genai_config(cm)
@@ -77,7 +78,8 @@ def export_onnx_genai(cm, out_dir, *, accuracy_level: Optional[int] = None, over
     with publish_directory(out_dir, "onnx-genai", overwrite=overwrite,
                            protect=[str(p.parent) for p in copies.values()]) as tmp:
         progress(f"exporting {cm.capture_info.model_class} ({cm.recipe.name}) to ONNX with its KV cache")
-        cm.export_onnx(tmp / "model.onnx", accuracy_level=accuracy_level, overwrite=True)
+        cm.export_onnx(tmp / "model.onnx", accuracy_level=accuracy_level, overwrite=True,
+                       fused_attention=fused_attention)
         (tmp / "genai_config.json").write_text(json.dumps(config, indent=2) + "\n")
         written = write_tokenizer_files(tmp, cm.graph_module, copies)
         progress(f"genai_config.json ({config['model']['type']}, {config['model']['decoder']['num_hidden_layers']} "
