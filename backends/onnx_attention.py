@@ -154,6 +154,9 @@ def _match(node: Node, outputs: set[Node]) -> tuple[Optional[_Match], str]:
             and k_shape[3] == v_shape[3] == head_size):
         return None, f"KV heads {k_shape[1]}/{v_shape[1]} or head sizes {k_shape[3]}/{v_shape[3]} do not fit " \
                      f"{heads} query heads of size {head_size}"
+    new_shapes = [_shape(c.args[0][1]) for c in caches]
+    if any(n is None or not _same_size(n[2], q_shape[2]) for n in new_shapes):
+        return None, "the new keys/values do not have the query's length (not self-attention over the cache)"
     mask = args.get("attn_mask")
     if mask is None:
         return None, "no attention mask (the fused node is always causal)"
