@@ -88,3 +88,29 @@ def test_plain_attention_export_uses_standard_onnx_ops_only(tmp_path):
     a, b = (session_for(p).run(None, feeds) for p in (plain, fused))
     for x, y in zip(a, b):
         assert abs(x - y).max() <= 1e-5 * abs(x).max()
+
+
+@pytest.mark.parametrize("providers, fused", [(["CPUExecutionProvider"], True),
+                                              (["CUDAExecutionProvider", "CPUExecutionProvider"], False)])
+def test_onnxruntime_backend_fuses_attention_only_for_the_cpu_provider(monkeypatch, providers, fused):
+    """ORT's CUDA GroupQueryAttention takes fp16/bf16 only: an fp32 node would run on the CPU and
+    copy the cache every step, so with the CUDA provider installed the backend exports plain ops."""
+    import onnxruntime
+
+    from qcompiler.backends import onnxruntime as backend
+
+    seen = {}
+
+    def stop(gm, path, example_inputs, **options):
+        seen.update(options)
+        raise RuntimeError("stop before exporting")
+
+    monkeypatch.setattr(onnxruntime, "get_available_providers", lambda: providers)
+    monkeypatch.setattr(backend, "export_onnx", stop)
+    with pytest.raises(RuntimeError, match="stop before exporting"):
+        backend.prepare_onnxruntime(torch.fx.GraphModule(torch.nn.Module(), torch.fx.Graph()), ((), {}))
+    assert seen["fused_attention"] is fused
+    with pytest.raises(RuntimeError, match="stop before exporting"):   # an explicit choice wins
+        backend.prepare_onnxruntime(torch.fx.GraphModule(torch.nn.Module(), torch.fx.Graph()), ((), {}),
+                                    fused_attention=not fused)
+    assert seen["fused_attention"] is (not fused)
