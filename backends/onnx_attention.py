@@ -8,8 +8,9 @@ head sharing, the causal mask and the softmax in one kernel (measured 0.56-0.71x
 ops' time per decode step: benchmarks/attention_ops.py).
 
 The match is strict: both caches must be ``cat`` along the length axis and returned as the
-graph's ``present`` (or sliced to a sliding window first); anything else (eager attention with soft-capping, ALiBi written as
-``baddbmm``, a non-causal step, dropout) is left as plain ops and named in the export's notes.
+graph's ``present`` (or sliced to a sliding window first); anything else (eager attention with
+soft-capping, ALiBi written as ``baddbmm``, a non-causal step, dropout) is left as plain ops and
+named in the export's notes.
 Rotary embeddings stay outside the node (already applied to ``q`` and ``new``), and the model's
 own mask goes in as ``attention_bias``, so padding, sliding windows and any other masking are
 exactly transformers'. The node runs with ``seqlens_k = T - 1`` and ``query_seqlens = S`` for

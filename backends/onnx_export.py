@@ -59,8 +59,6 @@ def _register_contrib_schemas() -> None:
     """Teach onnx (and so onnxscript and the checker) the contrib op signatures we emit."""
     from onnx.defs import OpSchema
 
-    if onnx.defs.has("MatMulNBits", "com.microsoft"):
-        return
     P, opt = OpSchema.FormalParameter, OpSchema.FormalParameterOption.Optional
     A = OpSchema.Attribute
     floats = ["tensor(float)", "tensor(float16)", "tensor(bfloat16)"]
@@ -69,7 +67,7 @@ def _register_contrib_schemas() -> None:
                   ("position_ids", "P"), ("attention_bias", "T"), ("head_sink", "T"), ("k_scale", "F"),
                   ("v_scale", "F"), ("q_norm_weight", "T"), ("k_norm_weight", "T"), ("query_seqlens", "M")]
     required = {"query", "seqlens_k", "total_sequence_length"}
-    onnx.defs.register_schema(OpSchema(  # the subset of ORT's schema we use: float caches, no quantization
+    gqa = OpSchema(  # the subset of ORT's schema we use: float caches, no quantization
         "GroupQueryAttention", "com.microsoft", MSFT_OPSET,
         inputs=[P(name, t, param_option=OpSchema.FormalParameterOption.Single if name in required else opt)
                 for name, t in gqa_inputs],
@@ -77,8 +75,8 @@ def _register_contrib_schemas() -> None:
         type_constraints=[("T", floats, ""), ("M", ["tensor(int32)"], ""), ("P", ["tensor(int64)"], ""),
                           ("F", ["tensor(float)"], "")],
         attributes=[A("num_heads", OpSchema.AttrType.INT, ""), A("kv_num_heads", OpSchema.AttrType.INT, ""),
-                    A("scale", OpSchema.AttrType.FLOAT, "", required=False)]))
-    onnx.defs.register_schema(OpSchema(
+                    A("scale", OpSchema.AttrType.FLOAT, "", required=False)])
+    nbits = OpSchema(
         "MatMulNBits", "com.microsoft", MSFT_OPSET,
         inputs=[P("A", "T1"), P("B", "T2"), P("scales", "T1"), P("zero_points", "T3", param_option=opt),
                 P("g_idx", "T4", param_option=opt), P("bias", "T1", param_option=opt)],
@@ -88,7 +86,10 @@ def _register_contrib_schemas() -> None:
                           ("T4", ["tensor(int32)"], "")],
         attributes=[A("K", OpSchema.AttrType.INT, ""), A("N", OpSchema.AttrType.INT, ""),
                     A("bits", OpSchema.AttrType.INT, ""), A("block_size", OpSchema.AttrType.INT, ""),
-                    A("accuracy_level", OpSchema.AttrType.INT, "", required=False)]))
+                    A("accuracy_level", OpSchema.AttrType.INT, "", required=False)])
+    for schema in (gqa, nbits):  # once per process (and not over a schema another library registered)
+        if not onnx.defs.has(schema.name, schema.domain):
+            onnx.defs.register_schema(schema)
 
 
 def _translation_table(accuracy_level: int) -> dict:
@@ -177,9 +178,9 @@ def _translation_table(accuracy_level: int) -> dict:
         return op.Transpose(out, perm=[0, 2, 1, 3]), present_key, present_value
 
     qc = torch.ops.qc
-    return {qc.kv_cache_attention.default: kv_cache_attention, qc.matmul_nbits.default: matmul_nbits, qc.gathered_outlier_linear.default: gathered_outlier_linear,
-            qc.int8_linear.default: int8_linear, qc.experts_matmul_nbits.default: experts_matmul_nbits,
-            qc.experts_matmul.default: experts_matmul}
+    return {qc.kv_cache_attention.default: kv_cache_attention, qc.matmul_nbits.default: matmul_nbits,
+            qc.gathered_outlier_linear.default: gathered_outlier_linear, qc.int8_linear.default: int8_linear,
+            qc.experts_matmul_nbits.default: experts_matmul_nbits, qc.experts_matmul.default: experts_matmul}
 
 
 def _static_dim(value, dim: int) -> int:
