@@ -239,10 +239,10 @@ def _read_all(path: Path) -> tuple[dict, dict]:
                     if not name.endswith(".safetensors"):
                         contents[role] = f.read()
                         continue
-                    part = _tensors(f, path / name)
-                    if part.keys() & contents.get(role, {}).keys():
+                    part, merged = _tensors(f, path / name), contents.setdefault(role, {})
+                    if part.keys() & merged.keys():
                         raise ArtifactError(f"artifact {path}: {name} repeats a tensor of an earlier shard")
-                    contents[role] = {**contents.get(role, {}), **part}
+                    merged.update(part)
         return manifest, contents
     except ArtifactError:
         if folder.replaced():  # a writer replaced the artifact while we read: read the new one

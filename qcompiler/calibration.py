@@ -344,7 +344,7 @@ class CalibrationEngine:
             y = y.detach().reshape(-1, y.shape[-1])
             if mask is not None and mask.numel() == y.shape[0]:
                 y = y[mask]
-            # the norm in the outputs' dtype, squared in float64: no float64 copy of the outputs
+            # the norm in float32, squared in float64: no float64 copy of the outputs
             total = st.output_energy.get(layer.path, 0.0) + torch.linalg.vector_norm(y.float()).double() ** 2
             st.output_energy[layer.path] = total
         return observe
