@@ -126,9 +126,7 @@ def capture(model: torch.nn.Module, example_inputs) -> torch.fx.GraphModule:
     model.eval()
     shapes = dynamic_shapes_for(args, kwargs, list(inspect.signature(model.forward).parameters))
     try:
-        with _quiet_export_logs(), torch.no_grad():
-            exported = torch.export.export(model, *_in_fake_mode_of(model, args, kwargs), dynamic_shapes=shapes,
-                                           strict=False)
+        exported = export_program(model, args, kwargs, shapes)
     except Exception as exc:  # torch.export raises many types; we re-raise one that explains
         text = str(exc)
         hint = next((h for key, h in _HINTS if key in text), "simplify the failing construct in forward(), "
@@ -198,9 +196,7 @@ def _capture_with_cache(model: torch.nn.Module, kwargs: dict) -> torch.fx.GraphM
     inputs = causal_lm.example_graph_inputs(layout, kwargs["input_ids"], kwargs.get("attention_mask"))
     model.forward = causal_lm.cache_forward(model, layout)  # an instance attribute: traced instead of the class's
     try:
-        with _quiet_export_logs(), torch.no_grad():
-            exported = torch.export.export(model, *_in_fake_mode_of(model, (), inputs),
-                                           dynamic_shapes=causal_lm.dynamic_shapes(inputs), strict=False)
+        exported = export_program(model, (), inputs, causal_lm.dynamic_shapes(inputs))
     except Exception as exc:
         text = str(exc).strip()
         raise CaptureError(f"torch.export could not capture {type(model).__name__} with its KV cache: "
@@ -218,6 +214,13 @@ def _capture_with_cache(model: torch.nn.Module, kwargs: dict) -> torch.fx.GraphM
         model_config=_config_dict(model), source_path=_source_folder(model), cache=layout.to_dict(),
         transient=transient_tensors(gm, model))
     return gm
+
+
+def export_program(model: torch.nn.Module, args: tuple, kwargs: dict, shapes) -> torch.export.ExportedProgram:
+    """``torch.export`` (non-strict) of ``model`` at the example, in its fake mode when it is a
+    streamed skeleton. Both capture paths export here (the test suite memoizes this one call)."""
+    with _quiet_export_logs(), torch.no_grad():
+        return torch.export.export(model, *_in_fake_mode_of(model, args, kwargs), dynamic_shapes=shapes, strict=False)
 
 
 def _in_fake_mode_of(model: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:

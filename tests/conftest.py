@@ -16,6 +16,11 @@ else:  # correctness with one fixed config per kernel (benchmarks/kernels.py che
 if "PYTEST_XDIST_WORKER_COUNT" in os.environ:
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
 
+# One torch.export per architecture and example shape per worker (tests/capture_memo.py).
+import capture_memo  # noqa: E402  (after TRITON_INTERPRET: it imports qcompiler)
+
+capture_memo.install()
+
 
 @pytest.fixture(scope="session")
 def minilm():
@@ -41,6 +46,10 @@ SLOW_VARIANTS = (
         "llama-gptq-w3g128",  # 3-bit MatMulNBits: llama-spqr-w3g16 (default run) exports 3-bit codes too
         "bert-spqr-w3g16", "bert-gptq-w3g128")),
     "test_onnx_backend.py::test_large_models_go_to_external_data",
+    # metadata, checker and atomic write: test_partial_groups' export asserts them (at level 0)
+    "test_onnx_backend.py::test_export_records_metadata_and_passes_checker",
+    "test_onnx_backend.py::test_onnxruntime_matches_eager[llama-w8a8-smoothquant]",  # W8A8 in ORT: bert's case
+    "test_onnx_backend.py::test_t5_encoder_exports_and_runs_in_ort_at_other_shapes",
     "test_streaming.py::test_streamed_compile_equals_full_load[w8a8-smoothquant]",
     "test_streaming.py::test_streamed_compile_equals_full_load[spqr-w3g16]",
     "test_streaming.py::test_moe_checkpoints_transformers_converts_stream_and_compile_like_a_full_load[qwen2_moe]",

@@ -43,8 +43,12 @@ def test_onnx_export_uses_matmul_nbits_for_every_layer(compiled, tmp_path):
     ort = cm.with_backend("onnxruntime", path=str(tmp_path / "run.onnx"), accuracy_level=0)  # fp32 compute: exact layout check
     proto = onnx.load(str(tmp_path / "run.onnx"), load_external_data=False)
     assert sum(n.op_type == "MatMulNBits" for n in proto.graph.node) == 7
-    notes = {p.key: p.value for p in proto.metadata_props}.get("qcompiler.notes", "")
-    assert "fp32 MatMul" not in notes, notes
+    meta = {p.key: p.value for p in proto.metadata_props}
+    assert "fp32 MatMul" not in meta["qcompiler.notes"], meta["qcompiler.notes"]
+    assert meta["qcompiler.recipe"] == "gptq-w4g128" and meta["qcompiler.onnx_opset"] == "18"
+    assert meta["qcompiler.matmul_nbits_accuracy_level"] == "0"
+    onnx.checker.check_model(str(tmp_path / "run.onnx"), full_check=True)
+    assert [p.name for p in tmp_path.iterdir()] == ["run.onnx"]  # written atomically: no temporary left
     want, got = main_output(cm(**x)), main_output(ort(**x))
     assert ((got - want).norm() / want.norm()) < 1e-3
 

@@ -1,0 +1,69 @@
+"""One ``torch.export`` per architecture and example shape per test worker.
+
+About two thirds of the suite's time was ``torch.export`` re-capturing the same tiny models (the
+2-layer LLaMA alone 60 times). The memo keys a capture by everything that decides the traced graph
+of a Hugging Face model — class, full config (and attention implementation), the cache-mode
+forward, every parameter and buffer name/shape/dtype, the example's shapes and dtypes, the dynamic
+shapes — and hands later captures the same program re-bound to the new model's own tensors, so
+the graph computes with that model's weights exactly as a fresh capture would. Models that are not
+Hugging Face models (their forward may depend on constructor options no key sees) and streamed
+skeletons always export afresh. ``QC_TEST_CAPTURE_MEMO=0`` turns it off.
+"""
+from __future__ import annotations
+
+import copy
+import importlib
+import os
+
+import torch
+from torch.utils._pytree import tree_flatten
+
+from qcompiler import lazy_weights
+
+capture_module = importlib.import_module("qcompiler.capture")  # the package re-exports a function of that name
+
+_programs: dict = {}
+
+
+def _spec(value):
+    if isinstance(value, torch.Tensor):
+        return ("tensor", tuple(value.shape), value.dtype)
+    return ("value", repr(value))
+
+
+def _key(model: torch.nn.Module, args: tuple, kwargs: dict, shapes):
+    config = getattr(model, "config", None)
+    if not hasattr(config, "to_json_string") or lazy_weights.fake_mode_of(model) is not None:
+        return None
+    tensors = [(name, tuple(t.shape), t.dtype) for name, t in model.state_dict(keep_vars=True).items()]
+    tensors += [(name, tuple(t.shape), t.dtype) for name, t in model.named_buffers(remove_duplicate=False)]
+    return (type(model), "forward" in vars(model), config.to_json_string(use_diff=False),
+            getattr(config, "_attn_implementation", None), tuple(tensors),
+            tuple(_spec(v) for v in tree_flatten((args, kwargs))[0]), repr(shapes))
+
+
+def _rebound(program: torch.export.ExportedProgram, model: torch.nn.Module) -> torch.export.ExportedProgram:
+    own = dict(model.named_parameters(remove_duplicate=False))
+    own.update(model.named_buffers(remove_duplicate=False))
+    missing = [name for name in program.state_dict if name not in own]
+    assert not missing, f"capture memo: {missing[:3]} not in the model"
+    fresh = copy.copy(program)  # module() deep-copies the graph: programs are never mutated
+    fresh._state_dict = {name: own[name] for name in program.state_dict}
+    fresh._constants = {name: own.get(name, value) for name, value in program.constants.items()}
+    return fresh
+
+
+def install() -> None:
+    if os.environ.get("QC_TEST_CAPTURE_MEMO", "1") == "0":
+        return
+    export = capture_module.export_program
+
+    def memoized(model, args, kwargs, shapes):
+        key = _key(model, args, kwargs, shapes)
+        if key is None:
+            return export(model, args, kwargs, shapes)
+        if key not in _programs:
+            _programs[key] = export(model, args, kwargs, shapes)
+        return _rebound(_programs[key], model)
+
+    capture_module.export_program = memoized
