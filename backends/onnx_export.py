@@ -18,6 +18,7 @@ created, then renamed into place): a failed export leaves nothing behind.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import os
 import re
@@ -100,17 +101,28 @@ def _translation_table(accuracy_level: int) -> dict:
     msft = onnxscript.values.Opset("com.microsoft", MSFT_OPSET)
     UINT8, FLOAT = onnx.TensorProto.UINT8, onnx.TensorProto.FLOAT
 
+    def nbits(a, B, scales, zero_points, group_corr, K, N, bits, block_size):
+        """MatMulNBits of the (already permuted) input ``a``; SpQR's fractional zero points add
+        (per-block sums of ``a``) @ ``group_corr``."""
+        y = msft.MatMulNBits(a, B, scales, zero_points, K=K, N=N, bits=bits, block_size=block_size,
+                             accuracy_level=accuracy_level)
+        if group_corr is None:
+            return y
+        lead = op.Slice(op.Shape(a), op.Constant(value_ints=[0]), op.Constant(value_ints=[-1]))
+        shape = op.Concat(lead, op.Constant(value_ints=[K // block_size, block_size]), axis=0)
+        sums = op.ReduceSum(op.Reshape(a, shape), op.Constant(value_ints=[-1]), keepdims=0)
+        return op.Add(y, op.MatMul(sums, group_corr))
+
     def matmul_nbits(x, B, scales, zero_points, perm=None, group_corr=None, bias=None, K=0, N=0, bits=4,
                      block_size=32):
         a = x if perm is None else op.Gather(x, perm, axis=-1)
-        y = msft.MatMulNBits(a, B, scales, zero_points, K=K, N=N, bits=bits, block_size=block_size,
-                             accuracy_level=accuracy_level)
-        if group_corr is not None:  # fractional zero points: + (per-block sums of x) @ corr
-            lead = op.Slice(op.Shape(a), op.Constant(value_ints=[0]), op.Constant(value_ints=[-1]))
-            shape = op.Concat(lead, op.Constant(value_ints=[K // block_size, block_size]), axis=0)
-            sums = op.ReduceSum(op.Reshape(a, shape), op.Constant(value_ints=[-1]), keepdims=0)
-            y = op.Add(y, op.MatMul(sums, group_corr))
+        y = nbits(a, B, scales, zero_points, group_corr, K, N, bits, block_size)
         return y if bias is None else op.Add(y, bias)
+
+    def pick(t, e):
+        """Expert ``e``'s slice of a stacked initializer (a Gather by a constant: ORT folds it,
+        same speed as a plain initializer)."""
+        return op.Gather(t, op.Constant(value_int=e), axis=0)
 
     def by_expert(x, offsets, n_experts, n_out, matmul):
         """Each expert's rows (sorted by expert; ``offsets`` cumulative counts) through ``matmul(rows, e)``,
@@ -120,27 +132,35 @@ def _translation_table(accuracy_level: int) -> dict:
         outs, start = [], zero
         for e in range(n_experts):
             end = op.Slice(ends, op.Constant(value_ints=[e]), op.Constant(value_ints=[e + 1]))
-            outs.append(matmul(op.Slice(x, start, end, axis0), op.Constant(value_int=e)))
+            outs.append(matmul(op.Slice(x, start, end, axis0), e))
             start = end
         rest = op.Sub(op.Slice(op.Shape(x), zero, op.Constant(value_ints=[1])), start)
         outs.append(op.ConstantOfShape(op.Concat(rest, op.Constant(value_ints=[n_out]), axis=0),
                                        value=onnx.helper.make_tensor("zero", FLOAT, [1], [0.0])))
         return op.Concat(*outs, axis=0)
 
-    def experts_matmul_nbits(x, offsets, B, scales, zero_points, perm=None, K=0, N=0, bits=4, block_size=32):
-        def one(rows, e):  # Gather of an initializer by a constant: ORT folds it (same speed as a plain initializer)
-            rows = rows if perm is None else op.Gather(rows, op.Gather(perm, e, axis=0), axis=-1)
-            return msft.MatMulNBits(rows, op.Gather(B, e, axis=0), op.Gather(scales, e, axis=0),
-                                    op.Gather(zero_points, e, axis=0), K=K, N=N, bits=bits, block_size=block_size,
-                                    accuracy_level=accuracy_level)
+    def experts_matmul_nbits(x, offsets, B, scales, zero_points, perm=None, K=0, N=0, bits=4, block_size=32,
+                             group_corr=None):
+        def one(rows, e):
+            rows = rows if perm is None else op.Gather(rows, pick(perm, e), axis=-1)
+            return nbits(rows, pick(B, e), pick(scales, e), pick(zero_points, e),
+                         None if group_corr is None else pick(group_corr, e), K, N, bits, block_size)
         return by_expert(x, offsets, _static_dim(B, 0), N, one)
 
     def experts_matmul(x, offsets, weight):
         return by_expert(x, offsets, _static_dim(weight, 0), _static_dim(weight, 2),
-                         lambda rows, e: op.MatMul(rows, op.Gather(weight, e, axis=0)))
+                         lambda rows, e: op.MatMul(rows, pick(weight, e)))
 
     def gathered_outlier_linear(x, cols, block_t):
         return op.MatMul(op.Gather(x, cols, axis=-1), block_t)
+
+    def experts_gathered_outlier_linear(x, offsets, cols, block_t, sizes=()):
+        bounds = [0, *itertools.accumulate(sizes)]
+
+        def one(rows, e):
+            part = op.Constant(value_ints=[bounds[e]]), op.Constant(value_ints=[bounds[e + 1]])
+            return gathered_outlier_linear(rows, op.Slice(cols, *part), op.Slice(block_t, *part))
+        return by_expert(x, offsets, len(sizes), _static_dim(block_t, 1), one)
 
     def int8_linear(x, weight, weight_scale, bias=None, act_scale=None, smooth_inv=None):
         # int8 codes q in [-127, 127] travel as uint8 q + 128 with zero point 128: ORT's fast
@@ -180,7 +200,8 @@ def _translation_table(accuracy_level: int) -> dict:
     qc = torch.ops.qc
     return {qc.kv_cache_attention.default: kv_cache_attention, qc.matmul_nbits.default: matmul_nbits,
             qc.gathered_outlier_linear.default: gathered_outlier_linear, qc.int8_linear.default: int8_linear,
-            qc.experts_matmul_nbits.default: experts_matmul_nbits, qc.experts_matmul.default: experts_matmul}
+            qc.experts_matmul_nbits.default: experts_matmul_nbits, qc.experts_matmul.default: experts_matmul,
+            qc.experts_gathered_outlier_linear.default: experts_gathered_outlier_linear}
 
 
 def _static_dim(value, dim: int) -> int:

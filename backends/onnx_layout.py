@@ -13,6 +13,8 @@ here, on a copy of the graph, as ops with their own torch references (tested aga
   same way, stacked); a full-precision grouped matmul over 3-D expert weights → ``qc.experts_matmul``.
 - ``qc.sparse_outlier_linear`` → ``qc.gathered_outlier_linear``: only the columns that hold
   outliers are gathered from the input and multiplied by a small dense ``[k, N]`` block.
+- ``qc.spqr_experts_linear`` → ``qc.experts_matmul_nbits`` (each expert's dense branch as above)
+  plus ``qc.experts_gathered_outlier_linear`` (each expert's own outlier columns and block).
 """
 from __future__ import annotations
 
@@ -26,11 +28,11 @@ from qcompiler.algorithms.packing import unpack_rows
 from qcompiler.experts import find_expert_linears
 from qcompiler.graph import contiguous_before_reshape, set_tensor
 from qcompiler.op_registry import OpArgs, OpSpec, args_of, call_op, quantized_layer_path, register
-from qcompiler.ops import GPTQ_TENSORS, dequantize_gptq, spqr_group_stats
+from qcompiler.ops import GPTQ_TENSORS, SPQR_DENSE_TENSORS, dequantize_gptq, expert_csr, expert_ranges, spqr_group_stats
 
 from .onnx_nbits import gptq_to_nbits, to_matmul_nbits_layout
 
-__all__ = ["lower_for_onnx", "gathered_outlier_linear"]
+__all__ = ["lower_for_onnx", "gathered_outlier_linear", "experts_gathered_outlier_linear", "spqr_to_nbits"]
 
 
 @torch.library.custom_op("qc::gathered_outlier_linear", mutates_args=())
@@ -44,13 +46,32 @@ def _gathered_fake(x, cols, block_t):
     return x.new_empty((*x.shape[:-1], block_t.shape[1]))
 
 
+@torch.library.custom_op("qc::experts_gathered_outlier_linear", mutates_args=())
+def experts_gathered_outlier_linear(x: Tensor, offsets: Tensor, cols: Tensor, block_t: Tensor,
+                                    sizes: list[int]) -> Tensor:
+    """Per expert (rows sorted by expert), ``gathered_outlier_linear`` with its own columns and block:
+    expert ``e``'s are the ``sizes[e]`` entries of ``cols`` / rows of ``block_t`` after those of ``0..e-1``."""
+    y = x.new_zeros((x.shape[0], block_t.shape[1]))
+    bounds = [0, *torch.tensor(sizes).cumsum(0).tolist()]
+    for e, (start, end) in enumerate(expert_ranges(offsets)):
+        if end > start:
+            y[start:end] = gathered_outlier_linear(x[start:end], cols[bounds[e]:bounds[e + 1]],
+                                                   block_t[bounds[e]:bounds[e + 1]])
+    return y
+
+
+@experts_gathered_outlier_linear.register_fake
+def _experts_gathered_fake(x, offsets, cols, block_t, sizes):
+    return x.new_empty((x.shape[0], block_t.shape[1]))
+
+
 register(OpSpec("gathered_outlier_linear"))  # export-only: never counted, never saved
+register(OpSpec("experts_gathered_outlier_linear"))
 
 
-def _spqr_to_nbits(gm, a: OpArgs) -> tuple:
-    codes, scale_codes, zero_codes, scale_stats, zero_stats, perm = a.tensors(
-        gm, "codes", "scale_codes", "zero_codes", "scale_stats", "zero_stats", "perm")
-    bits, group, stat_bits, stat_group = a.bits, a.group_size, a.stat_bits, a.stat_group_size
+def spqr_to_nbits(codes: Tensor, scale_codes: Tensor, zero_codes: Tensor, scale_stats: Tensor, zero_stats: Tensor,
+                  perm: Tensor, bits: int, group: int, stat_bits: int, stat_group: int) -> tuple:
+    """One SpQR dense branch in MatMulNBits' layout (``gptq_to_nbits``'s tuple, plus ``group_corr``)."""
     k, n = perm.numel(), scale_stats.shape[1] * stat_group
     s = spqr_group_stats(scale_codes, scale_stats, stat_bits, stat_group).clamp(min=1e-8).t()   # [N, groups]
     z = spqr_group_stats(zero_codes, zero_stats, stat_bits, stat_group).t()
@@ -68,7 +89,8 @@ def _spqr_to_nbits(gm, a: OpArgs) -> tuple:
 def _lower_dense(gm: GraphModule, a: OpArgs, path: str, notes: list[str]):
     """GPTQ / SpQR dense branch -> ``qc.matmul_nbits`` (or an fp32 MatMul when no block fits)."""
     is_gptq = a.spec.name == "quant_linear"
-    lowered = gptq_to_nbits(*a.tensors(gm, *GPTQ_TENSORS), a.bits, a.group_size) if is_gptq else _spqr_to_nbits(gm, a)
+    lowered = (gptq_to_nbits(*a.tensors(gm, *GPTQ_TENSORS), a.bits, a.group_size) if is_gptq else
+               spqr_to_nbits(*a.tensors(gm, *SPQR_DENSE_TENSORS), a.bits, a.group_size, a.stat_bits, a.stat_group_size))
     graph = gm.graph
     if lowered is None:
         w = dequantize_gptq(*a.tensors(gm, *GPTQ_TENSORS), a.bits)
@@ -89,10 +111,9 @@ def _lower_dense(gm: GraphModule, a: OpArgs, path: str, notes: list[str]):
                    bias=a.bias, K=k, N=n, bits=nbits, block_size=block)
 
 
-def _lower_outliers(gm: GraphModule, a: OpArgs, path: str, notes: list[str]):
-    """SpQR's CSR outliers -> ``qc.gathered_outlier_linear`` over the columns that hold any."""
-    row_ptr, col_idx, values = a.tensors(gm, "row_ptr", "col_idx", "values")
-    n_out = a.out_features
+def _gathered_block(row_ptr: Tensor, col_idx: Tensor, values: Tensor, n_out: int) -> tuple[Tensor, Tensor]:
+    """A CSR matrix as (the columns that hold any entry, their dense ``[k, N]`` block); one zero
+    column when there is none (ONNX has no empty MatMul)."""
     rows = torch.repeat_interleave(torch.arange(n_out), (row_ptr[1:] - row_ptr[:-1]).long())
     cols = torch.unique(col_idx.long())
     block_t = torch.zeros(max(cols.numel(), 1), n_out)
@@ -101,10 +122,48 @@ def _lower_outliers(gm: GraphModule, a: OpArgs, path: str, notes: list[str]):
         block_t[where, rows] = values.float()
     else:
         cols = torch.zeros(1, dtype=torch.long)
+    return cols, block_t
+
+
+def _lower_outliers(gm: GraphModule, a: OpArgs, path: str, notes: list[str]):
+    """SpQR's CSR outliers -> ``qc.gathered_outlier_linear`` over the columns that hold any."""
+    cols, block_t = _gathered_block(*a.tensors(gm, "row_ptr", "col_idx", "values"), a.out_features)
     set_tensor(gm, f"{path}.onnx_cols", cols)
     set_tensor(gm, f"{path}.onnx_block_t", block_t)
     return call_op(gm.graph, "gathered_outlier_linear", x=a.x, cols=gm.graph.get_attr(f"{path}.onnx_cols"),
                    block_t=gm.graph.get_attr(f"{path}.onnx_block_t"))
+
+
+def _stacked_nbits(gm: GraphModule, path: str, lowered: list[tuple]) -> dict:
+    """Per-expert MatMulNBits tensors stacked on a leading expert dim and stored beside ``path``:
+    the ``experts_matmul_nbits`` arguments (``perm`` only when some expert has one)."""
+    _, _, k, n, nbits, block = lowered[0]
+    tensors = {name: torch.stack([lw[0][name] for lw in lowered]) for name in lowered[0][0]}
+    if any(lw[1] is not None for lw in lowered):
+        tensors["perm"] = torch.stack([lw[1] if lw[1] is not None else torch.arange(k) for lw in lowered])
+    for name, t in tensors.items():
+        set_tensor(gm, f"{path}.onnx_{name}", t.contiguous())
+    return dict({name: gm.graph.get_attr(f"{path}.onnx_{name}") for name in tensors}, K=k, N=n, bits=nbits,
+                block_size=block)
+
+
+def _lower_spqr_experts(gm: GraphModule, a: OpArgs, path: str, notes: list[str]):
+    """SpQR experts -> each expert's dense branch as MatMulNBits (``qc.experts_matmul_nbits``) plus its
+    outliers as a gathered block (``qc.experts_gathered_outlier_linear``)."""
+    stacked = a.tensors(gm, *SPQR_DENSE_TENSORS)
+    experts = range(stacked[0].shape[0])
+    lowered = [spqr_to_nbits(*(t[e] for t in stacked), a.bits, a.group_size, a.stat_bits, a.stat_group_size)
+               for e in experts]
+    dense = call_op(gm.graph, "experts_matmul_nbits", x=a.x, offsets=a.offsets, **_stacked_nbits(gm, path, lowered))
+    n_out = a.tensor(gm, "scale_stats").shape[-2] * a.stat_group_size
+    csr = a.tensors(gm, "row_ptr", "col_idx", "values")
+    blocks = [_gathered_block(*expert_csr(*csr, e), n_out) for e in experts]
+    set_tensor(gm, f"{path}.onnx_cols", torch.cat([cols for cols, _ in blocks]))
+    set_tensor(gm, f"{path}.onnx_block_t", torch.cat([block for _, block in blocks]))
+    sparse = call_op(gm.graph, "experts_gathered_outlier_linear", x=a.x, offsets=a.offsets,
+                     cols=gm.graph.get_attr(f"{path}.onnx_cols"), block_t=gm.graph.get_attr(f"{path}.onnx_block_t"),
+                     sizes=[cols.numel() for cols, _ in blocks])
+    return gm.graph.call_function(torch.ops.aten.add.Tensor, (dense, sparse))
 
 
 def _lower_experts(gm: GraphModule, a: OpArgs, path: str, notes: list[str]):
@@ -118,15 +177,7 @@ def _lower_experts(gm: GraphModule, a: OpArgs, path: str, notes: list[str]):
         set_tensor(gm, f"{path}.onnx_weight", w.contiguous())                      # [E, in, out]
         notes.append(f"{path}: group size {a.group_size} has no MatMulNBits block size; exported as fp32 MatMul")
         return call_op(graph, "experts_matmul", x=a.x, offsets=a.offsets, weight=graph.get_attr(f"{path}.onnx_weight"))
-    _, _, k, n, nbits, block = experts[0]
-    tensors = {name: torch.stack([lowered[0][name] for lowered in experts]) for name in experts[0][0]}
-    if any(lowered[1] is not None for lowered in experts):
-        tensors["perm"] = torch.stack([lowered[1] if lowered[1] is not None else torch.arange(k) for lowered in experts])
-    for name, t in tensors.items():
-        set_tensor(gm, f"{path}.onnx_{name}", t.contiguous())
-    attrs = {name: graph.get_attr(f"{path}.onnx_{name}") for name in tensors}
-    return call_op(graph, "experts_matmul_nbits", x=a.x, offsets=a.offsets, B=attrs["B"], scales=attrs["scales"],
-                   zero_points=attrs["zero_points"], perm=attrs.get("perm"), K=k, N=n, bits=nbits, block_size=block)
+    return call_op(graph, "experts_matmul_nbits", x=a.x, offsets=a.offsets, **_stacked_nbits(gm, path, experts))
 
 
 def _swap(graph, old, make) -> None:
@@ -140,7 +191,8 @@ def _swap(graph, old, make) -> None:
 
 _LOWERINGS = {torch.ops.qc.quant_linear.default: _lower_dense, torch.ops.qc.spqr_dense_linear.default: _lower_dense,
               torch.ops.qc.sparse_outlier_linear.default: _lower_outliers,
-              torch.ops.qc.quant_experts_linear.default: _lower_experts}
+              torch.ops.qc.quant_experts_linear.default: _lower_experts,
+              torch.ops.qc.spqr_experts_linear.default: _lower_spqr_experts}
 
 LOWERED_OPS = tuple(_LOWERINGS)  # re-packed here; the translation table maps the rest
 

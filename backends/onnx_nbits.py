@@ -132,20 +132,23 @@ def gptq_to_nbits(qweight: Tensor, qzeros: Tensor, scales: Tensor, g_idx: Tensor
 
 @torch.library.custom_op("qc::experts_matmul_nbits", mutates_args=())
 def experts_matmul_nbits(x: Tensor, offsets: Tensor, B: Tensor, scales: Tensor, zero_points: Tensor,
-                         perm: Optional[Tensor], K: int, N: int, bits: int, block_size: int) -> Tensor:
-    """``qc.quant_experts_linear`` in MatMulNBits' layout: ``matmul_nbits``'s tensors stacked on a
-    leading expert dim (``perm`` [E, K] when any expert has act-order groups); rows past the last
-    offset stay zero."""
+                         perm: Optional[Tensor], K: int, N: int, bits: int, block_size: int,
+                         group_corr: Optional[Tensor] = None) -> Tensor:
+    """``qc.quant_experts_linear`` (or SpQR experts' dense branch) in MatMulNBits' layout:
+    ``matmul_nbits``'s tensors stacked on a leading expert dim (``perm`` [E, K] when any expert has
+    act-order groups, ``group_corr`` [E, blocks, N] for SpQR's fractional zeros); rows past the
+    last offset stay zero."""
     y = x.new_zeros((x.shape[0], N))
     for e, (start, end) in enumerate(expert_ranges(offsets)):
         if end > start:
-            y[start:end] = matmul_nbits(x[start:end], B[e], scales[e], zero_points[e], None if perm is None else perm[e],
-                                        None, None, K, N, bits, block_size)
+            pick = lambda t: None if t is None else t[e]  # noqa: E731
+            y[start:end] = matmul_nbits(x[start:end], B[e], scales[e], zero_points[e], pick(perm), pick(group_corr),
+                                        None, K, N, bits, block_size)
     return y
 
 
 @experts_matmul_nbits.register_fake
-def _experts_matmul_nbits_fake(x, offsets, B, scales, zero_points, perm, K, N, bits, block_size):
+def _experts_matmul_nbits_fake(x, offsets, B, scales, zero_points, perm, K, N, bits, block_size, group_corr=None):
     return x.new_empty((x.shape[0], N))
 
 

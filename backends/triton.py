@@ -36,10 +36,12 @@ def _kernels():
                      qc.quant_experts_linear.default: ("gptq_gemm per expert", kernels.gptq_experts_linear),
                      qc.int8_linear.default: ("int8_gemm", kernels.int8_linear),
                      qc.spqr_dense_linear.default: ("spqr_gemm", kernels.spqr_dense_linear),
+                     qc.spqr_experts_linear.default: ("spqr_gemm+csr_spmm per expert", kernels.spqr_experts_linear),
                      qc.sparse_outlier_linear.default: ("csr_spmm", kernels.csr_linear)}
 
 
-_CODE_WIDTHS = {"quant_linear": ("bits",), "quant_experts_linear": ("bits",), "spqr_dense_linear": ("bits", "stat_bits")}
+_CODE_WIDTHS = {"quant_linear": ("bits",), "quant_experts_linear": ("bits",),
+                "spqr_dense_linear": ("bits", "stat_bits"), "spqr_experts_linear": ("bits", "stat_bits")}
 
 
 def _static_problem(node: Node) -> Optional[str]:

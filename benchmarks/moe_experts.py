@@ -1,14 +1,14 @@
-"""Quality of quantized mixture-of-experts layers: every expert matrix, RTN vs GPTQ.
+"""Quality of quantized mixture-of-experts layers: every expert matrix, RTN vs GPTQ vs SpQR.
 
     python benchmarks/moe_experts.py            # Mixtral and Qwen2-MoE, 512 wide, 8 experts, 2 layers
     python benchmarks/moe_experts.py --quick    # 64 wide, 4 experts (checks the script)
 
 Random-weight models built from transformers configs with default settings (``use_cache=True``),
 calibrated on windows of the bundled LM's training text as byte ids (vocabulary 256), probed on
-held-out text. Reported per model and
-recipe: how many expert matrices were quantized, how many fell back to RTN for lack of routed
-tokens, the mean Hessian-weighted relative output error over the expert matrices (the figure GPTQ
-minimises), and the logits' relative error against the FP model. Writes
+held-out text. Reported per model and recipe: how many expert matrices were quantized, how many
+fell back (RTN, or SpQR on an identity Hessian) for lack of routed tokens, bits per parameter of
+everything quantized, the mean Hessian-weighted relative output error over the expert matrices (the
+figure GPTQ and SpQR minimise), and the logits' relative error against the FP model. Writes
 benchmarks/results/moe_experts.json.
 """
 from __future__ import annotations
@@ -23,6 +23,7 @@ import transformers as T
 
 import qcompiler as qc
 from qcompiler.data import calibration_windows, stdlib_tokens
+from qcompiler.eval import bits_per_parameter
 
 RESULTS = Path(__file__).resolve().parent / "results" / "moe_experts.json"
 SIZES = {"default": dict(hidden=512, inter=1024, experts=8, windows=16, seqlen=256),
@@ -59,16 +60,18 @@ def main() -> None:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             fp = qc.compile(model, {"input_ids": probe}, recipe="none", progress=False)(input_ids=probe).logits
-            for recipe in ("rtn-w4g128", "gptq-w4g128"):
+            for recipe in ("rtn-w4g128", "gptq-w4g128", "gptq-w3g128", "spqr-w3g16"):
                 cm = qc.compile(model, {"input_ids": probe}, recipe=recipe, calibration=calibration, progress=False)
                 experts = [r for r in cm.report.layer_table() if ".experts." in r["layer"]]
                 logits = cm(input_ids=probe).logits
                 rows.append(dict(model=arch, recipe=recipe, expert_matrices=len(experts),
-                                 rtn_fallbacks=sum(r.get("fallback") == "rtn" for r in experts),
-                                 mean_expert_error=sum(r["rel_error"] for r in experts if "rel_error" in r) / len(experts),
+                                 fallbacks=sum("fallback" in r for r in experts),
+                                 bits_per_parameter=bits_per_parameter(cm.graph_module),
+                                 mean_expert_error=sum(r.get("rel_error", 0.0) for r in experts) / len(experts),
                                  logit_error=((logits - fp).norm() / fp.norm()).item()))
                 r = rows[-1]
-                print(f"{arch:10s} {recipe:12s} experts {r['expert_matrices']:3d}  fallbacks {r['rtn_fallbacks']}  "
+                print(f"{arch:10s} {recipe:12s} experts {r['expert_matrices']:3d}  fallbacks {r['fallbacks']}  "
+                      f"bits/param {r['bits_per_parameter']:.3f}  "
                       f"mean expert error {r['mean_expert_error']:.4f}  logit error {r['logit_error']:.4f}", flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"size": size, "torch": torch.__version__, "rows": rows}, indent=2) + "\n")

@@ -9,8 +9,8 @@ from .tuning import INTERPRET, UnsupportedKernel, runtime_problem
 from .act_quant import quantize_rows
 from .int8_gemm import int8_linear
 from .gptq_gemm import gptq_experts_linear, gptq_linear
-from .spqr_gemm import spqr_dense_linear
+from .spqr_gemm import spqr_dense_linear, spqr_experts_linear
 from .csr_spmm import csr_linear
 
 __all__ = ["INTERPRET", "UnsupportedKernel", "runtime_problem", "quantize_rows", "int8_linear", "gptq_linear",
-           "gptq_experts_linear", "spqr_dense_linear", "csr_linear"]
+           "gptq_experts_linear", "spqr_dense_linear", "spqr_experts_linear", "csr_linear"]

@@ -16,12 +16,15 @@ import triton.language as tl
 
 from qcompiler.algorithms.packing import SUPPORTED_BITS
 
+from qcompiler.ops import expert_csr, expert_ranges
+
 from .bitstream import bits_at
+from .csr_spmm import csr_linear
 from .gemm_parts import dot_accumulate, split_k_range, store_output
 from .gptq_gemm import launch_lowbit_gemm, tunable_pair
 from .tuning import UnsupportedKernel, check_activation
 
-__all__ = ["spqr_dense_linear"]
+__all__ = ["spqr_dense_linear", "spqr_experts_linear"]
 
 _MIN_BLOCK_K = 32  # every BLOCK_K tried is a multiple of it, so groups dividing it never straddle tiles
 
@@ -99,3 +102,19 @@ def spqr_dense_linear(x: torch.Tensor, codes: torch.Tensor, scale_codes: torch.T
     return launch_lowbit_gemm(_GEMM, x, K, N, (codes, scale_codes, zero_codes, scale_stats, zero_stats, perm), bias,
                               (), BITS=bits, GROUP_SIZE=group_size, GROUP_TILED=_MIN_BLOCK_K % group_size == 0,
                               STAT_BITS=stat_bits, STAT_GROUP=stat_group_size)
+
+
+def spqr_experts_linear(x: torch.Tensor, offsets: torch.Tensor, codes: torch.Tensor, scale_codes: torch.Tensor,
+                        zero_codes: torch.Tensor, scale_stats: torch.Tensor, zero_stats: torch.Tensor,
+                        perm: torch.Tensor, row_ptr: torch.Tensor, col_idx: torch.Tensor, values: torch.Tensor,
+                        bits: int, group_size: int, stat_bits: int, stat_group_size: int) -> torch.Tensor:
+    """``qc.spqr_experts_linear``: per expert that received rows, the dense kernel and then the CSR
+    kernel accumulating into its output (as the fused single-layer SpQR pair)."""
+    n_out = scale_stats.shape[-2] * stat_group_size
+    y = x.new_zeros((x.shape[0], n_out))
+    for e, (start, end) in enumerate(expert_ranges(offsets)):
+        if end > start:
+            dense = spqr_dense_linear(x[start:end], codes[e], scale_codes[e], zero_codes[e], scale_stats[e],
+                                      zero_stats[e], perm[e], None, bits, group_size, stat_bits, stat_group_size)
+            y[start:end] = csr_linear(x[start:end], *expert_csr(row_ptr, col_idx, values, e), n_out, out=dense)
+    return y

@@ -15,7 +15,7 @@ from qcompiler.errors import QuantizationError
 from qcompiler.algorithms.gptq import check_spec, gptq_quantize, hessian_factor, rtn_quantize
 from qcompiler.layer_filter import check_patterns
 from qcompiler.pass_base import GraphProperty, Pass, PassContext
-from qcompiler.weight_only import gptq_layer_quant, quantize_block_linears
+from qcompiler.weight_only import gptq_experts, gptq_layer_quant, quantize_block_linears
 
 __all__ = ["GPTQ"]
 
@@ -63,4 +63,4 @@ class GPTQ(Pass):
             return gptq_layer_quant(layer, W, res, self.bits, self.group_size)
         return quantize_block_linears(gm, ctx, quantize=quantize, true_sequential=self.true_sequential,
                                       needs_hessian=True, head=head if self.lm_head else None, ignore=self.ignore,
-                                      fallback=head)
+                                      experts=gptq_experts(head))

@@ -13,7 +13,7 @@ from torch.fx import GraphModule
 from qcompiler.algorithms.gptq import check_spec, rtn_quantize
 from qcompiler.layer_filter import check_patterns
 from qcompiler.pass_base import GraphProperty, Pass, PassContext
-from qcompiler.weight_only import gptq_layer_quant, quantize_block_linears
+from qcompiler.weight_only import gptq_experts, gptq_layer_quant, quantize_block_linears
 
 __all__ = ["RTN"]
 
@@ -43,4 +43,4 @@ class RTN(Pass):
             return gptq_layer_quant(layer, W, res, self.bits, self.group_size)
         return quantize_block_linears(gm, ctx, quantize=quantize, true_sequential=False, needs_hessian=False,
                                       head=quantize if self.lm_head else None, ignore=self.ignore,
-                                      fallback=quantize)
+                                      experts=gptq_experts(quantize))

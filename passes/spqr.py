@@ -18,12 +18,12 @@ from qcompiler.errors import QuantizationError
 from qcompiler.graph import LinearLayer, aten, set_tensor
 from qcompiler.layer_filter import check_patterns
 from qcompiler.op_registry import args_of, call_op
-from qcompiler.ops import to_csr
+from qcompiler.ops import SPQR_DENSE_TENSORS, to_csr
 from qcompiler.algorithms.packing import pack_cols, pack_rows
 from qcompiler.pass_base import GraphProperty, Pass, PassContext
 from qcompiler.algorithms.spqr import SpQRResult, check_spqr_spec, spqr_quantize
 from qcompiler.folding import replace_linear
-from qcompiler.weight_only import LayerQuant, check_packable, quantize_block_linears
+from qcompiler.weight_only import ExpertsFormat, LayerQuant, check_packable, quantize_block_linears
 
 __all__ = ["SpQR", "pack_spqr"]
 
@@ -122,8 +122,24 @@ class SpQR(Pass):
                        "damp_steps": res.damp_steps}
             return LayerQuant(res.dequantized, figures, tensors,
                               lambda gm, layer, stored: self._rewrite(gm, layer, stored, W.shape[0]))
+        def no_tokens(layer: LinearLayer, W: torch.Tensor, H: None) -> LayerQuant:
+            return quantize(layer, W, torch.eye(W.shape[1], device=W.device))
+        experts = ExpertsFormat(self._stack_experts, no_tokens, "SpQR on an identity Hessian")
         return quantize_block_linears(gm, ctx, quantize=quantize, true_sequential=self.true_sequential,
-                                      needs_hessian=True, ignore=self.ignore)
+                                      needs_hessian=True, ignore=self.ignore, experts=experts)
+
+    def _stack_experts(self, results: list[LayerQuant]) -> tuple[str, dict, dict]:
+        """``qc.spqr_experts_linear``: the dense tensors stacked per expert; the outliers of all
+        experts in one CSR whose ``row_ptr`` [E, out + 1] points into the shared columns and values."""
+        parts = [r.tensors for r in results]
+        tensors = {n: torch.stack([t[n] for t in parts]) for n in SPQR_DENSE_TENSORS}
+        starts = torch.tensor([0] + [int(t["row_ptr"][-1]) for t in parts]).cumsum(0)
+        row_ptr = [t["row_ptr"].long() + int(base) for t, base in zip(parts, starts)]
+        tensors["row_ptr"] = torch.stack(row_ptr).to(torch.int32)
+        tensors["col_idx"] = torch.cat([t["col_idx"] for t in parts])
+        tensors["values"] = torch.cat([t["values"] for t in parts])
+        return "spqr_experts_linear", tensors, dict(bits=self.bits, group_size=self.group_size,
+                                                    stat_bits=self.stat_bits, stat_group_size=self.stat_group_size)
 
     def _rewrite(self, gm: GraphModule, layer: LinearLayer, tensors: dict, out_features: int) -> None:
         dense_names = ("codes", "scale_codes", "zero_codes", "scale_stats", "zero_stats", "perm")

@@ -12,7 +12,6 @@ from torch.fx import GraphModule
 from .experts import ExpertLinear
 from .graph import LinearLayer, aten, drop_attr_if_unused, get_tensor, set_tensor
 from .op_registry import call_op
-from .ops import GPTQ_TENSORS, GPTQWeight
 
 __all__ = ["SMOOTH_META", "replace_tensor", "scale_input_columns", "scale_output_rows",
            "insert_smoothing_multiply", "replace_linear", "replace_experts"]
@@ -55,17 +54,16 @@ def insert_smoothing_multiply(gm: GraphModule, consumers: list[LinearLayer], inv
         layer.node.update_arg(idx, made[x])
 
 
-def replace_experts(gm: GraphModule, expert: ExpertLinear, tensors: dict[str, torch.Tensor],
-                    packed: GPTQWeight) -> torch.fx.Node:
-    """Swap a grouped matmul over 3-D expert weights for ``qc.quant_experts_linear`` on the
-    stacked packed tensors (stored beside the parameter, as ``{path}_qweight`` etc.)."""
+def replace_experts(gm: GraphModule, expert: ExpertLinear, op_name: str, tensors: dict[str, torch.Tensor],
+                    constants: dict) -> torch.fx.Node:
+    """Swap a grouped matmul over 3-D expert weights for ``qc.{op_name}`` on the stacked tensors
+    (stored beside the parameter, as ``{path}_qweight`` etc.) and ``constants`` (bits, ...)."""
     graph = gm.graph
     for name, tensor in tensors.items():
         set_tensor(gm, f"{expert.path}_{name}", tensor)
     with graph.inserting_before(expert.node):
-        attrs = {name: graph.get_attr(f"{expert.path}_{name}") for name in GPTQ_TENSORS}
-        new = call_op(graph, "quant_experts_linear", x=expert.input, offsets=expert.offsets, **attrs,
-                      bits=packed.bits, group_size=packed.group_size)
+        attrs = {name: graph.get_attr(f"{expert.path}_{name}") for name in tensors}
+        new = call_op(graph, op_name, x=expert.input, offsets=expert.offsets, **attrs, **constants)
     new.meta.update({k: v for k, v in expert.node.meta.items() if k in ("nn_module_stack", "val", "stack_trace")})
     weight_user = expert.weight_user
     expert.node.replace_all_uses_with(new)

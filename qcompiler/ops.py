@@ -23,7 +23,8 @@ from .algorithms.packing import pack_cols, pack_rows, unpack_cols, unpack_rows
 
 __all__ = ["GPTQWeight", "pack_gptq", "dequantize_gptq", "quant_linear", "int8_matmul",
            "int8_linear", "expert_ranges", "quant_experts_linear", "dequantize_spqr_dense", "spqr_group_stats",
-           "spqr_dense_linear", "sparse_outlier_linear", "to_csr", "GPTQ_TENSORS"]
+           "spqr_dense_linear", "sparse_outlier_linear", "to_csr", "GPTQ_TENSORS", "SPQR_DENSE_TENSORS",
+           "spqr_experts_linear", "expert_csr"]
 
 
 class GPTQWeight(NamedTuple):
@@ -224,3 +225,43 @@ register(OpSpec("spqr_dense_linear", storage=("codes", "scale_codes", "zero_code
                 weights=lambda a, gm: a.tensor(gm, "perm").numel() * a.tensor(gm, "scale_stats").shape[1]
                 * a.stat_group_size))
 register(OpSpec("sparse_outlier_linear", storage=("row_ptr", "col_idx", "values")))  # outliers of a dense branch
+
+
+SPQR_DENSE_TENSORS = ("codes", "scale_codes", "zero_codes", "scale_stats", "zero_stats", "perm")
+
+
+def expert_csr(row_ptr: Tensor, col_idx: Tensor, values: Tensor, e: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Expert ``e``'s own CSR from the experts' shared one: ``row_ptr`` ``[E, out + 1]`` points
+    into ``col_idx`` / ``values``, which hold every expert's outliers one expert after another."""
+    start, end = int(row_ptr[e, 0]), int(row_ptr[e, -1])
+    return row_ptr[e] - row_ptr[e, 0], col_idx[start:end], values[start:end]
+
+
+@torch.library.custom_op("qc::spqr_experts_linear", mutates_args=())
+def spqr_experts_linear(x: Tensor, offsets: Tensor, codes: Tensor, scale_codes: Tensor, zero_codes: Tensor,
+                        scale_stats: Tensor, zero_stats: Tensor, perm: Tensor, row_ptr: Tensor, col_idx: Tensor,
+                        values: Tensor, bits: int, group_size: int, stat_bits: int, stat_group_size: int) -> Tensor:
+    """A mixture-of-experts grouped linear with SpQR experts: ``spqr_dense_linear``'s tensors
+    stacked on a leading expert dim, plus every expert's outliers in one CSR (:func:`expert_csr`).
+    Rows of ``x`` are sorted by expert as in ``quant_experts_linear``."""
+    n_out = scale_stats.shape[-2] * stat_group_size
+    y = x.new_zeros((x.shape[0], n_out))
+    for e, (start, end) in enumerate(expert_ranges(offsets)):
+        if end > start:
+            rows = x[start:end]
+            dense = spqr_dense_linear(rows, codes[e], scale_codes[e], zero_codes[e], scale_stats[e], zero_stats[e],
+                                      perm[e], None, bits, group_size, stat_bits, stat_group_size)
+            y[start:end] = dense + sparse_outlier_linear(rows, *expert_csr(row_ptr, col_idx, values, e), n_out)
+    return y
+
+
+@spqr_experts_linear.register_fake
+def _spqr_experts_linear_fake(x, offsets, codes, scale_codes, zero_codes, scale_stats, zero_stats, perm, row_ptr,
+                              col_idx, values, bits, group_size, stat_bits, stat_group_size):
+    return x.new_empty((x.shape[0], scale_stats.shape[-2] * stat_group_size))
+
+
+register(OpSpec("spqr_experts_linear", storage=("codes", "scale_codes", "zero_codes", "scale_stats", "zero_stats",
+                                                "row_ptr", "col_idx", "values"),
+                weights=lambda a, gm: a.tensor(gm, "perm").numel() * a.tensor(gm, "scale_stats").shape[-2]
+                * a.stat_group_size))   # perm [E, in]: E x in x out weights

@@ -25,8 +25,8 @@ from .ops import GPTQ_TENSORS, GPTQWeight, pack_gptq
 from .algorithms.packing import packed_length
 from .pass_base import PassContext
 
-__all__ = ["LayerQuant", "quantize_block_linears", "is_output_head", "gptq_layer_quant", "check_packable",
-           "UnpackableLayer"]
+__all__ = ["LayerQuant", "ExpertsFormat", "quantize_block_linears", "is_output_head", "gptq_layer_quant",
+           "gptq_experts", "check_packable", "UnpackableLayer"]
 
 
 class LayerQuant(NamedTuple):
@@ -42,6 +42,16 @@ class LayerQuant(NamedTuple):
 
 
 QuantizeFn = Callable[[LinearLayer, torch.Tensor, Optional[torch.Tensor]], LayerQuant]
+
+
+class ExpertsFormat(NamedTuple):
+    """How a method stores a mixture-of-experts layer: ``stack`` turns the experts' results (in
+    expert order) into one op — its name, the stored tensors, its constant arguments; ``no_tokens``
+    quantizes an expert that no calibration row reached, described as ``no_tokens_name``."""
+
+    stack: Callable[[list[LayerQuant]], tuple[str, dict, dict]]
+    no_tokens: QuantizeFn
+    no_tokens_name: str
 
 
 class UnpackableLayer(QuantizationError):
@@ -89,12 +99,12 @@ class _BlockQuantizer:
     """One weight-quantizing pass's walk: solves each layer (or expert matrix) on the compute
     device, records it, and keeps what the final rewrite stores."""
 
-    def __init__(self, gm: GraphModule, ctx: PassContext, quantize: QuantizeFn, fallback: Optional[QuantizeFn],
+    def __init__(self, gm: GraphModule, ctx: PassContext, quantize: QuantizeFn, experts: Optional[ExpertsFormat],
                  ignore: tuple[str, ...]):
         self.gm, self.ctx, self.record = gm, ctx, ctx.record
-        self.quantize, self.fallback, self.ignore = quantize, fallback, ignore
+        self.quantize, self.experts_format, self.ignore = quantize, experts, ignore
         self.done: list[tuple[LinearLayer, dict, Callable]] = []
-        self.experts_done: list[tuple[ExpertLinear, dict, GPTQWeight]] = []
+        self.experts_done: list[tuple[ExpertLinear, str, dict, dict]] = []  # expert, op, tensors, constants
         self.skipped: list[str] = []
         self._on_device: list = []  # (Hessian, its compute-device copy): siblings share one copy, so one factor
 
@@ -153,70 +163,69 @@ class _BlockQuantizer:
 
     def experts(self, expert: ExpertLinear, stats: Optional[dict], *, store: bool = True) -> None:
         """Quantize each expert matrix of one 3-D parameter; later blocks see the dequantized ones.
-        An expert no calibration row reached is quantized with the fallback (RTN), with a note."""
+        An expert no calibration row reached is quantized by the format's ``no_tokens``, with a note."""
+        fmt = self.experts_format
         why = ignore_reason(expert.path, self.ignore) or (
-            None if self.fallback else f"{self.record.name} does not quantize 3-D expert weights")
+            None if fmt else f"{self.record.name} does not quantize 3-D expert weights")
         if why:
             return self.skip(expert.path, why)
         start, stored = time.perf_counter(), expert.stored(self.gm)
         compute = self.ctx.device or stored.device
-        dequantized, packs, errors = [], [], []
+        dequantized, results, errors = [], [], []
         for e in range(expert.num_experts):
             path = expert.expert_path(e)
             layer = LinearLayer(expert.node, path, expert.input, expert.weight_node, None, False)
             st = None if stats is None else stats[path]
             H = None if st is None or st.rows == 0 else st.hessian.to(compute)
-            method = self.quantize if st is None or H is not None else self.fallback
+            method = self.quantize if st is None or H is not None else fmt.no_tokens
             W = expert.expert_weight(stored, e).detach().float().to(compute)
             result, figures = self.solve(method, layer, path, W, H)
             if result is None:
                 return self.skip(expert.path, figures)
-            if result.packed is None:
-                raise QuantizationError(f"layer {path}: {self.record.name} did not store the GPTQ layout")
             if st is not None:
                 figures["calib_rows"] = st.rows
             if "rel_error" in figures:
                 errors.append(figures["rel_error"])
             elif st is not None:
-                figures["fallback"] = "rtn"
-                self.record.notes.append(f"{path}: received no calibration tokens, quantized with RTN")
+                figures["fallback"] = fmt.no_tokens_name
+                self.record.notes.append(f"{path}: received no calibration tokens, quantized with {fmt.no_tokens_name}")
             self.record.layers[path] = figures
             dequantized.append(result.dequantized.to(stored.device))
-            packs.append(result.packed)
+            results.append(result._replace(dequantized=None))  # the fp32 copy above is the one kept
         if store:
             W_hat = torch.stack(dequantized)  # [E, out, in]
             set_tensor(self.gm, expert.weight_node.target,
                        (W_hat if expert.transposed else W_hat.transpose(1, 2)).to(stored.dtype).contiguous())
-        tensors = {f: torch.stack([getattr(p, f) for p in packs]).to(stored.device) for f in GPTQ_TENSORS}
-        self.experts_done.append((expert, tensors, packs[0]))
+        op, tensors, constants = fmt.stack(results)
+        self.experts_done.append((expert, op, {k: v.to(stored.device) for k, v in tensors.items()}, constants))
         error = f", mean relative output error {sum(errors) / len(errors):.3g}" if errors else ""
-        self.ctx.log(f"  {expert.path}: {expert.num_experts} experts, {packs[0].bits}-bit{error}, "
-                     f"{time.perf_counter() - start:.2f}s")
+        bits, seconds = results[0].figures.get("bits", "?"), time.perf_counter() - start
+        self.ctx.log(f"  {expert.path}: {expert.num_experts} experts, {bits}-bit{error}, {seconds:.2f}s")
 
     def rewrite(self) -> bool:
         """Swap every solved node for the method's op(s); returns whether anything was quantized."""
         for layer, tensors, rewrite in self.done:
             rewrite(self.gm, layer, tensors)
-        for expert, tensors, packed in self.experts_done:
-            replace_experts(self.gm, expert, tensors, packed)
+        for expert, op, tensors, constants in self.experts_done:
+            replace_experts(self.gm, expert, op, tensors, constants)
         self.gm.graph.eliminate_dead_code()
         return bool(self.done or self.experts_done)
 
 
 def quantize_block_linears(gm: GraphModule, ctx: PassContext, *, quantize: QuantizeFn,
                            true_sequential: bool, needs_hessian: bool, head: Optional[QuantizeFn] = None,
-                           ignore: tuple[str, ...] = (), fallback: Optional[QuantizeFn] = None) -> bool:
+                           ignore: tuple[str, ...] = (), experts: Optional[ExpertsFormat] = None) -> bool:
     """Quantize every linear inside a transformer block, and the output head with ``head`` when
     given (it sees no Hessian: RTN); returns True if any layer was quantized.
 
     Mixture-of-experts 3-D expert parameters are quantized expert by expert, each from the rows
-    the router sent it, when the method stores the GPTQ layout; an expert that received no
-    calibration rows is quantized with ``fallback`` (RTN) and named in a note. Without
-    ``fallback`` the experts stay in full precision, with a note.
+    the router sent it, and stored as ``experts`` says; an expert that received no calibration
+    rows is quantized by ``experts.no_tokens`` and named in a note. Without ``experts`` they stay
+    in full precision, with a note.
 
     Layers are solved on ``ctx.device`` (one at a time: only that layer's weight, Hessian and result
     are there); what is stored goes back to where the graph's weights live."""
-    walk = _BlockQuantizer(gm, ctx, quantize, fallback, ignore)
+    walk = _BlockQuantizer(gm, ctx, quantize, experts, ignore)
     if ctx.calibration is None:
         if needs_hessian:
             raise QuantizationError("calibration data is required")
@@ -260,7 +269,7 @@ def _calibrated_walk(walk: _BlockQuantizer, engine: CalibrationEngine, true_sequ
                 st = stats[layer.path]
                 walk.linear(layer, st.hessian, start, energy=st.reference_energy(layer.path))
         for expert in seg.experts:  # one at a time: down_proj sees the quantized gate_up_proj
-            walk.experts(expert, engine.collect(seg, [], experts=[expert]) if walk.fallback else None)
+            walk.experts(expert, engine.collect(seg, [], experts=[expert]) if walk.experts_format else None)
         previous = [layer for layer in seg.linears if layer.path in walk.record.layers]  # quantized, not skipped
 
 
@@ -279,3 +288,15 @@ def gptq_layer_quant(layer: LinearLayer, W: torch.Tensor, res: QuantResult, bits
                        lambda x, a: dict(x=x, **a, bias=layer.bias_node, bits=packed.bits, group_size=packed.group_size))
     return LayerQuant(res.dequantized, figures, {f: getattr(packed, f) for f in GPTQ_TENSORS},
                       rewrite, packed, res.damped_error)
+
+
+def gptq_experts(no_tokens: QuantizeFn) -> ExpertsFormat:
+    """GPTQ-layout experts (``qc.quant_experts_linear``: each ``quant_linear`` tensor stacked on a
+    leading expert dim); an expert without calibration rows is quantized by ``no_tokens`` (RTN)."""
+    def stack(results: list[LayerQuant]) -> tuple[str, dict, dict]:
+        packs = [r.packed for r in results]
+        if any(p is None for p in packs):
+            raise QuantizationError("an expert's result is not in the GPTQ layout")
+        tensors = {f: torch.stack([getattr(p, f) for p in packs]) for f in GPTQ_TENSORS}
+        return "quant_experts_linear", tensors, dict(bits=packs[0].bits, group_size=packs[0].group_size)
+    return ExpertsFormat(stack, no_tokens, "RTN")

@@ -6,6 +6,7 @@ import torch
 
 import qcompiler as qc
 from causal_lms import calibration, causal_lm, prompt
+from qcompiler.causal_lm import graph_inputs
 from qcompiler.eval import bits_per_parameter
 from qcompiler.experts import find_expert_linears
 from qcompiler.algorithms.gptq import rtn_quantize
@@ -147,7 +148,7 @@ def test_expert_without_calibration_tokens_falls_back_to_rtn_with_a_note(mixtral
     notes = " ".join(cm.report.passes[0].notes)
     for path in empty:
         assert f"{path}: received no calibration tokens, quantized with RTN" in notes
-        assert rows[path]["fallback"] == "rtn"
+        assert rows[path]["fallback"] == "RTN"
 
 
 def test_ignore_keeps_experts_in_full_precision(mixtral):
@@ -157,11 +158,100 @@ def test_ignore_keeps_experts_in_full_precision(mixtral):
     assert any(".self_attn.q_proj" in row["layer"] for row in cm.report.layer_table())
 
 
-def test_spqr_keeps_experts_in_full_precision_and_says_so(mixtral):
-    cm = _compile(mixtral, "spqr-w3g16", calibration=calibration())
-    assert not _expert_rows(cm)
+def _spqr_experts(E=3, n_in=64, n_out=64, seed=3):
+    """Three experts' SpQR results (outliers at a low threshold) and their stacked op tensors
+    (64 outputs: four statistic groups of 16, so a wrong output width shows)."""
+    from qcompiler.algorithms.spqr import spqr_quantize
+    from qcompiler.passes.spqr import pack_spqr
+    from qcompiler.weight_only import LayerQuant
+    torch.manual_seed(seed)
+    results = []
+    for w in torch.randn(E, n_out, n_in):
+        X = torch.randn(256, n_in) * torch.linspace(0.1, 3, n_in)
+        results.append(spqr_quantize(w, X.t() @ X, bits=3, group_size=16, stat_bits=3, stat_group_size=16,
+                                     outlier_threshold=0.3))
+    spqr = qc.passes.SpQR()
+    op, tensors, constants = spqr._stack_experts([LayerQuant(None, {}, pack_spqr(r, 3, 3), None) for r in results])
+    assert op == "spqr_experts_linear" and all(r.outliers.any() for r in results)
+    return results, tensors, constants
+
+
+def test_spqr_experts_linear_equals_each_expert_dense_plus_outliers():
+    """The op against the straightforward reference: each expert's rows times its SpQR weight
+    (dense branch + its own outliers, from the algorithm's result, not from the packed tensors)."""
+    results, tensors, constants = _spqr_experts()
+    counts = [5, 0, 3]
+    x = torch.randn(sum(counts), 64)
+    offsets = torch.tensor(counts).cumsum(0).to(torch.int32)
+    got = torch.ops.qc.spqr_experts_linear(x, offsets, **tensors, **constants)
+    want = torch.cat([x[:5] @ results[0].dequantized.t(), x[5:] @ results[2].dequantized.t()])
+    torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-3)  # statistics and outliers are stored in fp16
+
+
+def test_triton_spqr_experts_kernel_equals_the_reference_op(kernel_device):
+    from qcompiler.kernels import spqr_experts_linear
+    _, tensors, constants = _spqr_experts(n_in=32)
+    tensors = {k: v.to(kernel_device) for k, v in tensors.items()}
+    x = torch.randn(6, 32, device=kernel_device)
+    offsets = torch.tensor([2, 2, 6], dtype=torch.int32, device=kernel_device)
+    want = torch.ops.qc.spqr_experts_linear(x, offsets, **tensors, **constants)
+    torch.testing.assert_close(spqr_experts_linear(x, offsets, **tensors, **constants), want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.fixture(scope="module")
+def mixtral_spqr(mixtral):
+    return _compile(mixtral, "spqr-w3g16", calibration=calibration())
+
+
+def test_spqr_quantizes_every_expert_with_its_own_outliers(mixtral, mixtral_spqr, tmp_path):
+    rows = _expert_rows(mixtral_spqr)
+    assert len(rows) == 16 and all(0 < r["outlier_fraction"] < 0.05 for r in rows.values())
+    gm = mixtral_spqr.graph_module
+    assert sum(n.target is torch.ops.qc.spqr_experts_linear.default for n in gm.graph.nodes) == 4
+    assert not find_expert_linears(gm)
+    # SpQR's Hessian-aware 3-bit experts beat rounding each expert to the same grid
+    rtn = _expert_rows(_compile(mixtral, [qc.passes.RTN(bits=3, group_size=16)], calibration=calibration()))
+    assert sum(r["rel_error"] for r in rows.values()) < 0.9 * sum(r["rel_error"] for r in rtn.values())
+    # bit accounting: the stacked op stores exactly what each expert reported
+    shapes = dict(mixtral.named_parameters())
+    per_row = []  # (bits per weight, weights) of every quantized matrix
+    for row in mixtral_spqr.report.layer_table():
+        path = row["layer"]
+        if ".experts." in path:
+            out, inp = shapes[path.rsplit(".", 1)[0]].shape[1:]
+        else:
+            out, inp = shapes[f"{path}.weight"].shape
+        per_row.append((row["bits_per_weight"], out * inp))
+    expected = sum(b * n for b, n in per_row) / sum(n for _, n in per_row)
+    assert bits_per_parameter(gm) == pytest.approx(expected, rel=1e-9)
+    # the ONNX re-packing (MatMulNBits per expert + gathered outlier blocks) computes the same logits
+    from qcompiler.backends.onnx_layout import lower_for_onnx
+    ids = prompt(batch=2)
+    lowered, _ = lower_for_onnx(gm)
+    targets = {n.target for n in lowered.graph.nodes}
+    assert torch.ops.qc.experts_gathered_outlier_linear.default in targets
+    assert torch.ops.qc.spqr_experts_linear.default not in targets
+    inputs = graph_inputs(mixtral_spqr.cache_layout, ids)
+    torch.testing.assert_close(lowered(**inputs)[0], gm(**inputs)[0], rtol=1e-4, atol=1e-4)
+    mixtral_spqr.save(tmp_path / "art")
+    assert torch.equal(qc.load(tmp_path / "art")(input_ids=ids).logits, mixtral_spqr(input_ids=ids).logits)
+
+
+def test_spqr_expert_without_calibration_tokens_uses_an_identity_hessian(mixtral):
+    cm = _compile(mixtral, "spqr-w3g16", calibration=[{"input_ids": torch.tensor([[5]])}])
+    empty = [path for path, row in _expert_rows(cm).items() if row["calib_rows"] == 0]
+    assert len(empty) == 8
     notes = " ".join(cm.report.passes[0].notes)
-    assert "model.layers.0.mlp.experts.gate_up_proj: kept in full precision" in notes
+    for path in empty:
+        assert f"{path}: received no calibration tokens, quantized with SpQR on an identity Hessian" in notes
+
+
+@pytest.mark.slow
+def test_spqr_experts_run_in_onnxruntime_with_the_eager_tokens(mixtral_spqr):
+    ids = prompt(batch=2)
+    ort = mixtral_spqr.with_backend("onnxruntime", accuracy_level=0)
+    torch.testing.assert_close(ort(input_ids=ids).logits, mixtral_spqr(input_ids=ids).logits, rtol=1e-4, atol=1e-4)
+    assert torch.equal(ort.generate(ids, 8), mixtral_spqr.generate(ids, 8))
 
 
 def test_quantized_experts_run_in_onnxruntime_with_the_eager_tokens(mixtral_gptq):
