@@ -5,7 +5,7 @@ import torch
 
 from qcompiler.errors import QuantizationError
 from qcompiler.algorithms.gptq import (gptq_quantize, gptq_quantize_reference, group_index, hessian_factor,
-                            inverse_hessian_cholesky, output_error, rtn_quantize)
+                            inverse_hessian_cholesky, lower_triangular_inverse, output_error, rtn_quantize)
 from qcompiler.algorithms.quant_grid import fit_grid, fake_quantize
 
 
@@ -121,6 +121,17 @@ def test_inverse_hessian_factor_is_the_upper_cholesky_of_the_damped_inverse():
     assert steps == 0 and torch.equal(U, torch.triu(U)) and bool((U.diagonal() > 0).all())
     want = torch.linalg.cholesky(torch.linalg.inv(damped), upper=True)   # the definition, in float64
     assert ((U.double() - want).abs().max() / want.abs().max()).item() < 1e-5
+
+
+@pytest.mark.parametrize("n,parts", [(67, 4), (64, 1), (7, 8)])
+def test_blocked_triangular_inverse_is_the_inverse(n, parts):
+    """Uneven blocks, one block, more blocks than rows: L⁻¹ against float64 inversion."""
+    _, H = problem(n=n)
+    L = torch.linalg.cholesky(H + 0.01 * torch.eye(n))
+    got = lower_triangular_inverse(L, parts)
+    want = torch.linalg.inv(L.double())
+    assert torch.equal(got, torch.tril(got))
+    assert ((got.double() - want).abs().max() / want.abs().max()).item() < 1e-5
 
 
 def test_damping_is_raised_until_the_hessian_factors():
