@@ -15,7 +15,6 @@ import triton
 import triton.language as tl
 
 from qcompiler.algorithms.packing import SUPPORTED_BITS
-
 from qcompiler.ops import expert_csr, expert_ranges
 
 from .bitstream import bits_at

@@ -1,9 +1,10 @@
 """SpQR (Dettmers et al., ICLR 2024): each linear becomes a dense 3-bit branch plus a sparse fp16 one.
 
 ``linear(x)`` → ``add(qc.spqr_dense_linear(x, …), qc.sparse_outlier_linear(x, …))``: both nodes stay
-visible to later passes and backends. The algorithm is ``qcompiler.algorithms.spqr.spqr_quantize``; with an
-``outlier_fraction`` budget the relative threshold is bisected per layer (log scale) to the
-smallest τ whose outliers fit the budget.
+visible to later passes and backends. A mixture-of-experts parameter becomes one
+``qc.spqr_experts_linear`` (each expert quantized on its routed rows; docs/methods/spqr.md). The
+algorithm is ``qcompiler.algorithms.spqr.spqr_quantize``; with an ``outlier_fraction`` budget the
+relative threshold is bisected per layer (log scale) to the smallest τ whose outliers fit the budget.
 """
 from __future__ import annotations
 

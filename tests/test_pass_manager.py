@@ -96,3 +96,15 @@ def test_capture_errors_explain_the_problem():
         qc.capture(lin, {"y": torch.randn(2, 4)})
     with pytest.raises(qc.CaptureError, match=r"needs a torch.nn.Module"):
         qc.capture(lambda x: x, (torch.randn(2),))
+
+
+def test_every_built_in_pass_declares_its_contract():
+    """Each pass class says itself what it requires and provides (not inherited empty defaults),
+    and provides at least one graph property the manager can check orders against."""
+    built_in = [getattr(qc.passes, name) for name in qc.passes.__all__]
+    assert len(built_in) == 6
+    for cls in built_in:
+        assert issubclass(cls, qc.Pass)
+        declared = vars(cls)
+        assert "requires" in declared and "provides" in declared, cls.__name__
+        assert cls.provides and all(isinstance(p, qc.GraphProperty) for p in cls.provides | cls.requires)
