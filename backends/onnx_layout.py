@@ -19,6 +19,7 @@ here, on a copy of the graph, as ops with their own torch references (tested aga
 from __future__ import annotations
 
 import copy
+import itertools
 
 import torch
 from torch import Tensor
@@ -28,7 +29,7 @@ from qcompiler.algorithms.packing import unpack_rows
 from qcompiler.experts import find_expert_linears
 from qcompiler.graph import contiguous_before_reshape, set_tensor
 from qcompiler.op_registry import OpArgs, OpSpec, args_of, call_op, quantized_layer_path, register
-from qcompiler.ops import GPTQ_TENSORS, SPQR_DENSE_TENSORS, dequantize_gptq, expert_csr, expert_ranges, spqr_group_stats
+from qcompiler.ops import GPTQ_TENSORS, SPQR_DENSE_TENSORS, dequantize_gptq, expert_csr, per_expert, spqr_group_stats
 
 from .onnx_nbits import gptq_to_nbits, to_matmul_nbits_layout
 
@@ -51,13 +52,9 @@ def experts_gathered_outlier_linear(x: Tensor, offsets: Tensor, cols: Tensor, bl
                                     sizes: list[int]) -> Tensor:
     """Per expert (rows sorted by expert), ``gathered_outlier_linear`` with its own columns and block:
     expert ``e``'s are the ``sizes[e]`` entries of ``cols`` / rows of ``block_t`` after those of ``0..e-1``."""
-    y = x.new_zeros((x.shape[0], block_t.shape[1]))
-    bounds = [0, *torch.tensor(sizes).cumsum(0).tolist()]
-    for e, (start, end) in enumerate(expert_ranges(offsets)):
-        if end > start:
-            y[start:end] = gathered_outlier_linear(x[start:end], cols[bounds[e]:bounds[e + 1]],
-                                                   block_t[bounds[e]:bounds[e + 1]])
-    return y
+    bounds = [0, *itertools.accumulate(sizes)]
+    return per_expert(x, offsets, block_t.shape[1], lambda rows, e: gathered_outlier_linear(
+        rows, cols[bounds[e]:bounds[e + 1]], block_t[bounds[e]:bounds[e + 1]]))
 
 
 @experts_gathered_outlier_linear.register_fake

@@ -17,7 +17,7 @@ from torch import Tensor
 
 from qcompiler.algorithms.packing import pack_rows, unpack_cols, unpack_rows
 from qcompiler.op_registry import OpSpec, register
-from qcompiler.ops import expert_ranges
+from qcompiler.ops import per_expert
 
 __all__ = ["to_matmul_nbits_layout", "dequantize_matmul_nbits", "matmul_nbits", "experts_matmul_nbits",
            "experts_matmul", "gptq_to_nbits", "block_size_for", "sorted_groups"]
@@ -138,13 +138,9 @@ def experts_matmul_nbits(x: Tensor, offsets: Tensor, B: Tensor, scales: Tensor, 
     ``matmul_nbits``'s tensors stacked on a leading expert dim (``perm`` [E, K] when any expert has
     act-order groups, ``group_corr`` [E, blocks, N] for SpQR's fractional zeros); rows past the
     last offset stay zero."""
-    y = x.new_zeros((x.shape[0], N))
-    for e, (start, end) in enumerate(expert_ranges(offsets)):
-        if end > start:
-            pick = lambda t: None if t is None else t[e]  # noqa: E731
-            y[start:end] = matmul_nbits(x[start:end], B[e], scales[e], zero_points[e], pick(perm), pick(group_corr),
-                                        None, K, N, bits, block_size)
-    return y
+    return per_expert(x, offsets, N, lambda rows, e: matmul_nbits(
+        rows, B[e], scales[e], zero_points[e], None if perm is None else perm[e],
+        None if group_corr is None else group_corr[e], None, K, N, bits, block_size))
 
 
 @experts_matmul_nbits.register_fake
@@ -156,11 +152,7 @@ def _experts_matmul_nbits_fake(x, offsets, B, scales, zero_points, perm, K, N, b
 def experts_matmul(x: Tensor, offsets: Tensor, weight: Tensor) -> Tensor:
     """A full-precision grouped matmul (transformers' MoE experts): ``weight`` [E, in, out], rows of
     ``x`` sorted by expert, ``offsets`` cumulative row counts; rows past the last offset stay zero."""
-    y = x.new_zeros((x.shape[0], weight.shape[2]))
-    for e, (start, end) in enumerate(expert_ranges(offsets)):
-        if end > start:
-            y[start:end] = x[start:end] @ weight[e].to(x.dtype)
-    return y
+    return per_expert(x, offsets, weight.shape[2], lambda rows, e: rows @ weight[e].to(x.dtype))
 
 
 @experts_matmul.register_fake

@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from qcompiler.ops import expert_ranges
+from qcompiler.ops import per_expert
 from qcompiler.algorithms.packing import SUPPORTED_BITS
 
 from .bitstream import bits_at
@@ -138,8 +138,5 @@ def gptq_experts_linear(x: torch.Tensor, offsets: torch.Tensor, qweight: torch.T
                         scales: torch.Tensor, g_idx: torch.Tensor, bits: int, group_size: int) -> torch.Tensor:
     """``qc.quant_experts_linear``: one ``gptq_gemm`` launch per expert that received rows (the rows
     arrive sorted by expert; ``offsets`` are the cumulative counts)."""
-    y = x.new_zeros((x.shape[0], scales.shape[-1]))
-    for e, (start, end) in enumerate(expert_ranges(offsets)):
-        if end > start:
-            y[start:end] = gptq_linear(x[start:end], qweight[e], qzeros[e], scales[e], g_idx[e], None, bits, group_size)
-    return y
+    return per_expert(x, offsets, scales.shape[-1], lambda rows, e: gptq_linear(
+        rows, qweight[e], qzeros[e], scales[e], g_idx[e], None, bits, group_size))

@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from qcompiler.algorithms.packing import SUPPORTED_BITS
-from qcompiler.ops import expert_csr, expert_ranges
+from qcompiler.ops import expert_csr, per_expert
 
 from .bitstream import bits_at
 from .csr_spmm import csr_linear
@@ -110,10 +110,9 @@ def spqr_experts_linear(x: torch.Tensor, offsets: torch.Tensor, codes: torch.Ten
     """``qc.spqr_experts_linear``: per expert that received rows, the dense kernel and then the CSR
     kernel accumulating into its output (as the fused single-layer SpQR pair)."""
     n_out = scale_stats.shape[-2] * stat_group_size
-    y = x.new_zeros((x.shape[0], n_out))
-    for e, (start, end) in enumerate(expert_ranges(offsets)):
-        if end > start:
-            dense = spqr_dense_linear(x[start:end], codes[e], scale_codes[e], zero_codes[e], scale_stats[e],
-                                      zero_stats[e], perm[e], None, bits, group_size, stat_bits, stat_group_size)
-            y[start:end] = csr_linear(x[start:end], *expert_csr(row_ptr, col_idx, values, e), n_out, out=dense)
-    return y
+
+    def dense_then_outliers(rows: torch.Tensor, e: int) -> torch.Tensor:
+        dense = spqr_dense_linear(rows, codes[e], scale_codes[e], zero_codes[e], scale_stats[e], zero_stats[e],
+                                  perm[e], None, bits, group_size, stat_bits, stat_group_size)
+        return csr_linear(rows, *expert_csr(row_ptr, col_idx, values, e), n_out, out=dense)
+    return per_expert(x, offsets, n_out, dense_then_outliers)

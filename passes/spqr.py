@@ -143,9 +143,8 @@ class SpQR(Pass):
                                                     stat_bits=self.stat_bits, stat_group_size=self.stat_group_size)
 
     def _rewrite(self, gm: GraphModule, layer: LinearLayer, tensors: dict, out_features: int) -> None:
-        dense_names = ("codes", "scale_codes", "zero_codes", "scale_stats", "zero_stats", "perm")
         dense = replace_linear(
-            gm, layer, "spqr_dense_linear", {n: tensors[n] for n in dense_names},
+            gm, layer, "spqr_dense_linear", {n: tensors[n] for n in SPQR_DENSE_TENSORS},
             lambda x, a: dict(x=x, **a, bias=layer.bias_node, bits=self.bits, group_size=self.group_size,
                               stat_bits=self.stat_bits, stat_group_size=self.stat_group_size))
         graph = gm.graph

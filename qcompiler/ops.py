@@ -24,7 +24,7 @@ from .algorithms.packing import pack_cols, pack_rows, unpack_cols, unpack_rows
 __all__ = ["GPTQWeight", "pack_gptq", "dequantize_gptq", "quant_linear", "int8_matmul",
            "int8_linear", "expert_ranges", "quant_experts_linear", "dequantize_spqr_dense", "spqr_group_stats",
            "spqr_dense_linear", "sparse_outlier_linear", "to_csr", "GPTQ_TENSORS", "SPQR_DENSE_TENSORS",
-           "spqr_experts_linear", "expert_csr"]
+           "spqr_experts_linear", "expert_csr", "per_expert"]
 
 
 class GPTQWeight(NamedTuple):
@@ -94,18 +94,25 @@ def expert_ranges(offsets: Tensor) -> list[tuple[int, int]]:
     return list(zip([0] + ends[:-1], ends))
 
 
+def per_expert(x: Tensor, offsets: Tensor, n_out: int, rows_times: Callable[[Tensor, int], Tensor]) -> Tensor:
+    """A grouped linear over rows sorted by expert: ``rows_times(rows, e)`` for each expert that
+    received rows, written into its rows of a ``[rows, n_out]`` output; rows past the last offset
+    stay zero. Every experts op's reference, kernel and ONNX-layout twin runs through this one loop."""
+    y = x.new_zeros((x.shape[0], n_out))
+    for e, (start, end) in enumerate(expert_ranges(offsets)):
+        if end > start:
+            y[start:end] = rows_times(x[start:end], e)
+    return y
+
+
 @torch.library.custom_op("qc::quant_experts_linear", mutates_args=())
 def quant_experts_linear(x: Tensor, offsets: Tensor, qweight: Tensor, qzeros: Tensor, scales: Tensor,
                          g_idx: Tensor, bits: int, group_size: int) -> Tensor:
     """A mixture-of-experts grouped linear with GPTQ-layout experts (``quant_linear``'s tensors
     stacked on a leading expert dim): ``x`` rows are sorted by expert, ``offsets[e]`` is the
     cumulative row count of experts ``0..e``. One expert's weight is dequantized at a time."""
-    y = x.new_zeros((x.shape[0], scales.shape[-1]))
-    for e, (start, end) in enumerate(expert_ranges(offsets)):
-        if end > start:
-            w = dequantize_gptq(qweight[e], qzeros[e], scales[e], g_idx[e], bits).to(x.dtype)
-            y[start:end] = F.linear(x[start:end], w)
-    return y
+    return per_expert(x, offsets, scales.shape[-1], lambda rows, e: F.linear(
+        rows, dequantize_gptq(qweight[e], qzeros[e], scales[e], g_idx[e], bits).to(x.dtype)))
 
 
 @quant_experts_linear.register_fake
@@ -245,14 +252,12 @@ def spqr_experts_linear(x: Tensor, offsets: Tensor, codes: Tensor, scale_codes: 
     stacked on a leading expert dim, plus every expert's outliers in one CSR (:func:`expert_csr`).
     Rows of ``x`` are sorted by expert as in ``quant_experts_linear``."""
     n_out = scale_stats.shape[-2] * stat_group_size
-    y = x.new_zeros((x.shape[0], n_out))
-    for e, (start, end) in enumerate(expert_ranges(offsets)):
-        if end > start:
-            rows = x[start:end]
-            dense = spqr_dense_linear(rows, codes[e], scale_codes[e], zero_codes[e], scale_stats[e], zero_stats[e],
-                                      perm[e], None, bits, group_size, stat_bits, stat_group_size)
-            y[start:end] = dense + sparse_outlier_linear(rows, *expert_csr(row_ptr, col_idx, values, e), n_out)
-    return y
+
+    def dense_plus_outliers(rows: Tensor, e: int) -> Tensor:
+        dense = spqr_dense_linear(rows, codes[e], scale_codes[e], zero_codes[e], scale_stats[e], zero_stats[e],
+                                  perm[e], None, bits, group_size, stat_bits, stat_group_size)
+        return dense + sparse_outlier_linear(rows, *expert_csr(row_ptr, col_idx, values, e), n_out)
+    return per_expert(x, offsets, n_out, dense_plus_outliers)
 
 
 @spqr_experts_linear.register_fake
