@@ -17,6 +17,7 @@ from . import lazy_weights
 from .calibration import CalibrationEngine
 from .errors import QuantizationError
 from .experts import ExpertLinear, find_expert_linears
+from .algorithms.finite import all_finite
 from .algorithms.gptq import QuantResult, output_error
 from .folding import replace_experts, replace_linear
 from .graph import LinearLayer, block_of, find_linears, is_router, set_tensor
@@ -75,7 +76,7 @@ def _store_dequantized(gm: GraphModule, layer: LinearLayer, W_hat: torch.Tensor,
 
 
 def _check_finite(path: str, W: torch.Tensor) -> None:
-    if not bool(torch.isfinite(W).all()):
+    if not all_finite(W):
         bad = int((~torch.isfinite(W)).sum())
         raise QuantizationError(f"layer {path}: {bad} of its {W.numel()} weights are NaN or Inf; the "
                                 f"checkpoint is damaged (nothing was written)")

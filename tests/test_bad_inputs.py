@@ -259,6 +259,17 @@ API_ROWS = [
 ]
 
 
+def test_weight_check_counts_non_finite_and_accepts_large_finite_weights():
+    """The check reads the weights' float32 sum first: an overflowing sum of finite weights is not an error."""
+    from qcompiler.weight_only import _check_finite
+    huge = torch.full((4, 8), 3e38)
+    assert not torch.isfinite(huge.sum())
+    _check_finite("big", huge)
+    huge[1, 2], huge[3, 0] = float("nan"), float("-inf")
+    with pytest.raises(qc.QuantizationError, match="layer big: 2 of its 32 weights are NaN or Inf"):
+        _check_finite("big", huge)
+
+
 @pytest.mark.parametrize("case,call,error,words", API_ROWS, ids=[r[0] for r in API_ROWS])
 def test_api_catalogue(case, call, error, words, compiled, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)

@@ -9,11 +9,12 @@ carry every earlier update (block sizes are rounded to whole groups so that is a
 """
 from __future__ import annotations
 
-from typing import NamedTuple, Optional
+from typing import Callable, NamedTuple, Optional
 
 import torch
 
 from ..errors import QuantizationError
+from .finite import all_finite
 from .packing import SUPPORTED_BITS
 from .quant_grid import Grid, dequantize_codes, fit_grid, quantize
 
@@ -84,7 +85,7 @@ def inverse_hessian_cholesky(H: torch.Tensor, damp: float, max_steps: int = 6) -
         del damped
         if info.item() == 0:
             U = lower_triangular_inverse(L).flip(0, 1)
-            if torch.isfinite(U).all():
+            if all_finite(U):
                 return U, damp * (10 ** step), step
     raise QuantizationError(f"the Hessian is not positive definite even with damping {damp * 10 ** max_steps:g}")
 
@@ -96,7 +97,8 @@ def _condition(H: torch.Tensor, act_order: bool):
     dead = torch.diagonal(H) == 0
     H[dead, dead] = 1.0
     perm = torch.argsort(torch.diagonal(H), descending=True) if act_order else None
-    return (H if perm is None else H[perm][:, perm]), dead, perm
+    # index_select, not H[perm][:, perm]: the column gather by advanced indexing was 4x slower
+    return (H if perm is None else H.index_select(0, perm).index_select(1, perm)), dead, perm
 
 
 def _prepare(W: torch.Tensor, H: torch.Tensor, act_order: bool):
@@ -141,8 +143,17 @@ class _Groups:
         self.zeros = torch.zeros(n_groups, W0.shape[0], device=W0.device)
         if self.static:  # every grid from the original weights, groups contiguous in original order
             W_orig = original if original is not None else W0 if perm is None else W0[:, torch.argsort(perm)]
-            for g in range(n_groups):
-                self._store(g, fit_grid(W_orig[:, g * group_size:(g + 1) * group_size], bits, sym))
+            whole = n_in // group_size  # the whole groups' grids in one call, the partial last one alone
+            if whole:
+                grid = fit_grid(W_orig[:, :whole * group_size].reshape(-1, group_size), bits, sym)
+                self.scales[:whole] = grid.scale.view(-1, whole).t()
+                self.zeros[:whole] = grid.zero.view(-1, whole).t()
+            if whole < n_groups:
+                self._store(whole, fit_grid(W_orig[:, whole * group_size:], bits, sym))
+        self._rows: list = [None] * n_groups
+        if self.static:
+            maxq = 2 ** bits - 1
+            self._rows = list(zip(self.scales.unbind(0), (-self.zeros).unbind(0), (maxq - self.zeros).unbind(0)))
 
     def _store(self, g: int, grid: Grid) -> None:
         self.scales[g], self.zeros[g] = grid.scale[:, 0], grid.zero[:, 0]
@@ -155,6 +166,18 @@ class _Groups:
             width = upcoming.shape[1] if self.group_size == -1 else min(self.group_size, upcoming.shape[1])
             self._store(g, fit_grid(upcoming[:, :width], self.bits, self.sym))
         return Grid(self.scales[g].unsqueeze(1), self.zeros[g].unsqueeze(1))
+
+    def sweep_rows(self, j: int, upcoming: Callable[[], torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        """Column ``j``'s grid as the sweep uses it: rows ``scale``, ``−zero``, ``maxq − zero``
+        (codes are clamped around 0 and shifted by ``zero`` once at the end). Static grids are
+        looked up; the others are fitted on ``upcoming()`` when their group starts."""
+        g = self.col_group[j]
+        rows = self._rows[g]
+        if rows is None:
+            grid = self.grid_for(j, upcoming())
+            scale, zero = grid.scale[:, 0], grid.zero[:, 0]
+            rows = self._rows[g] = (scale, -zero, (2 ** self.bits - 1) - zero)
+        return rows
 
 
 def _finish(Q: torch.Tensor, codes: torch.Tensor, perm, groups: _Groups, damp: float, steps: int) -> QuantResult:
@@ -202,7 +225,9 @@ def gptq_quantize(W: torch.Tensor, H: Optional[torch.Tensor], *, bits: int, grou
     if bool(f.dead.any()):
         W = W.clone()
         W[:, f.dead] = 0.0
-    WT = (W.t()[perm] if perm is not None else W.t()).contiguous()   # processing order, transposed
+    WT = W.t().contiguous()             # transpose first, then gather whole rows: gathering rows of the
+    if perm is not None:                # strided view was 3x slower (0.15 vs 0.05 s at 5632 x 1024)
+        WT = WT[perm]                   # processing order, transposed
     n_out, n_in = W.shape
     groups = _Groups(WT.t(), bits, group_size, sym, static_groups, perm, original=W)
     del W
@@ -211,7 +236,6 @@ def gptq_quantize(W: torch.Tensor, H: Optional[torch.Tensor], *, bits: int, grou
     QT = torch.empty_like(WT)                          # dequantized weight, transposed
     codesT = torch.empty_like(WT)                      # integer codes as floats until the end
     diag = torch.diagonal(U).tolist()                  # one sync per layer, not one per column
-    maxq = float(2 ** bits - 1)
     error_sq = torch.zeros((), dtype=torch.float64, device=WT.device)  # ‖E‖², read once at the end (no sync per block)
     for i1 in range(0, n_in, block_size):
         i2 = min(i1 + block_size, n_in)
@@ -219,14 +243,16 @@ def gptq_quantize(W: torch.Tensor, H: Optional[torch.Tensor], *, bits: int, grou
         Err1 = torch.empty(i2 - i1, n_out, device=WT.device)
         for i in range(i2 - i1):
             j = i1 + i
-            upcoming = W1[i:].t() if group_size != -1 else WT[j:].t()
-            scale, zero = (t[:, 0] for t in groups.grid_for(j, upcoming))
-            q = torch.div(W1[i], scale, out=codesT[j]).round_().add_(zero).clamp_(0, maxq)
-            torch.sub(q, zero, out=QT[j]).mul_(scale)
+            scale, low, high = groups.sweep_rows(j, lambda: W1[i:].t() if group_size != -1 else WT[j:].t())
+            # clamp(round(w/s), −z, maxq − z) + z is clamp(round(w/s) + z, 0, maxq) exactly (integers):
+            # the zero is added to all codes at once below, and the dequantized value needs no subtraction
+            q = torch.div(W1[i], scale, out=codesT[j]).round_().clamp_(low, high)
+            torch.mul(q, scale, out=QT[j])
             err = torch.sub(W1[i], QT[j], out=Err1[i]).div_(diag[j])
             W1[i + 1:].addr_(U1[i, i + 1:], err, alpha=-1)
         WT[i2:].addmm_(U[i1:i2, i2:].t(), Err1, alpha=-1)
         error_sq += torch.linalg.vector_norm(Err1).double() ** 2
+    codesT += groups.zeros[torch.tensor(groups.col_group, device=WT.device)]  # each processed column's zero
     if perm is not None:  # back to the original column order: whole rows of the transposed tensors
         inv = torch.argsort(perm)
         QT, codesT = QT[inv], codesT[inv]

@@ -35,10 +35,19 @@ def pack_rows(codes: torch.Tensor, bits: int) -> torch.Tensor:
     """Pack integer codes ``[n, cols]`` (values in ``[0, 2^bits)``) into int32 ``[n·bits/32, cols]``."""
     n = codes.shape[0]
     words = packed_length(n, bits)
+    if codes.numel():
+        smallest, largest = torch.aminmax(codes)
+        if smallest < 0 or largest >= (1 << bits):
+            raise ValueError(f"codes must lie in [0, {1 << bits}) for {bits} bits, "
+                             f"got range [{smallest.item()}, {largest.item()}]")
+    if 32 % bits == 0:  # 2, 4, 8 bits: whole values per word, OR-ed in int32 (shifts wrap into the sign bit)
+        per_word = 32 // bits
+        grouped = codes.to(torch.int32).reshape(words, per_word, *codes.shape[1:])
+        out = grouped[:, 0].clone()
+        for k in range(1, per_word):
+            out |= grouped[:, k] << (k * bits)
+        return out
     c = codes.to(torch.int64)
-    if c.numel() and (c.min() < 0 or c.max() >= (1 << bits)):
-        raise ValueError(f"codes must lie in [0, {1 << bits}) for {bits} bits, "
-                         f"got range [{c.min().item()}, {c.max().item()}]")
     word, shift = _positions(n, bits, c.device)
     out = torch.zeros((words + 1, *c.shape[1:]), dtype=torch.int64, device=c.device)
     shape = (-1,) + (1,) * (c.dim() - 1)
