@@ -15,6 +15,8 @@ here, on a copy of the graph, as ops with their own torch references (tested aga
   outliers are gathered from the input and multiplied by a small dense ``[k, N]`` block.
 - ``qc.spqr_experts_linear`` → ``qc.experts_matmul_nbits`` (each expert's dense branch as above)
   plus ``qc.experts_gathered_outlier_linear`` (each expert's own outlier columns and block).
+- ``qc.matmul_nbits`` nodes that read one input (q/k/v; gate/up) → one node over the stacked
+  tensors and a split (``onnx_siblings.py``).
 """
 from __future__ import annotations
 
@@ -32,6 +34,7 @@ from qcompiler.op_registry import OpArgs, OpSpec, args_of, call_op, quantized_la
 from qcompiler.ops import GPTQ_TENSORS, SPQR_DENSE_TENSORS, dequantize_gptq, expert_csr, per_expert, spqr_group_stats
 
 from .onnx_nbits import gptq_to_nbits, to_matmul_nbits_layout
+from .onnx_siblings import fuse_sibling_nbits
 
 __all__ = ["lower_for_onnx", "gathered_outlier_linear", "experts_gathered_outlier_linear", "spqr_to_nbits"]
 
@@ -206,6 +209,7 @@ def lower_for_onnx(gm: GraphModule) -> tuple[GraphModule, list[str]]:
     for expert in find_expert_linears(gm):  # full-precision grouped matmuls: ONNX has no grouped matmul
         _swap(graph, expert.node, lambda: call_op(graph, "experts_matmul", x=expert.input, offsets=expert.offsets,
                                                   weight=expert.weight_user))
+    fuse_sibling_nbits(gm)
     contiguous_before_reshape(graph)
     graph.eliminate_dead_code()
     gm.delete_all_unused_submodules()

@@ -43,7 +43,11 @@ def test_quantize_save_load_eval_export_run_agree(artifact, tmp_path, capsys):
     from qcompiler.causal_lm import graph_inputs
     session = ort.InferenceSession(str(tmp_path / "genai" / "model.onnx"), providers=["CPUExecutionProvider"])
     ops = [n.op_type for n in onnx.load(str(tmp_path / "genai" / "model.onnx")).graph.node]
-    assert ops.count("GroupQueryAttention") == 4 and ops.count("MatMulNBits") == 28  # per layer / per linear
+    assert ops.count("GroupQueryAttention") == 4 and ops.count("MatMulNBits") == 16  # q/k/v and gate/up fused
+    # genai's shared-buffer contract: every node's lengths from the mask, no mask tensor of its own
+    attention = [n for n in onnx.load(str(tmp_path / "genai" / "model.onnx")).graph.node
+                 if n.op_type == "GroupQueryAttention"]
+    assert {(n.input[5], n.input[6], n.input[10]) for n in attention} == {("qc_seqlens_k", "qc_total_length", "")}
     ids = torch.randint(0, 256, (1, 24), generator=torch.Generator().manual_seed(1))
     inputs = graph_inputs(cm.cache_layout, ids)         # the KV-cache graph, empty past (prefill)
     names = cache_io_names(cm.cache_layout)
@@ -60,7 +64,7 @@ def test_quantize_save_load_eval_export_run_agree(artifact, tmp_path, capsys):
         ".qcompiler-output.json", "genai_config.json", "generation_config.json", "model.onnx", "tokenizer.json",
         "tokenizer_config.json"]
     config = json.loads((tmp_path / "genai" / "genai_config.json").read_text())
-    assert config["model"]["decoder"]["num_hidden_layers"] == 4 and not config["search"]["past_present_share_buffer"]
+    assert config["model"]["decoder"]["num_hidden_layers"] == 4 and config["search"]["past_present_share_buffer"]
     # the byte tokenizer travels as Hugging Face files: genai's own tokenizer gives our ids for text
     import onnxruntime_genai as og
     tokenizer, tinylm = og.Tokenizer(og.Model(str(tmp_path / "genai"))), load("tinylm")

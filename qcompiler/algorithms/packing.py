@@ -43,7 +43,7 @@ def pack_rows(codes: torch.Tensor, bits: int) -> torch.Tensor:
     if 32 % bits == 0:  # 2, 4, 8 bits: whole values per word, OR-ed in int32 (shifts wrap into the sign bit)
         per_word = 32 // bits
         grouped = codes.to(torch.int32).reshape(words, per_word, *codes.shape[1:])
-        out = grouped[:, 0].clone()
+        out = grouped[:, 0].clone(memory_format=torch.contiguous_format)  # canonical strides, never a view of codes
         for k in range(1, per_word):
             out |= grouped[:, k] << (k * bits)
         return out

@@ -2,16 +2,27 @@
 
 The KV-cache graph's ONNX export already has the input/output contract genai's decoder-only
 models use (``input_ids``, ``attention_mask``, ``position_ids``, ``past_key_values.N.key/value``
-in; ``logits``, ``present.N.key/value`` out; the cache grows by concatenation, so
-``past_present_share_buffer`` is false). Quantized linears are ``MatMulNBits`` (GPTQ/RTN, SpQR's
-dense part) and ``MatMulInteger`` (W8A8), standard attention one ``GroupQueryAttention`` node per
-layer, as in every qcompiler ONNX export of a KV-cache graph (docs/backends/onnx.md).
+in; ``logits``, ``present.N.key/value`` out). Quantized linears are ``MatMulNBits`` (GPTQ/RTN,
+SpQR's dense part) and ``MatMulInteger`` (W8A8), standard attention one ``GroupQueryAttention``
+node per layer, as in every qcompiler ONNX export of a KV-cache graph (docs/backends/onnx.md).
+
+When every layer's cache goes straight through its ``GroupQueryAttention`` node, the folder is
+rewritten to genai's shared-buffer contract (``past_present_share_buffer``, as its own model
+builder writes): genai then keeps one ``[batch, kv_heads, max_length, head]`` buffer per cache
+that the node appends to in place. Otherwise every decode step copies the whole past into a new
+present (measured: most of the gap to the builder's int4 model at 32 layers, docs/results.md).
+The node's lengths then come from the mask (``seqlens_k`` = row sum − 1, the total = its width)
+and the model's own mask is dropped (causal masking is the node's own), so this is done only when
+no sliding window can bite within the context.
 """
 from __future__ import annotations
 
 import json
 from pathlib import Path
 from typing import Optional
+
+import onnx
+from onnx import TensorProto, helper
 
 from ..atomic import publish_directory
 from .checkpoint import ExportError, source_files, write_tokenizer_files
@@ -69,6 +80,49 @@ def genai_config(cm) -> dict:
     }
 
 
+def _sliding_window_bites(config: dict, context: int) -> bool:
+    window = config.get("sliding_window")
+    return isinstance(window, int) and 0 < window < context
+
+
+def share_kv_buffers(path: Path, layers: int) -> bool:
+    """Rewrite ``path`` (an export's ``model.onnx``, weights untouched) so that each
+    ``GroupQueryAttention`` reads its lengths from ``attention_mask`` and no mask tensor; True when
+    done, False (file untouched) when some layer's cache does not go straight through the node."""
+    model = onnx.load(str(path), load_external_data=False)
+    graph = model.graph
+    inputs, outputs = {i.name for i in graph.input}, {o.name for o in graph.output}
+    attention = [n for n in graph.node if n.op_type == "GroupQueryAttention"]
+    if "attention_mask" not in inputs or len(attention) != layers or any(
+            n.input[3] not in inputs or n.input[4] not in inputs or n.output[1] not in outputs
+            or n.output[2] not in outputs for n in attention):
+        return False
+    lengths = [
+        helper.make_node("Cast", ["attention_mask"], ["qc_mask_int64"], to=TensorProto.INT64),
+        helper.make_node("ReduceSum", ["qc_mask_int64", "qc_axis_1"], ["qc_mask_rows"], keepdims=0),
+        helper.make_node("Sub", ["qc_mask_rows", "qc_one"], ["qc_seqlens_k_int64"]),
+        helper.make_node("Cast", ["qc_seqlens_k_int64"], ["qc_seqlens_k"], to=TensorProto.INT32),
+        helper.make_node("Shape", ["attention_mask"], ["qc_total_int64"], start=1, end=2),
+        helper.make_node("Cast", ["qc_total_int64"], ["qc_total_length"], to=TensorProto.INT32)]
+    graph.initializer.extend([helper.make_tensor("qc_axis_1", TensorProto.INT64, [1], [1]),
+                              helper.make_tensor("qc_one", TensorProto.INT64, [], [1])])
+    for node in attention:   # inputs 5, 6, 10: seqlens_k, total_sequence_length, attention_bias
+        node.input[5], node.input[6], node.input[10] = "qc_seqlens_k", "qc_total_length", ""
+    needed, kept = set(outputs), []
+    for node in reversed([*lengths, *graph.node]):   # drop what only computed the old lengths and mask
+        if any(o in needed for o in node.output):
+            kept.append(node)
+            needed.update(i for i in node.input if i)
+    graph.ClearField("node")
+    graph.node.extend(reversed(kept))
+    used = [t for t in graph.initializer if t.name in needed]
+    graph.ClearField("initializer")
+    graph.initializer.extend(used)
+    onnx.checker.check_model(model)
+    onnx.save(model, str(path))
+    return True
+
+
 def export_onnx_genai(cm, out_dir, *, accuracy_level: Optional[int] = None, overwrite: bool = False,
                       progress=print, fused_attention: bool = True) -> Path:
     """Write ``cm`` as an onnxruntime-genai model folder (published atomically)."""
@@ -80,8 +134,13 @@ def export_onnx_genai(cm, out_dir, *, accuracy_level: Optional[int] = None, over
         progress(f"exporting {cm.capture_info.model_class} ({cm.recipe.name}) to ONNX with its KV cache")
         cm.export_onnx(tmp / "model.onnx", accuracy_level=accuracy_level, overwrite=True,
                        fused_attention=fused_attention)
+        context = config["model"]["context_length"]
+        if not _sliding_window_bites(cm.capture_info.model_config or {}, context):
+            config["search"]["past_present_share_buffer"] = share_kv_buffers(
+                tmp / "model.onnx", config["model"]["decoder"]["num_hidden_layers"])
         (tmp / "genai_config.json").write_text(json.dumps(config, indent=2) + "\n")
         written = write_tokenizer_files(tmp, cm.graph_module, copies)
+        shared = "shared KV buffers" if config["search"]["past_present_share_buffer"] else "KV cache by concatenation"
         progress(f"genai_config.json ({config['model']['type']}, {config['model']['decoder']['num_hidden_layers']} "
-                 f"layers); tokenizer and generation files: {', '.join(written) or 'none'}")
+                 f"layers, {shared}); tokenizer and generation files: {', '.join(written) or 'none'}")
     return out_dir
