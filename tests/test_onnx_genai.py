@@ -47,6 +47,8 @@ def test_cli_export_onnx_genai_from_an_artifact(tinylm, tmp_path, capsys):
                  "--plain-attention"]) == 0  # the fused node: tests/test_cli.py's genai export
     model = onnx.load(str(tmp_path / "g" / "model.onnx"), load_external_data=False)
     assert not any(n.op_type == "GroupQueryAttention" for n in model.graph.node)
+    # plain-op attention concatenates its cache: genai must hand it a growing past, not a shared buffer
+    assert not json.loads((tmp_path / "g" / "genai_config.json").read_text())["search"]["past_present_share_buffer"]
     assert sorted(p.name for p in (tmp_path / "g").iterdir()) == [".qcompiler-output.json", "genai_config.json",
                                                                   "generation_config.json", "model.onnx",
                                                                   "tokenizer.json", "tokenizer_config.json"]
@@ -63,3 +65,23 @@ def test_an_encoder_is_refused_and_nothing_is_written(tmp_path):
     with pytest.raises(ExportError, match="needs a causal LM captured with its KV cache"):
         export_onnx_genai(encoder, tmp_path / "e")
     assert not (tmp_path / "e").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("window", [None, 8])
+def test_shared_kv_buffers_and_sliding_windows(window, tmp_path):
+    """A standard cache gets genai's shared buffers; a sliding-window cache keeps only the last
+    window − 1 positions while genai expects each step's cache to grow, so that model's context is
+    capped there (past it genai failed). Either way genai generates transformers' greedy tokens."""
+    from causal_lms import causal_lm, prompt
+    model = causal_lm("mistral")
+    model.config.sliding_window = window
+    cm = qc.compile(model, {"input_ids": prompt()}, recipe="none", progress=False)
+    export_onnx_genai(cm, tmp_path / "g", accuracy_level=0, progress=lambda _: None)
+    config = json.loads((tmp_path / "g" / "genai_config.json").read_text())
+    assert config["search"]["past_present_share_buffer"] is (window is None)
+    assert config["model"]["context_length"] == config["search"]["max_length"] == (128 if window is None else 7)
+    ids = prompt(1, 5, seed=3)
+    new = 16 if window is None else 2
+    expected = model.generate(ids, max_new_tokens=new, do_sample=False)[0, 5:].tolist()
+    assert genai_tokens(tmp_path / "g", ids[0].tolist(), new) == expected

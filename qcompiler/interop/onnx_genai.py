@@ -12,8 +12,8 @@ builder writes): genai then keeps one ``[batch, kv_heads, max_length, head]`` bu
 that the node appends to in place. Otherwise every decode step copies the whole past into a new
 present (measured: most of the gap to the builder's int4 model at 32 layers, docs/results.md).
 The node's lengths then come from the mask (``seqlens_k`` = row sum − 1, the total = its width)
-and the model's own mask is dropped (causal masking is the node's own), so this is done only when
-no sliding window can bite within the context.
+and the model's own mask is dropped (causal masking is the node's own). A sliding-window cache
+(its present a slice) is never shared, and such a model's context is capped at the window.
 """
 from __future__ import annotations
 
@@ -33,10 +33,23 @@ __all__ = ["export_onnx_genai", "genai_config"]
 _GENAI_TYPES = {"llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gpt2"}
 
 
+def cache_window(config: dict) -> Optional[int]:
+    """The sliding window of a model that attends through one: its cache keeps the last
+    ``window − 1`` positions, while genai sizes every present as past + new tokens."""
+    window = config.get("sliding_window")
+    if not isinstance(window, int) or window <= 0 or config.get("use_sliding_window") is False:
+        return None
+    return window
+
+
 def genai_config(cm) -> dict:
-    """``genai_config.json`` for ``cm``'s cache graph (greedy search by default)."""
+    """``genai_config.json`` for ``cm``'s cache graph (greedy search by default). A sliding-window
+    model's context is capped at ``window − 1`` tokens: past that its cache stops growing and genai,
+    which expects present = past + new, fails (measured on a Mistral with an 8-token window)."""
     layout = cm.cache_layout
     config = cm.capture_info.model_config or {}
+    window = cache_window(config)
+    context = layout.max_length if window is None else min(layout.max_length, window - 1)
     if layout is None:
         raise ExportError(f"the onnx-genai format needs a causal LM captured with its KV cache; this graph of "
                           f"{cm.capture_info.model_class} has none (an encoder, or captured with use_cache=False)")
@@ -55,7 +68,7 @@ def genai_config(cm) -> dict:
         "model": {
             "type": model_type,
             "vocab_size": config.get("vocab_size"),
-            "context_length": layout.max_length,
+            "context_length": context,
             "bos_token_id": config.get("bos_token_id") if config.get("bos_token_id") is not None else 0,
             "eos_token_id": eos if eos is not None else 0,   # genai needs one; a model without EOS gets id 0
             "pad_token_id": config.get("pad_token_id") if config.get("pad_token_id") is not None
@@ -73,16 +86,11 @@ def genai_config(cm) -> dict:
                             "present_value_names": "present.%d.value"},
             },
         },
-        "search": {"do_sample": False, "num_beams": 1, "num_return_sequences": 1, "max_length": layout.max_length,
+        "search": {"do_sample": False, "num_beams": 1, "num_return_sequences": 1, "max_length": context,
                    "min_length": 0, "past_present_share_buffer": False, "temperature": 1.0, "top_k": 1, "top_p": 1.0,
                    "repetition_penalty": 1.0, "length_penalty": 1.0, "no_repeat_ngram_size": 0,
                    "diversity_penalty": 0.0, "early_stopping": True},
     }
-
-
-def _sliding_window_bites(config: dict, context: int) -> bool:
-    window = config.get("sliding_window")
-    return isinstance(window, int) and 0 < window < context
 
 
 def share_kv_buffers(path: Path, layers: int) -> bool:
@@ -94,7 +102,7 @@ def share_kv_buffers(path: Path, layers: int) -> bool:
     inputs, outputs = {i.name for i in graph.input}, {o.name for o in graph.output}
     attention = [n for n in graph.node if n.op_type == "GroupQueryAttention"]
     if "attention_mask" not in inputs or len(attention) != layers or any(
-            n.input[3] not in inputs or n.input[4] not in inputs or n.output[1] not in outputs
+            len(n.input) < 11 or n.input[3] not in inputs or n.input[4] not in inputs or n.output[1] not in outputs
             or n.output[2] not in outputs for n in attention):
         return False
     lengths = [
@@ -134,10 +142,11 @@ def export_onnx_genai(cm, out_dir, *, accuracy_level: Optional[int] = None, over
         progress(f"exporting {cm.capture_info.model_class} ({cm.recipe.name}) to ONNX with its KV cache")
         cm.export_onnx(tmp / "model.onnx", accuracy_level=accuracy_level, overwrite=True,
                        fused_attention=fused_attention)
-        context = config["model"]["context_length"]
-        if not _sliding_window_bites(cm.capture_info.model_config or {}, context):
-            config["search"]["past_present_share_buffer"] = share_kv_buffers(
-                tmp / "model.onnx", config["model"]["decoder"]["num_hidden_layers"])
+        config["search"]["past_present_share_buffer"] = share_kv_buffers(
+            tmp / "model.onnx", config["model"]["decoder"]["num_hidden_layers"])
+        if config["model"]["context_length"] < cm.cache_layout.max_length:
+            progress(f"context capped at {config['model']['context_length']} tokens: the model's sliding-window "
+                     f"cache keeps only that many, and onnxruntime-genai expects every step's cache to grow")
         (tmp / "genai_config.json").write_text(json.dumps(config, indent=2) + "\n")
         written = write_tokenizer_files(tmp, cm.graph_module, copies)
         shared = "shared KV buffers" if config["search"]["past_present_share_buffer"] else "KV cache by concatenation"
