@@ -48,14 +48,14 @@ def genai_config(cm) -> dict:
     which expects present = past + new, fails (measured on a Mistral with an 8-token window)."""
     layout = cm.cache_layout
     config = cm.capture_info.model_config or {}
-    window = cache_window(config)
-    context = layout.max_length if window is None else min(layout.max_length, window - 1)
     if layout is None:
         raise ExportError(f"the onnx-genai format needs a causal LM captured with its KV cache; this graph of "
                           f"{cm.capture_info.model_class} has none (an encoder, or captured with use_cache=False)")
     if len(set(layout.heads)) != 1 or len(set(layout.key_dims + layout.value_dims)) != 1:
         raise ExportError(f"onnxruntime-genai needs the same KV heads and head size in every layer; this model has "
                           f"heads {sorted(set(layout.heads))}, head sizes {sorted(set(layout.key_dims + layout.value_dims))}")
+    window = cache_window(config)
+    context = layout.max_length if window is None else min(layout.max_length, window - 1)
     inputs = {"input_ids": "input_ids", "attention_mask": "attention_mask",
               "past_key_names": "past_key_values.%d.key", "past_value_names": "past_key_values.%d.value"}
     if layout.uses_position_ids:
