@@ -13,7 +13,7 @@ import operator
 import torch
 from torch.fx import GraphModule, Node
 
-from qcompiler.graph import set_tensor
+from qcompiler.graph import drop_attr_if_unused, set_tensor
 from qcompiler.op_registry import OpArgs, args_of, call_op
 
 __all__ = ["fuse_sibling_nbits"]
@@ -62,8 +62,9 @@ def fuse_sibling_nbits(gm: GraphModule) -> int:
             parts = graph.call_function(torch.ops.aten.split_with_sizes.default, (fused, widths, -1))
             for i, node in enumerate(nodes):
                 node.replace_all_uses_with(graph.call_function(operator.getitem, (parts, i)))
-        for node in nodes:
+        for node, a in zip(nodes, args):
             graph.erase_node(node)
+            for attr in a.stored():   # the siblings' own tensors: no second copy of them in memory
+                drop_attr_if_unused(gm, attr)
         removed += len(nodes) - 1
     return removed
-

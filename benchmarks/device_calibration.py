@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
 import subprocess
 import sys
 import tempfile
@@ -24,6 +23,8 @@ import time
 from pathlib import Path
 
 import torch
+
+from peak_memory import peak_rss_mb
 
 RESULTS = Path(__file__).resolve().parent / "results" / "device_calibration.json"
 CASES = {  # name: (hidden, ffn, layers, nsamples, seqlen, devices)
@@ -62,7 +63,7 @@ def one(case: str, device: str, logits_path: str) -> dict:
            "params_M": sum(p.numel() for p in model.parameters()) / 1e6,
            "calibration_tokens": nsamples * seqlen,
            "rel_logit_error_vs_fp32": ((q - fp).norm() / fp.norm()).item(),
-           "peak_rss_MB": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+           "peak_rss_MB": peak_rss_mb()}
     if device.startswith("cuda"):
         out["peak_gpu_MB"] = torch.cuda.max_memory_allocated() / 2**20
         out["gpu"] = torch.cuda.get_device_name()

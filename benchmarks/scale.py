@@ -47,13 +47,11 @@ def save_model(folder: Path, size: dict, dtype: torch.dtype) -> int:
 
 
 def run_cli(folder: Path, out: Path, calib: Path, size: dict, stream: bool) -> dict:
-    # The peak is VmHWM (this process image's high-water mark), not getrusage's ru_maxrss: Linux keeps
-    # ru_maxrss across exec, so a child of a big parent reported the parent's size (1631 MB for every
-    # depth after the first, whose artifacts the parent had loaded to compare logits).
-    script = ("import re, sys, time; from pathlib import Path; from qcompiler.cli import main; "
+    # peak_memory.py: this child's own peak, not the parent's (which loads artifacts to compare logits)
+    script = (f"import sys, time; sys.path.insert(0, {str(Path(__file__).resolve().parent)!r}); "
+              "from peak_memory import peak_rss_mb; from qcompiler.cli import main; "
               "t = time.perf_counter(); rc = main(sys.argv[1:]); "
-              "hwm = re.search(r'VmHWM:\\s+(\\d+)', Path('/proc/self/status').read_text()).group(1); "
-              "print('RESULT', time.perf_counter() - t, hwm, rc)")
+              "print('RESULT', time.perf_counter() - t, peak_rss_mb(), rc)")
     argv = [sys.executable, "-c", script, "quantize", str(folder), "--recipe", "gptq-w4g128", "--calib", str(calib),
             "--samples", str(size["nsamples"]), "--seqlen", str(size["seqlen"]), "--device", "cpu",
             "--stream" if stream else "--no-stream", "--out", str(out)]
@@ -61,8 +59,8 @@ def run_cli(folder: Path, out: Path, calib: Path, size: dict, stream: bool) -> d
     line = next((l for l in done.stdout.splitlines() if l.startswith("RESULT")), None)
     if done.returncode or line is None or line.split()[3] != "0":
         sys.exit(f"quantize failed:\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}")
-    _, seconds, rss_kb, _ = line.split()
-    return {"seconds": float(seconds), "peak_rss_MB": int(rss_kb) / 1024}
+    _, seconds, rss_mb, _ = line.split()
+    return {"seconds": float(seconds), "peak_rss_MB": float(rss_mb)}
 
 
 def logits(artifact: Path) -> torch.Tensor:

@@ -52,10 +52,11 @@ def _tokens(size: dict, seed: int, n: int):
 
 def worker(side: str, folder: str, size: dict, threads: int) -> dict:
     """One side's run in this process: time of the quantization call, peak RSS, logits error."""
-    import resource
     import time
 
     import torch
+
+    from peak_memory import peak_rss_mb
     torch.set_num_threads(threads)
     from transformers import AutoModelForCausalLM
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
@@ -68,7 +69,7 @@ def worker(side: str, folder: str, size: dict, threads: int) -> dict:
         start = time.perf_counter()
         cm = qc.compile(model, {"input_ids": calib[:1, :16]}, recipe=recipe,
                         calibration=[{"input_ids": calib[i:i + 1]} for i in range(len(calib))], progress=False)
-        seconds, peak = time.perf_counter() - start, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        seconds, peak = time.perf_counter() - start, peak_rss_mb()
         quantized = lambda ids: cm(input_ids=ids).logits  # noqa: E731
     else:
         from datasets import Dataset
@@ -79,7 +80,7 @@ def worker(side: str, folder: str, size: dict, threads: int) -> dict:
         oneshot(model=model, dataset=data, recipe=GPTQModifier(targets="Linear", scheme="W4A16", ignore=["lm_head"],
                                                                dampening_frac=0.01),
                 max_seq_length=size["seqlen"], num_calibration_samples=size["nsamples"], pipeline="sequential")
-        seconds, peak = time.perf_counter() - start, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        seconds, peak = time.perf_counter() - start, peak_rss_mb()
         quantized = lambda ids: model(input_ids=ids, use_cache=False).logits  # noqa: E731
     with torch.no_grad():
         error = ((quantized(held) - reference).norm() / reference.norm()).item()

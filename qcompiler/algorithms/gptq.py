@@ -132,6 +132,7 @@ class _Groups:
     def __init__(self, W0: torch.Tensor, bits: int, group_size: int, sym: bool, static: bool,
                  perm: Optional[torch.Tensor], original: Optional[torch.Tensor] = None):
         self.bits, self.group_size, self.sym = bits, group_size, sym
+        self.maxq = 2 ** bits - 1
         n_in = W0.shape[1]
         self.static = static and group_size != -1
         # Group bookkeeping stays on the CPU (read per column: no device sync); grids live with W.
@@ -152,8 +153,7 @@ class _Groups:
                 self._store(whole, fit_grid(W_orig[:, whole * group_size:], bits, sym))
         self._rows: list = [None] * n_groups
         if self.static:
-            maxq = 2 ** bits - 1
-            self._rows = list(zip(self.scales.unbind(0), (-self.zeros).unbind(0), (maxq - self.zeros).unbind(0)))
+            self._rows = list(zip(self.scales.unbind(0), (-self.zeros).unbind(0), (self.maxq - self.zeros).unbind(0)))
 
     def _store(self, g: int, grid: Grid) -> None:
         self.scales[g], self.zeros[g] = grid.scale[:, 0], grid.zero[:, 0]
@@ -176,7 +176,7 @@ class _Groups:
         if rows is None:
             grid = self.grid_for(j, upcoming())
             scale, zero = grid.scale[:, 0], grid.zero[:, 0]
-            rows = self._rows[g] = (scale, -zero, (2 ** self.bits - 1) - zero)
+            rows = self._rows[g] = (scale, -zero, self.maxq - zero)
         return rows
 
 
