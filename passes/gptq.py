@@ -6,6 +6,7 @@ that already pass through the quantized earlier blocks. The algorithm is the pur
 """
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -49,14 +50,18 @@ class GPTQ(Pass):
             raise QuantizationError(f"block_size must be positive, got {self.block_size}")
 
     def run(self, gm: GraphModule, ctx: PassContext) -> bool:
-        shared: list = []  # (H, its factor): q/k/v and gate/up get the same Hessian object
+        # q/k/v and gate/up get the same Hessian object: one factor for all of them, kept only
+        # while that Hessian lives (a down_proj's H and factor, 2 x 67 MB at width 4096, would
+        # otherwise stay through the next block's calibration)
+        factors: dict[int, object] = {}
 
         def quantize(layer, W, H):
-            if not shared or shared[0] is not H:
-                shared[:] = [H, hessian_factor(H, self.damp, self.act_order)]
+            if id(H) not in factors:
+                factors[id(H)] = hessian_factor(H, self.damp, self.act_order)
+                weakref.finalize(H, factors.pop, id(H), None)
             res = gptq_quantize(W, H, bits=self.bits, group_size=self.group_size, sym=self.sym,
                                 act_order=self.act_order, static_groups=self.static_groups,
-                                damp=self.damp, block_size=self.block_size, factor=shared[1])
+                                damp=self.damp, block_size=self.block_size, factor=factors[id(H)])
             return gptq_layer_quant(layer, W, res, self.bits, self.group_size)
         def head(layer, W, H):
             res = rtn_quantize(W, bits=self.bits, group_size=self.group_size, sym=self.sym)

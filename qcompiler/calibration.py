@@ -17,8 +17,6 @@ The graph's own weights never move.
 """
 from __future__ import annotations
 
-import ctypes
-import functools
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Optional
@@ -31,6 +29,7 @@ from torch.utils._pytree import tree_map
 from .errors import CalibrationError
 from .experts import ExpertLinear, expert_rows, find_expert_linears
 from .graph import LinearLayer, block_of, find_linears, get_raw_tensor, get_tensor, module_path, source_of
+from .host_memory import return_freed_memory
 
 __all__ = ["LayerStats", "Segment", "CalibrationEngine"]
 
@@ -61,6 +60,20 @@ def _mirror_upper(H: torch.Tensor) -> None:
         diagonal.copy_(torch.triu(diagonal) + torch.triu(diagonal, 1).t())
 
 
+_CHUNK_ELEMENTS = 1 << 22  # rows are upcast to float32 in chunks of 16 MB, not a copy of the whole batch
+
+
+def float_row_chunks(rows: torch.Tensor) -> Iterator[torch.Tensor]:
+    """``rows`` ``[n, width]`` as float32 chunks of consecutive rows: statistics of a bf16 batch
+    need no float32 copy of all of it (a down_proj input at 8 x 512 tokens: 67 MB)."""
+    step = max(1, _CHUNK_ELEMENTS // max(1, rows.shape[-1]))
+    if rows.shape[0] <= step:
+        yield rows.float()
+        return
+    for i in range(0, rows.shape[0], step):
+        yield rows[i:i + step].float()
+
+
 @dataclass
 class LayerStats:
     """Streaming statistics of one linear's input rows."""
@@ -89,7 +102,10 @@ class LayerStats:
         return None if total is None or self.rows == 0 else 2.0 * float(total) / self.rows
 
     def add(self, x: torch.Tensor) -> None:
-        x = x.reshape(-1, self.in_features).float()
+        for chunk in float_row_chunks(x.reshape(-1, self.in_features)):
+            self._add_rows(chunk)
+
+    def _add_rows(self, x: torch.Tensor) -> None:
         m = x.shape[0]
         if m == 0:
             return
@@ -117,22 +133,6 @@ def _check_finite(path: str, st: LayerStats) -> None:
     not O(rows x channels)."""
     if st.absmax is not None and not bool(torch.isfinite(st.absmax).all()):
         raise CalibrationError(f"calibration activations reaching {path} contain NaN or Inf")
-
-
-@functools.cache
-def _malloc_trim():
-    try:
-        return ctypes.CDLL("libc.so.6").malloc_trim
-    except (OSError, AttributeError):  # not glibc: nothing to do
-        return None
-
-
-def _return_freed_memory() -> None:
-    """Give the block's freed buffers back to the OS (glibc keeps them otherwise: measured, the
-    resident size then grew ~60 MB per block of a 1024-wide LLaMA although nothing stayed alive)."""
-    trim = _malloc_trim()
-    if trim is not None:
-        trim(0)
 
 
 class _DeviceInterpreter(Interpreter):
@@ -247,7 +247,7 @@ class CalibrationEngine:
             yield seg
             if self.position != seg.end and k + 1 < len(self.segments):  # nothing reads the last block's output
                 self.advance(seg)
-            _return_freed_memory()
+            return_freed_memory()
             self.log(f"block {k + 1}/{len(self.segments)} {seg.name}: {len(seg.linears)} linears, "
                      f"{time.perf_counter() - start:.1f}s")
 
@@ -361,8 +361,10 @@ class CalibrationEngine:
             y = y.detach().reshape(-1, y.shape[-1])
             if mask is not None and mask.numel() == y.shape[0]:
                 y = y[mask]
-            # the norm in float32, squared in float64: no float64 copy of the outputs
-            total = st.output_energy.get(layer.path, 0.0) + torch.linalg.vector_norm(y.float()).double() ** 2
+            # squared norms in float32 per chunk, summed in float64: no full float32 copy of the outputs
+            total = st.output_energy.get(layer.path, 0.0)
+            for chunk in float_row_chunks(y):
+                total = total + torch.linalg.vector_norm(chunk).double() ** 2
             st.output_energy[layer.path] = total
         return observe
 

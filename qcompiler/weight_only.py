@@ -14,6 +14,7 @@ import torch
 from torch.fx import GraphModule
 
 from . import lazy_weights
+from .host_memory import return_freed_memory
 from .calibration import CalibrationEngine
 from .errors import QuantizationError
 from .experts import ExpertLinear, find_expert_linears
@@ -25,6 +26,7 @@ from .layer_filter import ignore_reason, report_unmatched
 from .ops import GPTQ_TENSORS, GPTQWeight, pack_gptq
 from .algorithms.packing import packed_length
 from .pass_base import PassContext
+from .spill import Spill
 
 __all__ = ["LayerQuant", "ExpertsFormat", "quantize_block_linears", "is_output_head", "gptq_layer_quant",
            "gptq_experts", "check_packable", "UnpackableLayer"]
@@ -104,7 +106,9 @@ class _BlockQuantizer:
                  ignore: tuple[str, ...]):
         self.gm, self.ctx, self.record = gm, ctx, ctx.record
         self.quantize, self.experts_format, self.ignore = quantize, experts, ignore
-        self.done: list[tuple[LinearLayer, dict, Callable]] = []
+        # (layer, its tensors or a function reading them back from the spill, rewrite)
+        self.done: list[tuple[LinearLayer, Union[dict, Callable[[], dict]], Callable]] = []
+        self._spill = Spill() if lazy_weights.lazy_source(gm) is not None else None  # streamed: a big model
         self.experts_done: list[tuple[ExpertLinear, str, dict, dict]] = []  # expert, op, tensors, constants
         self.skipped: list[str] = []
         self._on_device: list = []  # (Hessian, its compute-device copy): siblings share one copy, so one factor
@@ -115,6 +119,10 @@ class _BlockQuantizer:
         if not self._on_device or self._on_device[0] is not H:
             self._on_device[:] = [H, H.to(compute)]
         return self._on_device[1]
+
+    def drop_hessians(self) -> None:
+        """Forget the compute-device Hessian: its layers are solved (its factor goes with it)."""
+        self._on_device.clear()
 
     def skip(self, path: str, why: str) -> None:
         self.skipped.append(path)
@@ -203,10 +211,20 @@ class _BlockQuantizer:
         bits, seconds = results[0].figures.get("bits", "?"), time.perf_counter() - start
         self.ctx.log(f"  {expert.path}: {expert.num_experts} experts, {bits}-bit{error}, {seconds:.2f}s")
 
+    def block_done(self, start: int) -> None:
+        """Park the results of ``done[start:]`` (one block's layers) on disk when the model is streamed."""
+        if self._spill is None:
+            return
+        for k in range(start, len(self.done)):
+            layer, tensors, rewrite = self.done[k]
+            self.done[k] = (layer, self._spill.park(tensors), rewrite)
+
     def rewrite(self) -> bool:
         """Swap every solved node for the method's op(s); returns whether anything was quantized."""
         for layer, tensors, rewrite in self.done:
-            rewrite(self.gm, layer, tensors)
+            rewrite(self.gm, layer, tensors() if callable(tensors) else tensors)
+        if self._spill is not None:
+            self._spill.close()
         for expert, op, tensors, constants in self.experts_done:
             replace_experts(self.gm, expert, op, tensors, constants)
         self.gm.graph.eliminate_dead_code()
@@ -261,17 +279,24 @@ def _calibrated_walk(walk: _BlockQuantizer, engine: CalibrationEngine, true_sequ
     previous: list[LinearLayer] = []
     for seg in engine.blocks():
         _release(walk.gm, previous)  # the previous block has run with them: nothing reads them again
+        first = len(walk.done)
         for group in (seg.sibling_groups() if true_sequential else [seg.linears]):
             if not group:
                 continue
             start = time.perf_counter()
             stats = engine.collect(seg, group)
-            for layer in group:
-                st = stats[layer.path]
+            return_freed_memory()
+            for layer in group:  # popped: a Hessian (and its factor) goes once its last reader is solved
+                st = stats.pop(layer.path)
                 walk.linear(layer, st.hessian, start, energy=st.reference_energy(layer.path))
+                if not any(other is st for other in stats.values()):
+                    walk.drop_hessians()
+                return_freed_memory()
+            del stats, st  # nothing of this collect lives into the next one
         for expert in seg.experts:  # one at a time: down_proj sees the quantized gate_up_proj
             walk.experts(expert, engine.collect(seg, [], experts=[expert]) if walk.experts_format else None)
         previous = [layer for layer in seg.linears if layer.path in walk.record.layers]  # quantized, not skipped
+        walk.block_done(first)
 
 
 def gptq_layer_quant(layer: LinearLayer, W: torch.Tensor, res: QuantResult, bits: int, group_size: int) -> LayerQuant:
@@ -284,9 +309,11 @@ def gptq_layer_quant(layer: LinearLayer, W: torch.Tensor, res: QuantResult, bits
     if res.damp:
         figures.update(damp=res.damp, damp_steps=res.damp_steps)
 
+    stored_bits, stored_group = packed.bits, packed.group_size  # not ``packed``: the closure would keep its tensors
+
     def rewrite(gm: GraphModule, layer: LinearLayer, tensors: dict) -> None:
         replace_linear(gm, layer, "quant_linear", tensors,
-                       lambda x, a: dict(x=x, **a, bias=layer.bias_node, bits=packed.bits, group_size=packed.group_size))
+                       lambda x, a: dict(x=x, **a, bias=layer.bias_node, bits=stored_bits, group_size=stored_group))
     return LayerQuant(res.dequantized, figures, {f: getattr(packed, f) for f in GPTQ_TENSORS},
                       rewrite, packed, res.damped_error)
 

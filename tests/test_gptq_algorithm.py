@@ -5,7 +5,8 @@ import torch
 
 from qcompiler.errors import QuantizationError
 from qcompiler.algorithms.gptq import (gptq_quantize, gptq_quantize_reference, group_index, hessian_factor,
-                            inverse_hessian_cholesky, lower_triangular_inverse, output_error, rtn_quantize)
+                                      inverse_hessian_cholesky, invert_lower_triangular_, lower_triangular_inverse,
+                                      output_error, rtn_quantize)
 from qcompiler.algorithms.quant_grid import fit_grid, fake_quantize
 
 
@@ -132,6 +133,8 @@ def test_blocked_triangular_inverse_is_the_inverse(n, parts):
     want = torch.linalg.inv(L.double())
     assert torch.equal(got, torch.tril(got))
     assert ((got.double() - want).abs().max() / want.abs().max()).item() < 1e-5
+    in_place = invert_lower_triangular_(L, parts)   # the solver's memory-saving variant: the same values
+    assert in_place.data_ptr() == L.data_ptr() and torch.equal(in_place, got)
 
 
 def test_damping_is_raised_until_the_hessian_factors():
@@ -160,3 +163,15 @@ def test_group_size_not_dividing_input_dim_makes_a_short_last_group():
     W, H = problem(n=96)
     res = gptq_quantize(W, H, bits=4, group_size=40)  # groups of 40, 40, 16
     assert res.scales.shape == (3, 32)
+
+
+def test_gptq_reads_a_transposed_view_without_writing_to_it():
+    """A Conv1D weight arrives as the ``[out, in]`` view of an ``[in, out]`` tensor: same result as
+    the contiguous copy, and the stored tensor is left as it was."""
+    W, H = problem(n=64)
+    stored = W.t().contiguous()
+    kept = stored.clone()
+    got = gptq_quantize(stored.t(), H, bits=4, group_size=16)
+    want = gptq_quantize(W.clone(), H, bits=4, group_size=16)
+    assert torch.equal(stored, kept)
+    assert torch.equal(got.codes, want.codes) and torch.equal(got.dequantized, want.dequantized)

@@ -56,6 +56,23 @@ def test_streamed_compile_equals_full_load(folder, recipe):
     assert torch.equal(main_output(got(**x)), main_output(want(**x))), f"{recipe}: streamed differs from full load"
 
 
+def test_finished_blocks_wait_on_disk_and_the_spill_is_removed(folder, tmp_path, monkeypatch):
+    """A streamed model's packed layers are parked in a temporary folder per block instead of held
+    in memory, and read back by the final rewrite (the result is the full load's: test above); the
+    folder is gone afterwards."""
+    import tempfile
+
+    from qcompiler import spill
+    parked, park = [], spill.Spill.park
+    monkeypatch.setattr(spill.Spill, "park", lambda self, tensors: parked.append(sorted(tensors)) or park(self, tensors))
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    streamed = load(folder, stream=True)
+    qc.compile(streamed.model, streamed.example_inputs(), recipe="gptq-w4g128", calibration=_calibration(),
+               progress=False, device=None)
+    assert len(parked) == 4 * 7 and parked[0] == ["g_idx", "qweight", "qzeros", "scales"]
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_weights_alive_stay_near_one_block(tmp_path, monkeypatch):
     """Every tensor read from the checkpoint is tracked: the bytes alive at once never exceed about
     two blocks' worth, whatever the depth (full loading would hold all 8 blocks)."""

@@ -50,6 +50,18 @@ def test_rewrite_equals_model_with_dequantized_weights(arch, recipe):
     assert (got - main_output(model(**inputs))).abs().max().item() > 1e-3  # it did quantize
 
 
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+@pytest.mark.parametrize("recipe", ["gptq-w4g128", "rtn-w4g128", "spqr-w3g16", "w8a8-smoothquant"])
+def test_compile_leaves_the_users_model_as_it_was(arch, recipe):
+    """GPTQ swept an fp32 GPT-2's Conv1D weights in place: ``W.t().contiguous()`` of the ``[out, in]``
+    view is the stored ``[in, out]`` parameter itself, so the user's model came back overwritten."""
+    model = make_model(arch)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    batches = [dict(example_inputs(arch, 4, 16, seed=s)) for s in range(2)]
+    qc.compile(model, example_inputs(arch), recipe=recipe, calibration=batches, progress=False)
+    assert [k for k, v in model.state_dict().items() if not torch.equal(v, before[k])] == []
+
+
 def test_gptq_report_has_error_damping_and_time():
     cm = qc.compile(make_model("llama"), example_inputs("llama"), recipe="gptq-w4g128", calibration=calib(),
                     progress=False)

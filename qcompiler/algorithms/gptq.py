@@ -56,19 +56,25 @@ def group_index(in_features: int, group_size: int, perm: Optional[torch.Tensor] 
 
 
 def lower_triangular_inverse(L: torch.Tensor, parts: int = 4) -> torch.Tensor:
-    """``L⁻¹`` for a lower-triangular ``L``, by column blocks: block ``[s, e)`` of ``L⁻¹`` is zero
-    above row ``s``, so only the trailing system ``L[s:, s:]`` is solved for it. torch has no
-    triangular inverse (LAPACK trtri); one solve against the identity costs n³, four blocks ~0.5 n³
-    (measured 2.0x faster at n = 2816 and 4096, one thread; same values to 1e-7)."""
+    """``L⁻¹`` for a lower-triangular ``L`` (``L`` is left as it is)."""
+    return invert_lower_triangular_(L.clone(), parts)
+
+
+def invert_lower_triangular_(L: torch.Tensor, parts: int = 4) -> torch.Tensor:
+    """``L⁻¹`` in place of the lower-triangular ``L``, by column blocks: block ``[s, e)`` of ``L⁻¹``
+    is zero above row ``s``, so only the trailing system ``L[s:, s:]`` is solved for it. torch has
+    no triangular inverse (LAPACK trtri); one solve against the identity costs n³, four blocks
+    ~0.5 n³ (measured 2.0x faster at n = 2816 and 4096, one thread; same values to 1e-7). Later
+    blocks read only columns ``>= e`` of ``L``, so each solved block overwrites its own columns:
+    no second n x n buffer (67 MB at n = 4096)."""
     n = L.shape[0]
-    inverse = torch.zeros_like(L)
     edges = [round(n * i / parts) for i in range(parts + 1)]
     for s, e in zip(edges[:-1], edges[1:]):
         if e > s:
             rhs = torch.zeros(n - s, e - s, dtype=L.dtype, device=L.device)
             rhs[: e - s].fill_diagonal_(1.0)
-            inverse[s:, s:e] = torch.linalg.solve_triangular(L[s:, s:], rhs, upper=False)
-    return inverse
+            L[s:, s:e] = torch.linalg.solve_triangular(L[s:, s:], rhs, upper=False)
+    return L
 
 
 def inverse_hessian_cholesky(H: torch.Tensor, damp: float, max_steps: int = 6) -> tuple[torch.Tensor, float, int]:
@@ -84,18 +90,21 @@ def inverse_hessian_cholesky(H: torch.Tensor, damp: float, max_steps: int = 6) -
         L, info = torch.linalg.cholesky_ex(damped)
         del damped
         if info.item() == 0:
-            U = lower_triangular_inverse(L).flip(0, 1)
+            U = invert_lower_triangular_(L).flip(0, 1)  # two n x n buffers at a time besides H
+            del L
             if all_finite(U):
                 return U, damp * (10 ** step), step
     raise QuantizationError(f"the Hessian is not positive definite even with damping {damp * 10 ** max_steps:g}")
 
 
 def _condition(H: torch.Tensor, act_order: bool):
-    """A copy of ``H`` with dead inputs (``H_ii = 0``) set to 1, in processing order; the dead
-    mask (original order) and the order (None: natural)."""
-    H = H.detach().clone().float()
+    """``H`` with dead inputs (``H_ii = 0``) set to 1, in processing order (a copy when either
+    changes it; callers never write to the result); the dead mask (original order) and the order
+    (None: natural)."""
     dead = torch.diagonal(H) == 0
-    H[dead, dead] = 1.0
+    if bool(dead.any()) or H.dtype != torch.float32:  # the caller's H is not modified: copy only to change it
+        H = H.detach().clone().float()
+        H[dead, dead] = 1.0
     perm = torch.argsort(torch.diagonal(H), descending=True) if act_order else None
     # index_select, not H[perm][:, perm]: the column gather by advanced indexing was 4x slower
     return (H if perm is None else H.index_select(0, perm).index_select(1, perm)), dead, perm
@@ -225,9 +234,11 @@ def gptq_quantize(W: torch.Tensor, H: Optional[torch.Tensor], *, bits: int, grou
     if bool(f.dead.any()):
         W = W.clone()
         W[:, f.dead] = 0.0
-    WT = W.t().contiguous()             # transpose first, then gather whole rows: gathering rows of the
-    if perm is not None:                # strided view was 3x slower (0.15 vs 0.05 s at 5632 x 1024)
-        WT = WT[perm]                   # processing order, transposed
+    # transpose first, then gather whole rows: gathering rows of the strided view was 3x slower (0.15
+    # vs 0.05 s at 5632 x 1024). Always a copy: the sweep writes to it, and ``W.t().contiguous()`` is
+    # ``W``'s own storage when ``W`` is a transposed view (a GPT-2 Conv1D weight: the sweep overwrote the
+    # user's parameter)
+    WT = W.t().clone(memory_format=torch.contiguous_format) if perm is None else W.t().contiguous()[perm]
     n_out, n_in = W.shape
     groups = _Groups(WT.t(), bits, group_size, sym, static_groups, perm, original=W)
     del W
@@ -252,13 +263,19 @@ def gptq_quantize(W: torch.Tensor, H: Optional[torch.Tensor], *, bits: int, grou
             W1[i + 1:].addr_(U1[i, i + 1:], err, alpha=-1)
         WT[i2:].addmm_(U[i1:i2, i2:].t(), Err1, alpha=-1)
         error_sq += torch.linalg.vector_norm(Err1).double() ** 2
-    codesT += groups.zeros[torch.tensor(groups.col_group, device=WT.device)]  # each processed column's zero
+    WT = W1 = None  # the swept weights: freed before the outputs are converted
+    codesT += groups.zeros[torch.tensor(groups.col_group, device=codesT.device)]  # each processed column's zero
     if perm is not None:  # back to the original column order: whole rows of the transposed tensors
         inv = torch.argsort(perm)
         QT, codesT = QT[inv], codesT[inv]
-    # codes stay a transposed view: packing wants exactly [in, out] (pack_gptq's .t().contiguous() is free)
-    return QuantResult(codesT.to(torch.int32).t(), groups.scales, groups.zeros, groups.g_idx.to(QT.device),
-                       QT.t().contiguous(), f.damp, f.damp_steps, (error_sq.item(), f.lam))
+    # codes stay a transposed view: packing wants exactly [in, out] (pack_gptq's .t().contiguous() is free);
+    # each float [in, out] buffer goes as soon as its copy exists (one out x in buffer less at the peak)
+    codes = codesT.to(torch.int32).t()
+    del codesT
+    dequantized = QT.t().contiguous()
+    del QT
+    return QuantResult(codes, groups.scales, groups.zeros, groups.g_idx.to(dequantized.device),
+                       dequantized, f.damp, f.damp_steps, (error_sq.item(), f.lam))
 
 
 def gptq_quantize_reference(W: torch.Tensor, H: torch.Tensor, *, bits: int, group_size: int = 128,
@@ -307,17 +324,36 @@ def output_error(W: torch.Tensor, W_hat: torch.Tensor, H: torch.Tensor,
     the caller has it (the calibration pass's own FP outputs, ``2/n Σ ‖W x‖²``), is the denominator
     ``tr(W H Wᵀ)`` without its GEMM."""
     W = W.float()
-    D = W - W_hat.float()
     if damped_error is None:
-        num = torch.mul(D @ H.float(), D).sum(dtype=torch.float64).clamp(min=0).item()
+        num = max(_quadratic_form(W - W_hat.float(), H), 0.0)
     else:
         dead = torch.diagonal(H) == 0
-        swept_sq = torch.linalg.vector_norm(D, dtype=torch.float64).item() ** 2
+        swept_sq = _squared_distance(W, W_hat)
         dead_sq = 0.0
         if bool(dead.any()):  # GPTQ zeroed these weights and gave them H_ii = 1: it saw 0 − Ŵ there
             dead_sq = torch.linalg.vector_norm(W_hat[:, dead], dtype=torch.float64).item() ** 2
-            swept_sq += dead_sq - torch.linalg.vector_norm(D[:, dead], dtype=torch.float64).item() ** 2
+            swept_sq += dead_sq - _squared_distance(W[:, dead], W_hat[:, dead])
         error_sq, lam = damped_error
         num = max(error_sq - lam * swept_sq - dead_sq, 0.0)
-    den = torch.mul(W @ H.float(), W).sum(dtype=torch.float64).item() if energy is None else energy
+    den = _quadratic_form(W, H) if energy is None else energy
     return (num / den) ** 0.5 if den > 0 else num ** 0.5
+
+
+def _quadratic_form(W: torch.Tensor, H: torch.Tensor, rows: int = 256) -> float:
+    """``tr(W H Wᵀ)`` in float32 GEMMs with the row dot products summed in float64, a few rows of
+    ``W`` at a time (no out x in product in memory)."""
+    H = H.float()
+    total = torch.zeros((), dtype=torch.float64, device=W.device)
+    for i in range(0, W.shape[0], rows):
+        part = W[i:i + rows]
+        total += torch.mul(part @ H, part).sum(dtype=torch.float64)
+    return total.item()
+
+
+def _squared_distance(A: torch.Tensor, B: torch.Tensor, rows: int = 256) -> float:
+    """``‖A − B‖²`` summed in float64, a few rows at a time: no full-size difference or float64
+    copy (they were 3x the weight's fp32 size at the peak of a down_proj's solve)."""
+    total = torch.zeros((), dtype=torch.float64, device=A.device)
+    for i in range(0, A.shape[0], rows):
+        total += torch.linalg.vector_norm(A[i:i + rows] - B[i:i + rows], dtype=torch.float64) ** 2
+    return total.item()
