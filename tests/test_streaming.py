@@ -64,7 +64,8 @@ def test_finished_blocks_wait_on_disk_and_the_spill_is_removed(folder, tmp_path,
 
     from qcompiler import spill
     parked, park = [], spill.Spill.park
-    monkeypatch.setattr(spill.Spill, "park", lambda self, tensors: parked.append(sorted(tensors)) or park(self, tensors))
+    monkeypatch.setattr(spill.Spill, "park",
+                        lambda self, tensors: parked.append(sorted(tensors)) or park(self, tensors))
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     streamed = load(folder, stream=True)
     qc.compile(streamed.model, streamed.example_inputs(), recipe="gptq-w4g128", calibration=_calibration(),
