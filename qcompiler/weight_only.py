@@ -212,7 +212,7 @@ class _BlockQuantizer:
         self.ctx.log(f"  {expert.path}: {expert.num_experts} experts, {bits}-bit{error}, {seconds:.2f}s")
 
     def block_done(self, start: int) -> None:
-        """Park the results of ``done[start:]`` (one block's layers) on disk when the model is streamed."""
+        """Park the results of ``done[start:]`` (one block's layers, a file each) on disk when the model is streamed."""
         if self._spill is None:
             return
         for k in range(start, len(self.done)):
