@@ -67,9 +67,6 @@ def float_row_chunks(rows: torch.Tensor) -> Iterator[torch.Tensor]:
     """``rows`` ``[n, width]`` as float32 chunks of consecutive rows: statistics of a bf16 batch
     need no float32 copy of all of it (a down_proj input at 8 x 512 tokens: 67 MB)."""
     step = max(1, _CHUNK_ELEMENTS // max(1, rows.shape[-1]))
-    if rows.shape[0] <= step:
-        yield rows.float()
-        return
     for i in range(0, rows.shape[0], step):
         yield rows[i:i + step].float()
 

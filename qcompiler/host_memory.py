@@ -5,7 +5,7 @@ calibration come from its heap, where a freed one stays resident until the heap 
 ``return_freed_memory`` trims it between phases (after a block, after a collect, after each layer's
 solve): measured on the 1024-wide LLaMA, the resident size otherwise grew ~60 MB per block with
 nothing alive. Not done: fixing glibc's mmap threshold (every large buffer its own mapping,
-unmapped when freed) took the 0.44 B LLaMA's peak further down (1.57 -> 1.25 GB, before the other
+unmapped when freed) took the 0.44 B LLaMA's peak further down (1.61 -> 1.28 GB, before the other
 reductions) but made calibration 20-30 % slower on these VMs (page faults and unmaps on every
 allocation). Other allocators (musl, jemalloc via LD_PRELOAD, macOS) are left as they are.
 """

@@ -55,11 +55,6 @@ def group_index(in_features: int, group_size: int, perm: Optional[torch.Tensor] 
     return g_idx
 
 
-def lower_triangular_inverse(L: torch.Tensor, parts: int = 4) -> torch.Tensor:
-    """``L⁻¹`` for a lower-triangular ``L`` (``L`` is left as it is)."""
-    return invert_lower_triangular_(L.clone(), parts)
-
-
 def invert_lower_triangular_(L: torch.Tensor, parts: int = 4) -> torch.Tensor:
     """``L⁻¹`` in place of the lower-triangular ``L``, by column blocks: block ``[s, e)`` of ``L⁻¹``
     is zero above row ``s``, so only the trailing system ``L[s:, s:]`` is solved for it. torch has
