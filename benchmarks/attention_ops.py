@@ -31,8 +31,8 @@ from onnx import TensorProto, helper
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from quality import write_atomically  # noqa: E402
+from results_file import RESULTS_DIR, results_file  # noqa: E402
 
-RESULTS = Path(__file__).resolve().parent / "results" / "attention_ops.json"
 SHAPE = dict(heads=8, kv_heads=4, head_dim=128, layers=32, max_len=2048)  # benchmarks/generate.py's llama_05b
 
 
@@ -189,7 +189,7 @@ def median_us(sess: ort.InferenceSession, feed: dict, calls: int) -> float:
 
 def decode_ms_per_token() -> float | None:
     """The genai rtn-w4g128-head export's measured ms per token on the 0.44 B model, if recorded."""
-    path = RESULTS.parent / "generate.json"
+    path = RESULTS_DIR / "generate.json"
     if not path.is_file():
         return None
     for row in json.loads(path.read_text()).get("rows", []):
@@ -202,8 +202,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--calls", type=int, default=300)
-    ap.add_argument("--out", type=Path, default=RESULTS)
+    ap.add_argument("--out", type=Path, help="default: results/attention_ops.json (results/quick/ with --quick)")
     args = ap.parse_args()
+    args.out = args.out or results_file("attention_ops", args.quick)
     s = SHAPE
     dims = (s["heads"], s["kv_heads"], s["head_dim"], s["max_len"])
     graphs = {"plain": plain_graph(*dims), "gqa": gqa_graph(*dims), "emitted": emitted_graph(*dims)}

@@ -25,8 +25,8 @@ from pathlib import Path
 import torch
 
 from peak_memory import peak_rss_mb
+from results_file import results_file
 
-RESULTS = Path(__file__).resolve().parent / "results" / "device_calibration.json"
 CASES = {  # name: (hidden, ffn, layers, nsamples, seqlen, devices)
     "llama-1024x4": (1024, 2816, 4, 32, 512, ("cpu", "cuda")),
     "llama7b-shape-x2": (4096, 11008, 2, 128, 2048, ("cuda",)),
@@ -74,8 +74,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--one", nargs=3, metavar=("CASE", "DEVICE", "LOGITS"), help=argparse.SUPPRESS)
-    ap.add_argument("--out", type=Path, default=RESULTS)
+    ap.add_argument("--out", type=Path, help="default: results/device_calibration.json (results/quick/ with --quick)")
     args = ap.parse_args()
+    args.out = args.out or results_file("device_calibration", args.quick)
     if args.one:
         print(json.dumps(one(*args.one)))
         return

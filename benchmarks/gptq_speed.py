@@ -27,8 +27,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from quality import write_atomically  # noqa: E402
+from results_file import results_file  # noqa: E402
 
-RESULTS = Path(__file__).resolve().parent / "results" / "gptq_speed.json"
 PROBE_HIDDEN, PROBE_FFN, PROBE_WINDOWS, PROBE_SEQ = 512, 2048, 64, 512
 
 
@@ -126,10 +126,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--memory-probe", type=int, help=argparse.SUPPRESS)
-    ap.add_argument("--out", type=Path, default=RESULTS)
+    ap.add_argument("--out", type=Path, help="default: results/gptq_speed.json (results/quick/ with --quick)")
     ap.add_argument("--layer-only", metavar="DEVICE",
                     help="only the one-layer timing, on DEVICE (e.g. cuda); prints JSON, writes nothing")
     args = ap.parse_args()
+    args.out = args.out or results_file("gptq_speed", args.quick)
     if args.memory_probe:
         print(json.dumps(memory_probe(args.memory_probe)))
         return

@@ -22,10 +22,11 @@ import torch
 import transformers as T
 
 import qcompiler as qc
+from qcompiler.atomic import write_text_atomically
 from qcompiler.data import calibration_windows, stdlib_tokens
 from qcompiler.eval import bits_per_parameter
+from results_file import results_file
 
-RESULTS = Path(__file__).resolve().parent / "results" / "moe_experts.json"
 SIZES = {"default": dict(hidden=512, inter=1024, experts=8, windows=16, seqlen=256),
          "quick": dict(hidden=64, inter=128, experts=4, windows=4, seqlen=32)}
 
@@ -47,8 +48,9 @@ def build(arch: str, size: dict) -> torch.nn.Module:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--out", type=Path, help="default: results/moe_experts.json (results/quick/ with --quick)")
     args = parser.parse_args()
+    args.out = args.out or results_file("moe_experts", args.quick)
     size = SIZES["quick" if args.quick else "default"]
     windows = calibration_windows(size["windows"], size["seqlen"])    # the bundled LM's training split
     calibration = [{"input_ids": windows}]
@@ -73,8 +75,8 @@ def main() -> None:
                 print(f"{arch:10s} {recipe:12s} experts {r['expert_matrices']:3d}  fallbacks {r['fallbacks']}  "
                       f"bits/param {r['bits_per_parameter']:.3f}  "
                       f"mean expert error {r['mean_expert_error']:.4f}  logit error {r['logit_error']:.4f}", flush=True)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"size": size, "torch": torch.__version__, "rows": rows}, indent=2) + "\n")
+    record = {"size": size, "torch": torch.__version__, "rows": rows}
+    write_text_atomically(args.out, json.dumps(record, indent=2) + "\n")
     print(f"wrote {args.out}")
 
 

@@ -30,8 +30,8 @@ from onnx import TensorProto, helper, numpy_helper
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from quality import write_atomically  # noqa: E402
+from results_file import results_file  # noqa: E402
 
-RESULTS = Path(__file__).resolve().parent / "results" / "onnx_speed.json"
 MSFT = helper.make_opsetid("com.microsoft", 1)
 
 
@@ -214,8 +214,9 @@ def model_bench(recipes, threads, repeats):
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--out", type=Path, default=RESULTS)
+    ap.add_argument("--out", type=Path, help="default: results/onnx_speed.json (results/quick/ with --quick)")
     args = ap.parse_args()
+    args.out = args.out or results_file("onnx_speed", args.quick)
     k, n = (1024, 2048) if args.quick else (4096, 11008)
     repeats = 3 if args.quick else 7
     layers = layer_bench(k, n, [1, 16, 512], [1, 2], repeats, 0.01)

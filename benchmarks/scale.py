@@ -29,7 +29,8 @@ from pathlib import Path
 
 import torch
 
-RESULTS = Path(__file__).resolve().parent / "results" / "scale.json"
+from results_file import results_file
+
 PROBE = torch.arange(3, 3 + 64 * 7, 7).reshape(1, 64) % 256  # held-out ids (the tokenizer's byte range)
 SIZES = {"default": dict(hidden=1024, ffn=2816, heads=8, kv_heads=4, depths=(4, 8, 16), nsamples=16, seqlen=512),
          "big": dict(hidden=1536, ffn=4096, heads=24, kv_heads=8, depths=(12,), nsamples=16, seqlen=512),
@@ -106,8 +107,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--big", action="store_true", help="also the 0.44 B model (1536 wide, 12 layers)")
-    ap.add_argument("--out", type=Path, default=RESULTS)
+    ap.add_argument("--out", type=Path, help="default: results/scale.json (results/quick/ with --quick)")
     args = ap.parse_args()
+    args.out = args.out or results_file("scale", args.quick)
     base = SIZES["quick" if args.quick else "default"]
     rows: list = []
     with tempfile.TemporaryDirectory() as tmp:

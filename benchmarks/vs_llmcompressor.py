@@ -25,7 +25,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-RESULTS = Path(__file__).resolve().parent / "results" / "vs_llmcompressor.json"
+from results_file import results_file
+
 SIZES = {"default": dict(hidden=1024, ffn=2816, layers=4, vocab=32000, nsamples=8, seqlen=512),
          "quick": dict(hidden=128, ffn=384, layers=2, vocab=1000, nsamples=4, seqlen=64)}
 
@@ -103,11 +104,12 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--out", type=Path, default=RESULTS)
+    ap.add_argument("--out", type=Path, help="default: results/vs_llmcompressor.json (results/quick/ with --quick)")
     ap.add_argument("--worker", choices=["qcompiler", "llm-compressor"], help=argparse.SUPPRESS)
     ap.add_argument("--folder", help=argparse.SUPPRESS)
     ap.add_argument("--size", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    args.out = args.out or results_file("vs_llmcompressor", args.quick)
     if args.worker:
         print("RESULT " + json.dumps(worker(args.worker, args.folder, json.loads(args.size), args.threads)))
         return
@@ -140,11 +142,9 @@ def main() -> None:
           f"| {ratio['peak_rss_MB']:.2f} |")
     print(f"| logits rel. error | {median['qcompiler']['logits_rel_error']:.4f} | "
           f"{median['llm-compressor']['logits_rel_error']:.4f} | |")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    tmp_out = args.out.with_suffix(".tmp")
-    tmp_out.write_text(json.dumps({"size": size, "threads": args.threads, "runs": runs, "median": median,
-                                   "ratio": ratio, "paired_ratios": pairs}, indent=2))
-    tmp_out.replace(args.out)
+    from qcompiler.atomic import write_text_atomically
+    write_text_atomically(args.out, json.dumps({"size": size, "threads": args.threads, "runs": runs, "median": median,
+                                                "ratio": ratio, "paired_ratios": pairs}, indent=2))
 
 
 if __name__ == "__main__":
