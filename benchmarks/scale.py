@@ -2,6 +2,7 @@
 
     python benchmarks/scale.py            # LLaMA 1024 wide at 4, 8 and 16 layers, 16 x 512 tokens (~10 min)
     python benchmarks/scale.py --big      # + the 0.44 B model (1536 wide, 12 layers): peak RSS vs its file
+    python benchmarks/scale.py --moe      # + a Mixtral 512 wide, 8 experts, at 2 and 8 layers (~3 min)
     python benchmarks/scale.py --quick    # tiny model (checks the script)
 
 A randomly initialized LLaMA (intermediate 2816, 8 heads, 4 KV heads, vocab 32000) is saved as a
@@ -34,16 +35,20 @@ from results_file import results_file
 PROBE = torch.arange(3, 3 + 64 * 7, 7).reshape(1, 64) % 256  # held-out ids (the tokenizer's byte range)
 SIZES = {"default": dict(hidden=1024, ffn=2816, heads=8, kv_heads=4, depths=(4, 8, 16), nsamples=16, seqlen=512),
          "big": dict(hidden=1536, ffn=4096, heads=24, kv_heads=8, depths=(12,), nsamples=16, seqlen=512),
+         "moe": dict(hidden=512, ffn=1024, heads=8, kv_heads=4, experts=8, depths=(2, 8), nsamples=16, seqlen=512),
          "quick": dict(hidden=128, ffn=352, heads=2, kv_heads=1, depths=(2, 4), nsamples=4, seqlen=64)}
 
 
 def save_model(folder: Path, size: dict, dtype: torch.dtype) -> int:
-    from transformers import LlamaConfig, LlamaForCausalLM
+    """A LLaMA, or a Mixtral (top-2 routing) when ``size`` has ``experts``."""
+    import transformers as T
     torch.manual_seed(0)
-    config = LlamaConfig(hidden_size=size["hidden"], intermediate_size=size["ffn"], num_hidden_layers=size["layers"],
-                         num_attention_heads=size["heads"], num_key_value_heads=size["kv_heads"],
-                         vocab_size=32000, max_position_embeddings=2048)
-    LlamaForCausalLM(config).to(dtype).save_pretrained(folder, max_shard_size="200MB")
+    common = dict(hidden_size=size["hidden"], intermediate_size=size["ffn"], num_hidden_layers=size["layers"],
+                  num_attention_heads=size["heads"], num_key_value_heads=size["kv_heads"],
+                  vocab_size=32000, max_position_embeddings=2048)
+    model = T.MixtralForCausalLM(T.MixtralConfig(**common, num_local_experts=size["experts"], num_experts_per_tok=2)) \
+        if "experts" in size else T.LlamaForCausalLM(T.LlamaConfig(**common))
+    model.to(dtype).save_pretrained(folder, max_shard_size="200MB")
     return sum(f.stat().st_size for f in folder.glob("*.safetensors"))
 
 
@@ -103,10 +108,21 @@ def run_depths(tmp: Path, calib: Path, base: dict, label: str, whole_at_first: b
     return peaks
 
 
+def depth_growth(peaks: dict, label: str, rows: list) -> None:
+    """How much the streamed peak rose from the shallowest to the deepest model, per MB of bf16 weights added."""
+    shallow, deep = min(peaks), max(peaks)
+    growth, added = peaks[deep][0] - peaks[shallow][0], peaks[deep][1] - peaks[shallow][1]
+    rows.append({"model": label, "peak_growth_MB": growth, "bf16_weights_added_MB": added,
+                 "growth_over_added_weights": growth / added, "target": 0.5})
+    print(f"{label} streamed: peak RSS grows {growth:6.0f} MB from {shallow} to {deep} layers, which add "
+          f"{added:.0f} MB of bf16 weights ({growth / added:.2f}x; target <= 0.5x)", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--big", action="store_true", help="also the 0.44 B model (1536 wide, 12 layers)")
+    ap.add_argument("--moe", action="store_true", help="also a Mixtral (512 wide, 8 experts) at 2 and 8 layers")
     ap.add_argument("--out", type=Path, help="default: results/scale.json (results/quick/ with --quick)")
     args = ap.parse_args()
     args.out = args.out or results_file("scale", args.quick)
@@ -117,13 +133,9 @@ def main() -> None:
         calib = tmp / "calib.txt"  # real text: the stdlib sources the bundled model was trained on
         import qcompiler.data as data
         calib.write_text(data.stdlib_text("train")[: 400_000])
-        peaks = run_depths(tmp, calib, base, "llama", True, rows)
-        shallow, deep = base["depths"][0], base["depths"][-1]
-        growth, added = peaks[deep][0] - peaks[shallow][0], peaks[deep][1] - peaks[shallow][1]
-        rows.append({"peak_growth_MB": growth, "bf16_weights_added_MB": added,
-                     "growth_over_added_weights": growth / added, "target": 0.5})
-        print(f"streamed: peak RSS grows {growth:6.0f} MB from {shallow} to {deep} layers, which add {added:.0f} MB "
-              f"of bf16 weights ({growth / added:.2f}x; target <= 0.5x)", flush=True)
+        depth_growth(run_depths(tmp, calib, base, "llama", True, rows), "llama", rows)
+        if args.moe and not args.quick:
+            depth_growth(run_depths(tmp, calib, SIZES["moe"], "mixtral", False, rows), "mixtral", rows)
         if args.big and not args.quick:
             run_depths(tmp, calib, SIZES["big"], "llama-0.44B", False, rows)
             print(f"llama-0.44B: peak RSS {rows[-1]['peak_over_checkpoint']:.2f}x its bf16 file (target <= 1.5x)")

@@ -110,7 +110,9 @@ def quantize(model: str = typer.Argument(..., help="bundled:tinylm, bundled:mini
     from qcompiler.models import load
 
     from qcompiler.atomic import check_output_folder
+    from qcompiler.host_memory import bound_kernel_cache
 
+    bound_kernel_cache()  # before the first matmul of this process
     resolved = qc.recipe_files.resolve_recipe(recipe)  # a bad recipe, device or output path fails before any loading
     compute = qc.compiler.resolve_device(device)
     protect = [model] if Path(model).is_dir() else []

@@ -11,7 +11,7 @@ import warnings
 from typing import Callable, NamedTuple, Optional, Union
 
 import torch
-from torch.fx import GraphModule
+from torch.fx import GraphModule, Node
 
 from . import lazy_weights
 from .host_memory import return_freed_memory
@@ -84,13 +84,14 @@ def _check_finite(path: str, W: torch.Tensor) -> None:
                                 f"checkpoint is damaged (nothing was written)")
 
 
-def _release(gm: GraphModule, layers: list[LinearLayer]) -> None:
-    """A calibrated block's dequantized weights become placeholders (its nodes are rewritten to
-    the packed tensors at the end; the next block's inputs are already computed), so the fp32
-    copies do not pile up over the model's depth (they did: +1x the model's size at the peak)."""
-    for layer in layers:
-        if len(layer.weight_node.users) == 1:
-            lazy_weights.release(gm, layer.weight_node.target)
+def _release(gm: GraphModule, weight_nodes: list[Node]) -> None:
+    """A calibrated block's dequantized weights (linears and 3-D expert parameters) become
+    placeholders (its nodes are rewritten to the packed tensors at the end; the next block's inputs
+    are already computed), so the copies do not pile up over the model's depth (they did: +1x the
+    model's size at the peak; a streamed MoE model kept every block's experts)."""
+    for node in weight_nodes:
+        if len(node.users) == 1:
+            lazy_weights.release(gm, node.target)
 
 
 def is_output_head(path: str) -> bool:
@@ -211,22 +212,26 @@ class _BlockQuantizer:
         bits, seconds = results[0].figures.get("bits", "?"), time.perf_counter() - start
         self.ctx.log(f"  {expert.path}: {expert.num_experts} experts, {bits}-bit{error}, {seconds:.2f}s")
 
-    def block_done(self, start: int) -> None:
-        """Park the results of ``done[start:]`` (one block's layers, a file each) on disk when the model is streamed."""
+    def block_done(self, start: int, experts_start: int) -> None:
+        """Park the results of ``done[start:]`` and ``experts_done[experts_start:]`` (one block's
+        layers and expert parameters, a file each) on disk when the model is streamed."""
         if self._spill is None:
             return
         for k in range(start, len(self.done)):
             layer, tensors, rewrite = self.done[k]
             self.done[k] = (layer, self._spill.park(tensors), rewrite)
+        for k in range(experts_start, len(self.experts_done)):
+            expert, op, tensors, constants = self.experts_done[k]
+            self.experts_done[k] = (expert, op, self._spill.park(tensors), constants)
 
     def rewrite(self) -> bool:
         """Swap every solved node for the method's op(s); returns whether anything was quantized."""
         for layer, tensors, rewrite in self.done:
             rewrite(self.gm, layer, tensors() if callable(tensors) else tensors)
+        for expert, op, tensors, constants in self.experts_done:
+            replace_experts(self.gm, expert, op, tensors() if callable(tensors) else tensors, constants)
         if self._spill is not None:
             self._spill.close()
-        for expert, op, tensors, constants in self.experts_done:
-            replace_experts(self.gm, expert, op, tensors, constants)
         self.gm.graph.eliminate_dead_code()
         return bool(self.done or self.experts_done)
 
@@ -276,10 +281,10 @@ def quantize_block_linears(gm: GraphModule, ctx: PassContext, *, quantize: Quant
 
 def _calibrated_walk(walk: _BlockQuantizer, engine: CalibrationEngine, true_sequential: bool) -> None:
     """Block by block: collect the inputs' statistics, solve, move on with the quantized weights."""
-    previous: list[LinearLayer] = []
+    previous: list[Node] = []
     for seg in engine.blocks():
         _release(walk.gm, previous)  # the previous block has run with them: nothing reads them again
-        first = len(walk.done)
+        first, first_expert = len(walk.done), len(walk.experts_done)
         for group in (seg.sibling_groups() if true_sequential else [seg.linears]):
             if not group:
                 continue
@@ -295,8 +300,9 @@ def _calibrated_walk(walk: _BlockQuantizer, engine: CalibrationEngine, true_sequ
             del stats, st  # nothing of this collect lives into the next one
         for expert in seg.experts:  # one at a time: down_proj sees the quantized gate_up_proj
             walk.experts(expert, engine.collect(seg, [], experts=[expert]) if walk.experts_format else None)
-        previous = [layer for layer in seg.linears if layer.path in walk.record.layers]  # quantized, not skipped
-        walk.block_done(first)
+        previous = [layer.weight_node for layer in seg.linears if layer.path in walk.record.layers] + \
+                   [expert.weight_node for expert, *_ in walk.experts_done[first_expert:]]  # quantized, not skipped
+        walk.block_done(first, first_expert)
 
 
 def gptq_layer_quant(layer: LinearLayer, W: torch.Tensor, res: QuantResult, bits: int, group_size: int) -> LayerQuant:

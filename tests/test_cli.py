@@ -162,3 +162,18 @@ def test_generate_takes_several_prompts_on_any_backend(artifact, backend, capsys
                  "4", "--backend", backend]) == 0
     printed = capsys.readouterr().out
     assert "'import os' -> " in printed and "'def f(' -> " in printed
+
+
+def test_quantize_caps_the_onednn_cache_unless_the_user_chose(artifact, monkeypatch):
+    """The quantize command bounds oneDNN's per-shape primitive cache (MoE calibration fills it with
+    new row counts every batch: qcompiler/host_memory.py); a capacity the user set is kept."""
+    import os
+
+    from qcompiler.host_memory import ONEDNN_CACHE_ENTRIES, bound_kernel_cache
+    assert os.environ.get("ONEDNN_PRIMITIVE_CACHE_CAPACITY") is not None  # the fixture's quantize set it
+    monkeypatch.delenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY")
+    bound_kernel_cache()
+    assert os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == str(ONEDNN_CACHE_ENTRIES)
+    monkeypatch.setenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "8")
+    bound_kernel_cache()
+    assert os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == "8"

@@ -74,6 +74,42 @@ def test_finished_blocks_wait_on_disk_and_the_spill_is_removed(folder, tmp_path,
     assert list(tmp_path.iterdir()) == []
 
 
+def test_streamed_experts_leave_memory_once_their_block_is_done(tmp_path, monkeypatch):
+    """A streamed MoE model's dequantized expert weights become placeholders once the next block
+    has run, and their packed tensors wait on disk: the expert bytes the graph holds stay at one
+    block's whatever the depth (they grew by every block's experts: a whole Mixtral by the end).
+    The result is still the full load's."""
+    import transformers as T
+
+    from qcompiler import spill, weight_only
+    from qcompiler.graph import get_raw_tensor
+    torch.manual_seed(0)
+    config = T.MixtralConfig(vocab_size=256, hidden_size=32, intermediate_size=48, num_hidden_layers=4,
+                             num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+                             max_position_embeddings=64)
+    T.MixtralForCausalLM(config).save_pretrained(tmp_path / "m")
+    held, parked = [], []
+    block_done, park = weight_only._BlockQuantizer.block_done, spill.Spill.park
+
+    def expert_bytes_after(self, start, experts_start):
+        block_done(self, start, experts_start)
+        tensors = [get_raw_tensor(self.gm, n.target) for n in self.gm.graph.nodes
+                   if n.op == "get_attr" and ".experts." in n.target]
+        held.append(sum(t.numel() * t.element_size() for t in tensors if t.device.type != "meta"))
+
+    monkeypatch.setattr(weight_only._BlockQuantizer, "block_done", expert_bytes_after)
+    monkeypatch.setattr(spill.Spill, "park",
+                        lambda self, tensors: parked.append(sorted(tensors)) or park(self, tensors))
+    full, streamed = load(tmp_path / "m"), load(tmp_path / "m", stream=True)
+    x = _calibration(1)[0]
+    got = qc.compile(streamed.model, x, recipe="gptq-w4g128", calibration=[x], progress=False, device=None)
+    one_block = 4 * 3 * 48 * 32 * 4  # fp32 [gate_up 2 x 48 + down 48] x 32 per expert, 4 experts
+    assert len(held) == 4 and max(held) <= one_block, held
+    assert sum(names == ["g_idx", "qweight", "qzeros", "scales"] for names in parked) == 4 * (4 + 2)  # linears, experts
+    want = qc.compile(full.model, x, recipe="gptq-w4g128", calibration=[x], progress=False, device=None)
+    assert torch.equal(main_output(got(**x)), main_output(want(**x)))
+
+
 def test_weights_alive_stay_near_one_block(tmp_path, monkeypatch):
     """Every tensor read from the checkpoint is tracked: the bytes alive at once never exceed about
     two blocks' worth, whatever the depth (full loading would hold all 8 blocks)."""
