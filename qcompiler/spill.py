@@ -2,8 +2,9 @@
 
 A streamed model's quantized blocks are not read again until the pass rewrites the graph at the
 end, yet holding them grew the peak with depth (4-bit codes and grids: ~0.26x the bf16 weights,
-140 MB by the last block of a 0.44 B LLaMA). Once its block is done, each layer's tensors go to a
-temporary safetensors file (no pickle) and come back, one layer at a time, when the rewrite stores them.
+140 MB by the last block of a 0.44 B LLaMA). Once its block is done, each layer's (and each 3-D
+expert parameter's) tensors go to a temporary safetensors file (no pickle) and come back, one at a
+time, when the rewrite stores them.
 """
 from __future__ import annotations
 

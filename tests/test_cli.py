@@ -164,16 +164,17 @@ def test_generate_takes_several_prompts_on_any_backend(artifact, backend, capsys
     assert "'import os' -> " in printed and "'def f(' -> " in printed
 
 
-def test_quantize_caps_the_onednn_cache_unless_the_user_chose(artifact, monkeypatch):
-    """The quantize command bounds oneDNN's per-shape primitive cache (MoE calibration fills it with
-    new row counts every batch: qcompiler/host_memory.py); a capacity the user set is kept."""
+def test_quantize_caps_the_matmul_caches_unless_the_user_chose(artifact, monkeypatch):
+    """The quantize command bounds the per-shape caches of CPU bf16 matmuls (MoE calibration fills
+    them with new row counts every batch: qcompiler/host_memory.py); a capacity the user set is kept."""
     import os
 
-    from qcompiler.host_memory import ONEDNN_CACHE_ENTRIES, bound_kernel_cache
-    assert os.environ.get("ONEDNN_PRIMITIVE_CACHE_CAPACITY") is not None  # the fixture's quantize set it
-    monkeypatch.delenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY")
+    from qcompiler.host_memory import KERNEL_CACHE_ENTRIES, bound_kernel_cache
+    names = ("LRU_CACHE_CAPACITY", "ONEDNN_PRIMITIVE_CACHE_CAPACITY")
+    assert all(os.environ.get(name) is not None for name in names)  # the fixture's quantize set them
+    for name in names:
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("LRU_CACHE_CAPACITY", "8")
     bound_kernel_cache()
-    assert os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == str(ONEDNN_CACHE_ENTRIES)
-    monkeypatch.setenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "8")
-    bound_kernel_cache()
-    assert os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == "8"
+    assert os.environ["LRU_CACHE_CAPACITY"] == "8"
+    assert os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == str(KERNEL_CACHE_ENTRIES)
