@@ -47,8 +47,8 @@ def bound_kernel_cache() -> None:
     only fill. Streaming an 8-layer bf16 Mixtral (512 wide, 8 experts, 8 x 2 x 512 tokens), resident
     memory after each block grew ~20-35 MB per block with the defaults (float32, which takes neither
     cache, stayed flat); with both capped it stays flat (capping one of them is not enough), the peak
-    went 1248-1267 -> 861-884 MB and the time moved within the machine's noise (two pairs: 0.89x,
-    1.16x). Dense models repeat a few shapes, which stay cached. Both are read when the first such
+    went 1248-1267 -> 861-884 MB, time ratios 0.89-1.30 (median 1.05 of four pairs on a noisy VM).
+    Dense models repeat a few shapes, which stay cached. Both are read when the first such
     matmul runs, so this only works before that: the CLI calls it; values the user set are kept."""
     for name in ("LRU_CACHE_CAPACITY", "ONEDNN_PRIMITIVE_CACHE_CAPACITY"):
         os.environ.setdefault(name, str(KERNEL_CACHE_ENTRIES))
