@@ -112,7 +112,10 @@ def calibration_batches(loaded, source, *, nsamples: int = 128, seqlen: int = 20
     RSS down ~120 MB (one run each: 125 vs 128 s; docs/results.md has the side-by-side cost)."""
     if nsamples < 1 or seqlen < 1:
         raise ValueError(f"calibration needs nsamples >= 1 and seqlen >= 1, got {nsamples} and {seqlen}")
-    batch_size = batch_size or max(1, BATCH_TOKENS // min(seqlen, loaded.max_length))
+    if batch_size is None:
+        batch_size = max(1, BATCH_TOKENS // min(seqlen, loaded.max_length))
+    elif batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     if packing not in ("windows", "none"):
         raise ValueError(f"packing must be 'windows' or 'none', got {packing!r}")
     texts = read_texts(source, field=field)

@@ -87,6 +87,8 @@ def test_bad_sources_name_the_problem(tinylm, tmp_path):
         calibration_batches(tinylm, tmp_path / "empty")
     with pytest.raises(ValueError, match="packing must be"):
         calibration_batches(tinylm, DOCS, packing="bins")
+    with pytest.raises(ValueError, match="batch_size must be >= 1, got 0"):  # not silently the default
+        calibration_batches(tinylm, DOCS, batch_size=0)
 
 
 def test_cli_calibrates_from_jsonl(tmp_path):
