@@ -9,14 +9,20 @@ from .eager import prepare_eager
 from .onnxruntime import prepare_onnxruntime
 from .triton import prepare_triton
 
-__all__ = ["get_backend", "available_backends", "prepare_eager", "prepare_onnxruntime", "prepare_triton"]
+__all__ = ["get_backend", "available_backends", "register_backend", "prepare_eager", "prepare_onnxruntime",
+           "prepare_triton"]
 
 # name -> prepare(gm, example_inputs, **options) -> callable like the original model
-_BACKENDS: dict[str, Callable] = {"eager": prepare_eager, "onnxruntime": prepare_onnxruntime,
-                                 "triton": prepare_triton}
+_BACKENDS: dict[str, Callable] = {}
+
+
+def register_backend(name: str, prepare: Callable) -> None:
+    """Make ``backend=name`` (and the CLI's ``--backend name``) run graphs through ``prepare``."""
+    _BACKENDS[name] = prepare
 
 
 def available_backends() -> list[str]:
+    """The registered backend names, sorted."""
     return sorted(_BACKENDS)
 
 
@@ -25,3 +31,7 @@ def get_backend(name: str) -> Callable:
     if name not in _BACKENDS:
         raise BackendError(f"unknown backend {name!r}; available: {', '.join(available_backends())}")
     return _BACKENDS[name]
+
+
+for _name, _prepare in (("eager", prepare_eager), ("onnxruntime", prepare_onnxruntime), ("triton", prepare_triton)):
+    register_backend(_name, _prepare)

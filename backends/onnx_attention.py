@@ -59,7 +59,7 @@ def _kv_cache_attention_fake(query, key, value, past_key, past_value, bias, scal
             torch.cat([past_value, value], 2))
 
 
-register(OpSpec("kv_cache_attention"))  # export-only: never counted, never saved
+register(OpSpec("kv_cache_attention", export_only="onnx"))  # export-only (the artifact writer refuses it)
 
 
 @dataclass(frozen=True)

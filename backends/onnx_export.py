@@ -8,7 +8,8 @@ Op mapping (ORT contrib ops live in the ``com.microsoft`` domain, version 1):
   zeros as the nearest integer plus a per-block correction ``(block sums of x) @ C``;
 - SpQR outliers → ``Gather`` of the outlier columns + ``MatMul`` with a small dense block;
 - W8A8 → standard ONNX ops with per-token scales: ``ReduceMax``/``Round``/``Clip``, codes shifted
-  to uint8 with zero point 128, ``MatMulInteger`` (int32 accumulation), rescale — the same
+  and weights to uint8 with zero point 128, ``MatMulInteger`` (int32 accumulation, exact on every
+  x86 CPU: ORT's u8 x s8 kernel saturates on AVX2-only ones), rescale — the same
   integers as ``qc.int8_linear``;
 - cached attention (KV-cache graphs) → ``com.microsoft::GroupQueryAttention`` (``onnx_attention``).
 
@@ -35,8 +36,10 @@ from qcompiler import causal_lm
 from qcompiler.capture import dynamic_shapes_for
 from qcompiler.errors import BackendError
 
+from qcompiler.op_registry import implement, implementations, spec
+
 from .onnx_attention import fuse_kv_cache_attention
-from .onnx_layout import LOWERED_OPS, lower_for_onnx
+from .onnx_layout import lower_for_onnx
 
 __all__ = ["export_onnx", "ONNX_OPSET", "MSFT_OPSET", "default_accuracy_level"]
 
@@ -93,7 +96,22 @@ def _register_contrib_schemas() -> None:
             onnx.defs.register_schema(schema)
 
 
+def _translation(op: str, label: str) -> None:
+    """``op`` is translated to ONNX by the function of the same name in :func:`_translation_table`."""
+    implement("onnx", op, load=lambda: op, kind="translation", label=label)
+
+
+_translation("int8_linear", "MatMulInteger with per-token scales")
+_translation("matmul_nbits", "com.microsoft::MatMulNBits")
+_translation("experts_matmul_nbits", "MatMulNBits per expert")
+_translation("experts_matmul", "MatMul per expert")
+_translation("gathered_outlier_linear", "Gather + MatMul")
+_translation("experts_gathered_outlier_linear", "Gather + MatMul per expert")
+_translation("kv_cache_attention", "com.microsoft::GroupQueryAttention")
+
+
 def _translation_table(accuracy_level: int) -> dict:
+    """``{op overload: onnxscript function}`` for every op registered as translated."""
     import onnxscript
     from onnxscript import opset18 as op
 
@@ -163,8 +181,11 @@ def _translation_table(accuracy_level: int) -> dict:
         return by_expert(x, offsets, len(sizes), _static_dim(block_t, 1), one)
 
     def int8_linear(x, weight, weight_scale, bias=None, act_scale=None, smooth_inv=None):
-        # int8 codes q in [-127, 127] travel as uint8 q + 128 with zero point 128: ORT's fast
-        # u8 x s8 MatMulInteger kernel computes exactly the same int32 sums (s8 x s8 is ~10x slower).
+        # int8 codes q in [-127, 127] travel as uint8 q + 128 with zero point 128, weights too: ORT's
+        # u8 x u8 MatMulInteger is exact on every x86 CPU. Its u8 x s8 kernel is not on AVX2-only
+        # CPUs (pairs of u8*s8 products saturate int16 in vpmaddubsw): measured here, an AMD EPYC
+        # without VNNI, 0.4-7 % output error on the tiny test models; s8 x s8 is ~10x slower.
+        # The weight's shift is a Cast/Add of an initializer, which ORT folds once at load.
         xs = x if smooth_inv is None else op.Mul(x, smooth_inv)
         if act_scale is None:
             amax = op.ReduceMax(op.Abs(xs), op.Constant(value_ints=[-1]), keepdims=1)
@@ -174,7 +195,9 @@ def _translation_table(accuracy_level: int) -> dict:
         q = op.Clip(op.Round(op.Div(xs, sx)), op.Constant(value_float=-127.0), op.Constant(value_float=127.0))
         qu = op.Cast(op.Add(q, op.Constant(value_float=128.0)), to=UINT8)
         zero = op.Constant(value=onnx.helper.make_tensor("zp", UINT8, [], [128]))
-        acc = op.MatMulInteger(qu, op.Transpose(weight, perm=[1, 0]), zero)
+        wu = op.Cast(op.Add(op.Cast(op.Transpose(weight, perm=[1, 0]), to=FLOAT), op.Constant(value_float=128.0)),
+                     to=UINT8)
+        acc = op.MatMulInteger(qu, wu, zero, zero)
         y = op.Mul(op.Mul(op.Cast(acc, to=FLOAT), sx), weight_scale)
         return y if bias is None else op.Add(y, bias)
 
@@ -197,11 +220,8 @@ def _translation_table(accuracy_level: int) -> dict:
         out = op.Reshape(out, op.Constant(value_ints=[0, 0, heads, -1]))
         return op.Transpose(out, perm=[0, 2, 1, 3]), present_key, present_value
 
-    qc = torch.ops.qc
-    return {qc.kv_cache_attention.default: kv_cache_attention, qc.matmul_nbits.default: matmul_nbits,
-            qc.gathered_outlier_linear.default: gathered_outlier_linear, qc.int8_linear.default: int8_linear,
-            qc.experts_matmul_nbits.default: experts_matmul_nbits, qc.experts_matmul.default: experts_matmul,
-            qc.experts_gathered_outlier_linear.default: experts_gathered_outlier_linear}
+    functions = locals()
+    return {spec(op).overload: functions[op] for op in implementations("onnx", kind="translation")}
 
 
 def _static_dim(value, dim: int) -> int:
@@ -217,7 +237,7 @@ def _check_mappable(lowered: GraphModule, table: dict) -> None:
     for node in lowered.graph.nodes:
         if node.op == "call_function" and getattr(node.target, "namespace", None) == "qc" and node.target not in table:
             from qcompiler.graph import module_path
-            mapped = sorted({str(op).split(".")[-2] for op in (*table, *LOWERED_OPS)})
+            mapped = sorted(implementations("onnx"))
             raise BackendError(f"node {node.name} ({module_path(node) or 'top level'}) uses op "
                                f"qc.{str(node.target).split('.')[-2]}, which has no ONNX mapping "
                                f"(mapped: {', '.join(mapped)})")

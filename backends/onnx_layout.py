@@ -30,7 +30,8 @@ from torch.fx import GraphModule
 from qcompiler.algorithms.packing import unpack_rows
 from qcompiler.experts import find_expert_linears
 from qcompiler.graph import contiguous_before_reshape, set_tensor
-from qcompiler.op_registry import OpArgs, OpSpec, args_of, call_op, quantized_layer_path, register
+from qcompiler.op_registry import (OpArgs, OpSpec, args_of, call_op, implement, implementation, quantized_layer_path,
+                                   register, register_target, spec_of)
 from qcompiler.ops import GPTQ_TENSORS, SPQR_DENSE_TENSORS, dequantize_gptq, expert_csr, per_expert, spqr_group_stats
 
 from .onnx_nbits import gptq_to_nbits, to_matmul_nbits_layout
@@ -65,8 +66,8 @@ def _experts_gathered_fake(x, offsets, cols, block_t, sizes):
     return x.new_empty((x.shape[0], block_t.shape[1]))
 
 
-register(OpSpec("gathered_outlier_linear"))  # export-only: never counted, never saved
-register(OpSpec("experts_gathered_outlier_linear"))
+register(OpSpec("gathered_outlier_linear", export_only="onnx"))  # export-only (the artifact writer refuses it)
+register(OpSpec("experts_gathered_outlier_linear", export_only="onnx"))
 
 
 def spqr_to_nbits(codes: Tensor, scale_codes: Tensor, zero_codes: Tensor, scale_stats: Tensor, zero_stats: Tensor,
@@ -86,11 +87,18 @@ def spqr_to_nbits(codes: Tensor, scale_codes: Tensor, zero_codes: Tensor, scale_
     return tensors, None if ident else perm.long(), k, n, out_bits, group
 
 
-def _lower_dense(gm: GraphModule, a: OpArgs, path: str, notes: list[str]):
-    """GPTQ / SpQR dense branch -> ``qc.matmul_nbits`` (or an fp32 MatMul when no block fits)."""
-    is_gptq = a.spec.name == "quant_linear"
-    lowered = (gptq_to_nbits(*a.tensors(gm, *GPTQ_TENSORS), a.bits, a.group_size) if is_gptq else
-               spqr_to_nbits(*a.tensors(gm, *SPQR_DENSE_TENSORS), a.bits, a.group_size, a.stat_bits, a.stat_group_size))
+def _lower_gptq(gm: GraphModule, a: OpArgs, path: str, notes: list[str]):
+    """GPTQ / RTN layer -> ``qc.matmul_nbits`` (or an fp32 MatMul when no block fits)."""
+    return _nbits_node(gm, a, path, notes, gptq_to_nbits(*a.tensors(gm, *GPTQ_TENSORS), a.bits, a.group_size))
+
+
+def _lower_spqr_dense(gm: GraphModule, a: OpArgs, path: str, notes: list[str]):
+    """SpQR's dense branch -> ``qc.matmul_nbits`` with its fractional-zero correction."""
+    return _nbits_node(gm, a, path, notes, spqr_to_nbits(*a.tensors(gm, *SPQR_DENSE_TENSORS), a.bits, a.group_size,
+                                                         a.stat_bits, a.stat_group_size))
+
+
+def _nbits_node(gm: GraphModule, a: OpArgs, path: str, notes: list[str], lowered):
     graph = gm.graph
     if lowered is None:
         w = dequantize_gptq(*a.tensors(gm, *GPTQ_TENSORS), a.bits)
@@ -189,12 +197,21 @@ def _swap(graph, old, make) -> None:
     graph.erase_node(old)
 
 
-_LOWERINGS = {torch.ops.qc.quant_linear.default: _lower_dense, torch.ops.qc.spqr_dense_linear.default: _lower_dense,
-              torch.ops.qc.sparse_outlier_linear.default: _lower_outliers,
-              torch.ops.qc.quant_experts_linear.default: _lower_experts,
-              torch.ops.qc.spqr_experts_linear.default: _lower_spqr_experts}
+register_target("onnx", "ONNX export (the onnxruntime backend, onnx and onnx-genai exports): each op is lowered "
+                        "to ONNX Runtime's layouts here or translated to ONNX ops in onnx_export.py")
+implement("onnx", "quant_linear", _lower_gptq, kind="lowering", label="MatMulNBits")
+implement("onnx", "spqr_dense_linear", _lower_spqr_dense, kind="lowering", label="MatMulNBits + block correction")
+implement("onnx", "sparse_outlier_linear", _lower_outliers, kind="lowering", label="Gather + MatMul")
+implement("onnx", "quant_experts_linear", _lower_experts, kind="lowering", label="MatMulNBits per expert")
+implement("onnx", "spqr_experts_linear", _lower_spqr_experts, kind="lowering",
+          label="MatMulNBits + Gather/MatMul per expert")
 
-LOWERED_OPS = tuple(_LOWERINGS)  # re-packed here; the translation table maps the rest
+
+def _lowering(node):
+    """The registered ONNX lowering of ``node``'s op, or None (the op is translated as it is)."""
+    op_spec = spec_of(node)
+    impl = implementation("onnx", op_spec.name) if op_spec is not None else None
+    return impl.load() if impl is not None and impl.kind == "lowering" else None
 
 
 def lower_for_onnx(gm: GraphModule) -> tuple[GraphModule, list[str]]:
@@ -202,10 +219,11 @@ def lower_for_onnx(gm: GraphModule) -> tuple[GraphModule, list[str]]:
     gm = copy.deepcopy(gm)
     graph, notes = gm.graph, []
     for node in list(graph.nodes):
-        if node.op != "call_function" or node.target not in _LOWERINGS:
+        lower = _lowering(node)
+        if lower is None:
             continue
         a = args_of(node)
-        _swap(graph, node, lambda: _LOWERINGS[node.target](gm, a, quantized_layer_path(a), notes))
+        _swap(graph, node, lambda: lower(gm, a, quantized_layer_path(a), notes))
     for expert in find_expert_linears(gm):  # full-precision grouped matmuls: ONNX has no grouped matmul
         _swap(graph, expert.node, lambda: call_op(graph, "experts_matmul", x=expert.input, offsets=expert.offsets,
                                                   weight=expert.weight_user))

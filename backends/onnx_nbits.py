@@ -160,6 +160,6 @@ def _experts_matmul_fake(x, offsets, weight):
     return x.new_empty((x.shape[0], weight.shape[2]))
 
 
-register(OpSpec("matmul_nbits"))             # export-only layouts: never counted, never saved
-register(OpSpec("experts_matmul_nbits"))
-register(OpSpec("experts_matmul"))
+register(OpSpec("matmul_nbits", export_only="onnx"))             # export-only layouts (never saved)
+register(OpSpec("experts_matmul_nbits", export_only="onnx"))
+register(OpSpec("experts_matmul", export_only="onnx"))

@@ -19,7 +19,7 @@ from torch.fx import GraphModule, Node
 
 from qcompiler.errors import BackendError
 from qcompiler.graph import get_tensor, set_tensor
-from qcompiler.op_registry import args_of, quantized_layer_path
+from qcompiler.op_registry import args_of, implement, implementations, quantized_layer_path, register_target, spec
 from qcompiler.algorithms.packing import SUPPORTED_BITS
 from qcompiler.pass_base import PassRecord
 
@@ -27,21 +27,31 @@ __all__ = ["prepare_triton", "plan_triton"]
 
 aten = torch.ops.aten
 
+register_target("triton", "backend: Triton kernels (GPU; CPU under TRITON_INTERPRET=1)")
+
+
+def _kernel(name: str) -> Callable[[], Callable]:
+    """A loader of ``qcompiler.kernels.name``: importing Triton is slow, and TRITON_INTERPRET must be set before."""
+    def load():
+        from qcompiler import kernels
+        return getattr(kernels, name)
+    return load
+
+
+implement("triton", "quant_linear", load=_kernel("gptq_linear"), kind="kernel", label="gptq_gemm")
+implement("triton", "quant_experts_linear", load=_kernel("gptq_experts_linear"), kind="kernel",
+          label="gptq_gemm per expert")
+implement("triton", "int8_linear", load=_kernel("int8_linear"), kind="kernel", label="int8_gemm")
+implement("triton", "spqr_dense_linear", load=_kernel("spqr_dense_linear"), kind="kernel", label="spqr_gemm")
+implement("triton", "spqr_experts_linear", load=_kernel("spqr_experts_linear"), kind="kernel",
+          label="spqr_gemm+csr_spmm per expert")
+implement("triton", "sparse_outlier_linear", load=_kernel("csr_linear"), kind="kernel", label="csr_spmm")
+
 
 def _kernels():
-    # Imported on first use: importing Triton is slow, and TRITON_INTERPRET must be set before.
+    """The kernels module and ``{op overload: (label, kernel)}`` from the registrations above."""
     from qcompiler import kernels
-    qc = torch.ops.qc
-    return kernels, {qc.quant_linear.default: ("gptq_gemm", kernels.gptq_linear),
-                     qc.quant_experts_linear.default: ("gptq_gemm per expert", kernels.gptq_experts_linear),
-                     qc.int8_linear.default: ("int8_gemm", kernels.int8_linear),
-                     qc.spqr_dense_linear.default: ("spqr_gemm", kernels.spqr_dense_linear),
-                     qc.spqr_experts_linear.default: ("spqr_gemm+csr_spmm per expert", kernels.spqr_experts_linear),
-                     qc.sparse_outlier_linear.default: ("csr_spmm", kernels.csr_linear)}
-
-
-_CODE_WIDTHS = {"quant_linear": ("bits",), "quant_experts_linear": ("bits",),
-                "spqr_dense_linear": ("bits", "stat_bits"), "spqr_experts_linear": ("bits", "stat_bits")}
+    return kernels, {spec(op).overload: (impl.label, impl.load()) for op, impl in implementations("triton").items()}
 
 
 def _static_problem(node: Node) -> Optional[str]:
@@ -50,7 +60,7 @@ def _static_problem(node: Node) -> Optional[str]:
     x = a.x.meta.get("val") if isinstance(a.x, Node) else None
     if x is not None and x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         return f"{x.dtype} activations are not supported (supported: float16, bfloat16, float32)"
-    bad = [getattr(a, w) for w in _CODE_WIDTHS.get(a.spec.name, ()) if getattr(a, w) not in SUPPORTED_BITS]
+    bad = [getattr(a, w) for w in a.spec.code_widths if getattr(a, w) not in SUPPORTED_BITS]
     if bad:
         return f"{bad[0]}-bit codes are not supported (supported: {SUPPORTED_BITS})"
     return None

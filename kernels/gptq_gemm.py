@@ -3,7 +3,8 @@
 Each program dequantizes a ``BLOCK_K × BLOCK_N`` tile of the packed weight in registers —
 codes from the bit stream; zeros and scales read once per tile when the tile lies in one group
 (contiguous groups of a multiple of 128, or per-channel), else per row through ``g_idx`` (act-order)
-— and multiplies it with the activation tile; the weight is read once, at ``bits`` per weight. Two variants, chosen by the number of rows ``M``:
+— and multiplies it with the activation tile; the weight is read once, at ``bits`` per weight.
+Two variants, chosen by the number of rows ``M``:
 
 * decode (M ≤ 16): split-K — ``SPLIT_K`` programs share the K dimension of one output tile and add
   their partial sums atomically into an fp32 buffer, so a GEMV still fills the GPU;
@@ -52,7 +53,8 @@ def _grouped_size(g_idx: torch.Tensor, group_size: int, K: int):
 @triton.jit
 def _gptq_gemm_kernel(x_ptr, qweight_ptr, qzeros_ptr, scales_ptr, g_idx_ptr, bias_ptr, out_ptr,
                       M, N, K, stride_xm, group_size,
-                      BITS: tl.constexpr, GROUPED: tl.constexpr, HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
+                      BITS: tl.constexpr, GROUPED: tl.constexpr, HAS_BIAS: tl.constexpr, IEEE: tl.constexpr,
+                      UPCAST: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr):
     pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)

@@ -60,7 +60,7 @@ class SmoothQuant(Pass):
                                    keep_rows=self.sample_rows if self.alpha == "auto" else 0) if active else {}
             for group, plan in plans:
                 if plan.form == "none":
-                    record.notes.append(f"not smoothed: {', '.join(l.path for l in group)}: {plan.reason}")
+                    record.notes.append(f"not smoothed: {', '.join(layer.path for layer in group)}: {plan.reason}")
                     continue
                 self._apply(gm, group, plan, stats[group[0].path], record, pending)
                 changed = True
@@ -94,9 +94,11 @@ class SmoothQuant(Pass):
         s = smoothing_scales(act, wmax, alpha).to(home)
         inv = 1.0 / s
         if plan.form == "norm":
-            replace_tensor(gm, plan.norm.weight_node.target, get_tensor(gm, plan.norm.weight_node.target).detach() * inv)
+            weight = plan.norm.weight_node.target
+            replace_tensor(gm, weight, get_tensor(gm, weight).detach() * inv)
             if plan.norm.bias_node is not None:
-                replace_tensor(gm, plan.norm.bias_node.target, get_tensor(gm, plan.norm.bias_node.target).detach() * inv)
+                bias = plan.norm.bias_node.target
+                replace_tensor(gm, bias, get_tensor(gm, bias).detach() * inv)
         elif plan.form == "linear":
             scale_output_rows(gm, plan.producer, inv)
         else:
@@ -104,7 +106,7 @@ class SmoothQuant(Pass):
         if plan.form != "explicit":
             for layer in group:
                 scale_input_columns(gm, layer, s)
-        figures = {"form": plan.form, "consumers": ",".join(l.path.rsplit(".", 1)[-1] for l in group),
+        figures = {"form": plan.form, "consumers": ",".join(layer.path.rsplit(".", 1)[-1] for layer in group),
                    "alpha": alpha, "act_absmax": float(act.max()), "s_min": float(s.min()), "s_max": float(s.max())}
         if err is not None:
             figures["int8_error"] = err

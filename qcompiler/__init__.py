@@ -6,7 +6,8 @@ from .capture import capture
 from .compiler import CompiledModel, compile, load
 from .errors import (BackendError, CalibrationError, CaptureError, GraphLintError, PassError,
                      PipelineError, QCompilerError, QuantizationError, RecipeError)
-from .pass_base import GraphProperty, Pass, PassContext, PassRecord
+from .pass_base import GraphProperty, Pass, PassContext, PassRecord, PassResult
+from .pass_contract import run_checked as run_pass
 from .pass_manager import PassManager
 from .recipes import Recipe, get_recipe, list_recipes, register_recipe
 from .report import Report
@@ -15,7 +16,8 @@ from . import passes  # noqa: E402  (qcompiler.passes, mapped from the top-level
 
 __version__ = "0.1.0"
 
-__all__ = ["capture", "compile", "load", "CompiledModel", "Pass", "PassContext", "PassRecord", "GraphProperty",
-           "PassManager", "Recipe", "get_recipe", "list_recipes", "register_recipe", "Report", "passes",
+__all__ = ["capture", "compile", "load", "CompiledModel", "Pass", "PassContext", "PassRecord", "PassResult",
+           "GraphProperty",
+           "PassManager", "run_pass", "Recipe", "get_recipe", "list_recipes", "register_recipe", "Report", "passes",
            "ops", "QCompilerError", "CaptureError", "PipelineError", "PassError", "GraphLintError",
            "RecipeError", "BackendError", "CalibrationError", "QuantizationError"]

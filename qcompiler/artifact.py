@@ -29,8 +29,12 @@ from safetensors.torch import load as load_safetensors, save_file
 from .atomic import publish_directory
 from .capture import OPTIONAL_INPUTS, CaptureInfo
 from .graph_format import ArtifactError, graph_from_data, graph_to_data
-from .pass_base import PassRecord
-from .recipe_files import pass_classes, recipe_from_dict
+from .errors import RecipeError
+from .op_registry import spec_of
+from .pass_base import GraphProperty, PassRecord
+from .pass_contract import properties_of, record_properties
+from .pass_registry import pass_name, resolve_pass
+from .recipe_files import recipe_from_dict
 from .recipes import Recipe
 from .report import Report
 from .sharding import DEFAULT_SHARD_BYTES, plan_shards, shard_names
@@ -71,6 +75,7 @@ def save(cm, path, *, metadata: Optional[dict] = None, overwrite: bool = False, 
     ``max_shard_bytes``: past it the tensors go to ``tensors-0000k-of-0000n.safetensors`` files.
     """
     path = Path(path)
+    _refuse_export_only(cm.graph_module)
     structure, tensors = graph_to_data(cm.graph_module)
     args, kwargs = cm.example_inputs
     examples, example_layout = {}, {"args": [], "kwargs": {}}
@@ -89,14 +94,14 @@ def save(cm, path, *, metadata: Optional[dict] = None, overwrite: bool = False, 
             example_layout["kwargs"][k] = {"value": _json_safe(v)}
     shards = plan_shards(tensors, max_shard_bytes)
     names = shard_names("tensors", len(shards))
-    builtin = set(pass_classes())
     manifest = {
         "format": FORMAT, "version": VERSION if len(names) == 1 else SHARDED_VERSION,
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "versions": {"qcompiler": _version(), "torch": torch.__version__},
         "recipe": {"name": cm.recipe.name, "description": cm.recipe.description,
-                   "passes": [{"pass": p.name, **_json_safe(p.config())} for p in cm.recipe.passes],
-                   "reloadable": all(p.name in builtin for p in cm.recipe.passes)},
+                   "passes": [{"pass": pass_name(type(p)), "config_version": p.config_version,
+                               **_json_safe(p.config())} for p in cm.recipe.passes]},
+        "properties": sorted(p.value for p in properties_of(cm.graph_module)),
         "capture": _json_safe(dataclasses.asdict(cm.capture_info)),
         "report": _json_safe(cm.report.to_dict()),
         "graph": _graph_summary(cm.graph_module),
@@ -117,6 +122,15 @@ def save(cm, path, *, metadata: Optional[dict] = None, overwrite: bool = False, 
                 manifest["sha256"][name] = _sha256_file(f)
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
     return path
+
+
+def _refuse_export_only(gm) -> None:
+    """Ops that exist only on the way into one export target (``OpSpec.export_only``) are never saved."""
+    for node in gm.graph.nodes:
+        op_spec = spec_of(node)
+        if op_spec is not None and op_spec.export_only is not None:
+            raise ArtifactError(f"node {node.name} is qc.{op_spec.name}, which exists only inside the "
+                                f"{op_spec.export_only} export; save the graph before it is lowered")
 
 
 def _sha256_file(f, chunk: int = 1 << 24) -> str:
@@ -302,12 +316,52 @@ def read(path) -> StoredModel:
                           {k: examples[v["tensor"]] if "tensor" in v else
                            tuple(examples[t] for t in v["tensors"]) if "tensors" in v else v["value"]
                            for k, v in layout["kwargs"].items()})
-        r = manifest["recipe"]
-        recipe = recipe_from_dict({k: r[k] for k in ("name", "description", "passes")}) if r.get("reloadable") \
-            else Recipe(str(r["name"]), (), str(r.get("description", "")) + " (custom passes; settings in the manifest)")
+        recipe = _stored_recipe(manifest["recipe"], path / MANIFEST)
+        _restore_properties(gm, manifest, path / MANIFEST)
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise ArtifactError(f"{path / MANIFEST} is malformed ({type(exc).__name__}: {exc})") from None
     return StoredModel(gm, recipe, report_from_manifest(manifest), example_inputs)
+
+
+def _stored_recipe(r: dict, where) -> Recipe:
+    """The recipe that made the artifact, its passes rebuilt from the registry (never imported: the
+    manifest is untrusted), each pass's settings checked against its config version. A pass not
+    imported in this process leaves the recipe as a record without passes."""
+    if r.get("reloadable") is False:  # format 1-3 artifacts made with custom passes kept no import path
+        return Recipe(str(r["name"]), (), str(r.get("description", "")) + " (custom passes; settings in the manifest)")
+    entries, missing = [], []
+    for i, entry in enumerate(r["passes"]):
+        name = entry["pass"]
+        try:
+            cls = resolve_pass(name, allow_import=False, where=f"{where}: recipe passes[{i}]")
+        except RecipeError:
+            missing.append(str(name))
+            continue
+        settings = {k: v for k, v in entry.items() if k not in ("pass", "config_version")}
+        version = entry.get("config_version", 1)
+        if version != cls.config_version:
+            try:
+                settings = cls.migrate_config(settings, version)
+            except ArtifactError as exc:
+                raise ArtifactError(f"{where}: {exc}") from None
+        entries.append({"pass": name, **settings})
+    if missing:
+        return Recipe(str(r["name"]), (), str(r.get("description", "")) +
+                      f" (passes not imported in this process: {', '.join(missing)}; settings in the manifest)")
+    return recipe_from_dict({"name": r["name"], "description": r["description"], "passes": entries},
+                            source=str(where), allow_import=False)
+
+
+def _restore_properties(gm, manifest: dict, where) -> None:
+    """The graph properties the artifact's passes established (older artifacts: from their ops)."""
+    names = manifest.get("properties")
+    if names is None:
+        from .pass_contract import witnesses
+        names = ["captured", *(p.value for p in witnesses(gm))]
+    try:
+        record_properties(gm, [GraphProperty(n) for n in names])
+    except ValueError:
+        raise ArtifactError(f"{where}: unknown graph property in {names!r}") from None
 
 
 def _version() -> str:

@@ -127,8 +127,8 @@ def check_output_folder(path, kind: str, *, overwrite: bool = False, protect: It
         raise OutputPathError(f"cannot read {path}: {e.strerror}") from None
     if not entries:
         return path
-    what = f"a qcompiler {existing} output" if existing else f"files qcompiler did not write ({', '.join(entries[:3])}" \
-        + (", ..." if len(entries) > 3 else "") + ")"
+    listed = ", ".join(entries[:3]) + (", ..." if len(entries) > 3 else "")
+    what = f"a qcompiler {existing} output" if existing else f"files qcompiler did not write ({listed})"
     raise OutputPathError(f"refusing to replace {path}: it holds {what}; choose another folder or pass "
                           f"--overwrite / overwrite=True")
 

@@ -188,7 +188,8 @@ class CalibrationEngine:
             flat = fx_pytree.tree_flatten_spec((args, kwargs), gm._in_spec)
             placeholders = [n for n in self.nodes if n.op == "placeholder"]
             if len(flat) != len(placeholders):
-                raise CalibrationError(f"a calibration batch has {len(flat)} inputs, the graph takes {len(placeholders)}")
+                raise CalibrationError(f"a calibration batch has {len(flat)} inputs, the graph takes "
+                                       f"{len(placeholders)}")
             self._states.append(self._to(dict(zip(placeholders, flat)), self.cache_device))
             mask = kwargs.get("attention_mask")
             mask = mask.reshape(-1).bool() if isinstance(mask, torch.Tensor) else None

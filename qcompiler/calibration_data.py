@@ -59,7 +59,8 @@ def _saved_dataset(path: Path, field: str) -> list[str]:
     try:
         import datasets
     except ImportError:
-        raise ValueError(f"{path} is a saved `datasets` dataset; reading it needs: pip install 'qcompiler[data]'") from None
+        raise ValueError(f"{path} is a saved `datasets` dataset; reading it needs: "
+                         f"pip install 'qcompiler[data]'") from None
     data = datasets.load_from_disk(str(path))
     if isinstance(data, datasets.DatasetDict):
         data = data["train"] if "train" in data else next(iter(data.values()))

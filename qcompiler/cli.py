@@ -23,22 +23,21 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from qcompiler.backends import available_backends
+from qcompiler.export_formats import ExportOptions, export_format, export_format_names
+
 app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__.splitlines()[0])
 out = Console()
 err = Console(stderr=True)
 
 
-class ExportFormat(str, Enum):
-    onnx = "onnx"
-    onnx_genai = "onnx-genai"
-    gptq = "gptq"
-    compressed_tensors = "compressed-tensors"
+def _choices(name: str, names: list[str]) -> type[Enum]:
+    """A typer choice type from a registry's names (the registries are the one list of choices)."""
+    return Enum(name, {n: n for n in names}, type=str)
 
 
-class Backend(str, Enum):
-    eager = "eager"
-    triton = "triton"
-    onnxruntime = "onnxruntime"
+ExportFormat = _choices("ExportFormat", export_format_names())
+Backend = _choices("Backend", available_backends())
 
 
 @app.callback()
@@ -147,7 +146,7 @@ def _triton_runtime() -> None:
 
 @app.command(name="eval")
 def evaluate(target: str = typer.Argument(..., help="an artifact folder, or a model (bundled:NAME / folder)"),
-             backend: Backend = typer.Option(Backend.eager, help="backend to run the quantized model on"),
+             backend: Backend = typer.Option("eager", help="backend to run the quantized model on"),
              windows: int = typer.Option(64, help="held-out windows (causal LMs) / sentences (encoders)"),
              json_out: Optional[Path] = typer.Option(None, "--json", help="also write the figures as JSON")):
     """Perplexity (causal LMs) or embedding cosine vs FP32 (encoders), FP32 beside quantized."""
@@ -155,7 +154,7 @@ def evaluate(target: str = typer.Argument(..., help="an artifact folder, or a mo
     from qcompiler.models import load
     from qcompiler.quality import QualityJudge
 
-    if backend is Backend.triton:
+    if backend.value == "triton":
         _triton_runtime()
     path = Path(target)
     is_artifact, source = _artifact_source(target, "evaluate needs the FP32 model")
@@ -189,22 +188,14 @@ def export(artifact: Path = typer.Argument(..., help="artifact folder written by
     """Export a saved artifact to ONNX, an onnxruntime-genai folder, a GPTQ or a compressed-tensors checkpoint."""
     import qcompiler as qc
     from qcompiler.atomic import check_output_folder
-    from qcompiler.interop import export_compressed_tensors, export_gptq, export_onnx_genai
 
-    if format is not ExportFormat.onnx:  # refuse a bad target before the work
-        check_output_folder(dest, format.value, overwrite=overwrite, protect=[artifact])
+    fmt = export_format(format.value)
+    if fmt.writes == "folder":  # refuse a bad target before the work
+        check_output_folder(dest, fmt.name, overwrite=overwrite, protect=[artifact])
     cm = qc.load(artifact)
-    if format is ExportFormat.onnx:
-        cm.export_onnx(dest, accuracy_level=accuracy_level, overwrite=overwrite, fused_attention=not plain_attention)
-    elif format is ExportFormat.onnx_genai:
-        export_onnx_genai(cm, dest, accuracy_level=accuracy_level, overwrite=overwrite, progress=out.print,
-                          fused_attention=not plain_attention)
-    elif format is ExportFormat.gptq:
-        export_gptq(cm, dest, zero_format=zero_format, progress=out.print, overwrite=overwrite,
-                    max_shard_bytes=int(max_shard_gb * 1024 ** 3))
-    else:
-        export_compressed_tensors(cm, dest, progress=out.print, overwrite=overwrite,
-                                  max_shard_bytes=int(max_shard_gb * 1024 ** 3))
+    fmt.write(cm, dest, ExportOptions(overwrite=overwrite, accuracy_level=accuracy_level,
+                                      fused_attention=not plain_attention, zero_format=zero_format,
+                                      max_shard_bytes=int(max_shard_gb * 1024 ** 3), progress=out.print))
     out.print(f"wrote {dest}")
 
 
@@ -212,7 +203,7 @@ def export(artifact: Path = typer.Argument(..., help="artifact folder written by
 def generate(target: str = typer.Argument(..., help="an artifact folder, or a model (bundled:NAME / folder) in FP"),
              prompt: list[str] = typer.Option(..., "--prompt", help="text to continue; repeat for a batch"),
              max_new_tokens: int = typer.Option(32, "--max-new-tokens", help="tokens to generate per prompt"),
-             backend: Backend = typer.Option(Backend.eager, help="backend to run the model on"),
+             backend: Backend = typer.Option("eager", help="backend to run the model on"),
              do_sample: bool = typer.Option(False, "--sample", help="sample instead of greedy decoding"),
              temperature: float = typer.Option(1.0, help="sampling temperature"),
              top_k: int = typer.Option(0, "--top-k", help="sample among the k most likely tokens (0: all)"),
@@ -228,7 +219,7 @@ def generate(target: str = typer.Argument(..., help="an artifact folder, or a mo
     if max_new_tokens < 0:
         raise ValueError(f"--max-new-tokens must be >= 0, got {max_new_tokens}")
     SamplingConfig(do_sample, temperature, top_k, top_p)  # bad values fail before any loading
-    if backend is Backend.triton:
+    if backend.value == "triton":
         _triton_runtime()
     is_artifact, source = _artifact_source(target, "so there is no tokenizer for it")
     if is_artifact:
@@ -277,7 +268,8 @@ def inspect(artifact: Path = typer.Argument(..., help="artifact folder")):
               f"{manifest['metadata'].get('source', '?')}, recipe {recipe['name']} "
               f"(qcompiler {manifest['versions']['qcompiler']}, torch {manifest['versions']['torch']})")
     for p in recipe["passes"]:
-        out.print("  " + p["pass"] + "(" + ", ".join(f"{k}={v}" for k, v in p.items() if k != "pass") + ")")
+        settings = ", ".join(f"{k}={v}" for k, v in p.items() if k not in ("pass", "config_version"))
+        out.print(f"  {p['pass']}({settings}) [config version {p.get('config_version', 1)}]")
     graph = manifest["graph"]
     out.print(f"graph: {graph['nodes']} nodes, {graph['tensors']} stored tensors, qc ops: "
               + ", ".join(f"{k} x{v}" for k, v in graph["qc_ops"].items()))

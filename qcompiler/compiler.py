@@ -125,7 +125,7 @@ class CompiledModel:
                 return self._runner(**inputs)
         yield from generate_tokens(step, layout, config.get("vocab_size"), input_ids, max_new_tokens=max_new_tokens,
                                    attention_mask=attention_mask, sampling=sampling, eos_token_id=eos_token_id,
-                                   pad_token_id=pad_token_id if pad_token_id is not None else config.get("pad_token_id"),
+                                   pad_token_id=config.get("pad_token_id") if pad_token_id is None else pad_token_id,
                                    seed=seed)
 
     def with_backend(self, backend: str, **options) -> "CompiledModel":
@@ -247,6 +247,6 @@ def compile(model: torch.nn.Module, example_inputs, recipe="none", calibration: 
     ctx = PassContext(example_inputs=examples,
                       calibration=normalize_calibration(calibration, info), progress=progress,
                       device=compute, offload=offload)
-    report = manager.run(gm, ctx)
+    gm, report = manager.run(gm, ctx)
     lazy_weights.materialize_all(gm, ctx.log)  # streamed weights no pass replaced
     return on_backend(gm, resolved, report, backend, ctx.example_inputs, backend_options)

@@ -108,7 +108,8 @@ def calibration_windows(count: int = 128, length: int = 256, *, seed: int = 0,
     return random_windows(stdlib_tokens(split), count, length, seed=seed, split=split)
 
 
-def random_windows(tokens: torch.Tensor, count: int, length: int, *, seed: int = 0, split: str = "train") -> torch.Tensor:
+def random_windows(tokens: torch.Tensor, count: int, length: int, *, seed: int = 0,
+                   split: str = "train") -> torch.Tensor:
     """``count`` windows of ``length`` tokens at reproducible random offsets (the GPTQ paper's recipe)."""
     if length >= tokens.numel():
         raise ValueError(f"window length {length} exceeds the {split} split ({tokens.numel()} tokens)")

@@ -4,7 +4,8 @@ Loading must never execute code from the file, so the graph is not pickled and n
 Python source. Each node is written as data — op kind, target, arguments — and on load every
 call target is resolved against an allow-list: ``torch.ops.<ns>.<op>.<overload>`` for the
 namespaces ``aten`` and ``qc`` (minus file-system ops), transformers' MoE grouped matmul, and pure
-``operator`` arithmetic and indexing. Argument values are nodes, numbers, strings, None, dtypes, devices, layouts, memory
+``operator`` arithmetic and indexing. Argument values are nodes, numbers, strings, None, dtypes,
+devices, layouts, memory
 formats and lists/tuples of these. Tensors (``get_attr`` targets) go to safetensors under their
 dotted names; tied tensors are stored once. The call structure (which kwargs the graph takes, what
 output object it returns) is the pytree spec, serialized with ``torch.utils._pytree.treespec_dumps``.

@@ -31,7 +31,8 @@ def check_patterns(owner: str, patterns) -> tuple[str, ...]:
             try:
                 re.compile(p[3:])
             except re.error as e:
-                raise QuantizationError(f"{owner}: ignore pattern {p!r} is not a valid regular expression ({e})") from None
+                raise QuantizationError(f"{owner}: ignore pattern {p!r} is not a valid regular expression "
+                                        f"({e})") from None
     return patterns
 
 

@@ -4,8 +4,13 @@ Passes, backends, bit counting and exporters read a ``qc`` node through :func:`a
 (``a.qweight``, ``a.bits``) and build one through :func:`call_op` (keyword arguments), so the
 argument order lives in exactly one place: the op's ``torch.library`` schema. A new op is
 defined in ``qcompiler/ops.py`` (or a backend's lowering module) and registered here with the
-names of its stored tensors and the number of weights it stands for; tests/test_op_registry.py
+names of its stored tensors, the number of weights it stands for and its capabilities; tests/test_op_registry.py
 fails on positional ``args[...]`` access to ``qc`` nodes anywhere else.
+
+Each backend and exporter (a *target*) registers, per op, its implementation (:func:`implement`)
+or a refusal with its reason (:func:`refuse`), beside its own code; none keeps a private per-op
+table. tests/test_op_coverage.py walks every op x every target: a new op fails it until each
+target either runs it or says why not. The eager backend runs every op's reference.
 """
 from __future__ import annotations
 
@@ -16,11 +21,16 @@ import torch
 from torch.fx import Graph, GraphModule, Node
 
 from .graph import get_tensor, module_path
+from .pass_base import GraphProperty
 
 __all__ = ["OpSpec", "OpArgs", "register", "spec", "spec_of", "args_of", "call_op", "registered",
-           "quantized_layer_path"]
+           "quantized_layer_path", "Implementation", "register_target", "targets", "implement", "refuse",
+           "implementation", "implementations", "storage_ops"]
 
 _SPECS: dict[str, "OpSpec"] = {}
+_TARGETS: dict[str, str] = {}                                   # target -> what it is
+_IMPLEMENTATIONS: dict[tuple[str, str], "Implementation"] = {}  # (target, op) -> implementation or refusal
+_TARGETS["eager"] = "backend: every op's plain-torch reference implementation"
 
 
 @dataclass(frozen=True)
@@ -29,12 +39,19 @@ class OpSpec:
 
     ``storage``: the stored-tensor arguments that make up the layer's size (bit counting);
     ``weights``: how many weights a node stands for, from its arguments and output (None: the op
-    adds storage but no weights of its own, like SpQR's sparse outliers beside the dense branch).
+    adds storage but no weights of its own, like SpQR's sparse outliers beside the dense branch);
+    ``code_widths``: the integer arguments that are bit widths of packed codes (what kernels and
+    exporters check against the widths they unpack); ``establishes``: the graph properties a node of
+    this op witnesses (the pass contract checks a pass's ``provides`` with them); ``export_only``:
+    the target whose lowering makes this op (it exists only on the way there and is never saved).
     """
 
     name: str
     storage: tuple[str, ...] = ()
     weights: Optional[Callable[["OpArgs", GraphModule], int]] = None
+    code_widths: tuple[str, ...] = ()
+    establishes: frozenset[GraphProperty] = frozenset()
+    export_only: Optional[str] = None
 
     @property
     def overload(self) -> torch._ops.OpOverload:
@@ -100,10 +117,65 @@ def _bind(op_spec: OpSpec, given: dict[str, Any]) -> tuple[dict[str, Any], list[
 
 
 def register(op_spec: OpSpec) -> OpSpec:
-    """Add ``op_spec``; the op must already be defined (``torch.library.custom_op``)."""
+    """Add ``op_spec``; the op must already be defined (``torch.library.custom_op``). The eager
+    backend runs it by its reference implementation."""
     op_spec.overload  # fails here, naming the op, if it is not defined
     _SPECS[op_spec.name] = op_spec
+    implement("eager", op_spec.name, op_spec.overload, label="reference")
     return op_spec
+
+
+@dataclass(frozen=True)
+class Implementation:
+    """How one target handles one op: ``load()`` gives the callable (imported on first use: Triton
+    is slow to import), ``kind`` what it is to the target (a kernel, a graph lowering, an ONNX
+    translation, a checkpoint writer), ``label`` its name in plans and reports; or a refusal."""
+
+    target: str
+    op: str
+    load: Optional[Callable[[], Callable]] = None
+    kind: str = ""
+    label: str = ""
+    refusal: Optional[str] = None
+
+
+def register_target(name: str, description: str) -> None:
+    """Declare a backend or exporter; the coverage test then asks it about every op."""
+    _TARGETS[name] = description
+
+
+def targets() -> dict[str, str]:
+    """Every declared target and what it is."""
+    return dict(_TARGETS)
+
+
+def implement(target: str, op: str, fn: Optional[Callable] = None, *, load: Optional[Callable[[], Callable]] = None,
+              kind: str = "", label: str = "") -> None:
+    """Register how ``target`` runs ``op``: ``fn`` itself, or ``load`` that imports and returns it."""
+    if (fn is None) == (load is None):
+        raise TypeError(f"implement({target!r}, {op!r}): give exactly one of fn or load")
+    _IMPLEMENTATIONS[(target, op)] = Implementation(target, op, load or (lambda: fn), kind, label or op)
+
+
+def refuse(target: str, op: str, reason: str) -> None:
+    """Register that ``target`` cannot handle ``op``, and why (the error users see)."""
+    _IMPLEMENTATIONS[(target, op)] = Implementation(target, op, refusal=reason)
+
+
+def implementation(target: str, op: str) -> Optional[Implementation]:
+    """What ``target`` registered for ``op`` (None: nothing, which the coverage test forbids)."""
+    return _IMPLEMENTATIONS.get((target, op))
+
+
+def implementations(target: str, kind: Optional[str] = None) -> dict[str, Implementation]:
+    """Every op ``target`` implements (refusals left out), optionally only those of one ``kind``."""
+    return {op: impl for (t, op), impl in _IMPLEMENTATIONS.items()
+            if t == target and impl.refusal is None and kind in (None, impl.kind)}
+
+
+def storage_ops() -> list[OpSpec]:
+    """The ops a pass may leave in a saved graph (not export-only)."""
+    return [s for s in _SPECS.values() if s.export_only is None]
 
 
 def spec(name: str) -> OpSpec:

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .op_registry import OpSpec, register
+from .pass_base import GraphProperty
 from .algorithms.int8 import quantize_per_token
 from .algorithms.packing import pack_cols, pack_rows, unpack_cols, unpack_rows
 
@@ -84,7 +85,10 @@ def _in_times_out(in_arg: str, out_arg: str) -> Callable:
     return lambda a, gm: a.tensor(gm, in_arg).numel() * a.tensor(gm, out_arg).shape[-1]
 
 
-register(OpSpec("quant_linear", storage=("qweight", "qzeros", "scales"), weights=_in_times_out("g_idx", "scales")))
+_QUANTIZED = frozenset({GraphProperty.QUANTIZED_WEIGHTS})
+
+register(OpSpec("quant_linear", storage=("qweight", "qzeros", "scales"), weights=_in_times_out("g_idx", "scales"),
+                code_widths=("bits",), establishes=_QUANTIZED))
 
 
 def expert_ranges(offsets: Tensor) -> list[tuple[int, int]]:
@@ -121,7 +125,8 @@ def _quant_experts_linear_fake(x, offsets, qweight, qzeros, scales, g_idx, bits,
 
 
 register(OpSpec("quant_experts_linear", storage=("qweight", "qzeros", "scales"),
-                weights=_in_times_out("g_idx", "scales")))   # g_idx [E, in]: E x in x out weights
+                weights=_in_times_out("g_idx", "scales"),   # g_idx [E, in]: E x in x out weights
+                code_widths=("bits",), establishes=_QUANTIZED))
 
 
 def int8_matmul(xq: Tensor, wq: Tensor) -> Tensor:
@@ -163,7 +168,8 @@ def _int8_linear_fake(x, weight, weight_scale, bias, act_scale, smooth_inv):
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
-register(OpSpec("int8_linear", storage=("weight", "weight_scale"), weights=lambda a, gm: a.tensor(gm, "weight").numel()))
+register(OpSpec("int8_linear", storage=("weight", "weight_scale"), weights=lambda a, gm: a.tensor(gm, "weight").numel(),
+                establishes=frozenset({GraphProperty.INT8_LOWERED})))
 
 
 def spqr_group_stats(packed: Tensor, table: Tensor, stat_bits: int, stat_group_size: int) -> Tensor:
@@ -230,8 +236,9 @@ def to_csr(values: Tensor, mask: Tensor) -> tuple[Tensor, Tensor, Tensor]:
 
 register(OpSpec("spqr_dense_linear", storage=("codes", "scale_codes", "zero_codes", "scale_stats", "zero_stats"),
                 weights=lambda a, gm: a.tensor(gm, "perm").numel() * a.tensor(gm, "scale_stats").shape[1]
-                * a.stat_group_size))
-register(OpSpec("sparse_outlier_linear", storage=("row_ptr", "col_idx", "values")))  # outliers of a dense branch
+                * a.stat_group_size, code_widths=("bits", "stat_bits"), establishes=_QUANTIZED))
+register(OpSpec("sparse_outlier_linear", storage=("row_ptr", "col_idx", "values"),  # outliers of a dense branch
+                establishes=frozenset({GraphProperty.OUTLIERS_SPLIT})))
 
 
 SPQR_DENSE_TENSORS = ("codes", "scale_codes", "zero_codes", "scale_stats", "zero_stats", "perm")
@@ -269,4 +276,6 @@ def _spqr_experts_linear_fake(x, offsets, codes, scale_codes, zero_codes, scale_
 register(OpSpec("spqr_experts_linear", storage=("codes", "scale_codes", "zero_codes", "scale_stats", "zero_stats",
                                                 "row_ptr", "col_idx", "values"),
                 weights=lambda a, gm: a.tensor(gm, "perm").numel() * a.tensor(gm, "scale_stats").shape[-2]
-                * a.stat_group_size))   # perm [E, in]: E x in x out weights
+                * a.stat_group_size,   # perm [E, in]: E x in x out weights
+                code_widths=("bits", "stat_bits"),
+                establishes=frozenset({GraphProperty.QUANTIZED_WEIGHTS, GraphProperty.OUTLIERS_SPLIT})))

@@ -1,44 +1,41 @@
 """Runs a user's list of passes in the user's order, after checking that the list can run at all.
 
-Before anything runs: every requirement is met by the start state or by an earlier pass (else a
-``PipelineError`` naming the passes that could provide it), and passes that need calibration data
-get some. While running: each pass is timed, the graph is linted after it (a broken graph is
-blamed on the pass that broke it), and a failure names the passes that ran before.
+Before anything runs: every item is a pass made as a frozen dataclass, every requirement is met by
+the start state or by an earlier pass (else a ``PipelineError`` naming the passes that could
+provide it), and passes that need calibration data get some. While running: each pass runs under
+its contract (``pass_contract.run_checked``: own record, ``provides`` checked afterwards), the
+graph is linted after it (a broken graph is blamed on the pass that broke it), and a failure names
+the passes that ran before.
 """
 from __future__ import annotations
 
-import time
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import torch
 from torch.fx import GraphModule
 
 from .errors import GraphLintError, PassError, PipelineError
 from .graph import get_tensor
-from .pass_base import GraphProperty, Pass, PassContext, PassRecord
+from .pass_base import GraphProperty, Pass, PassContext
+from .pass_contract import PostconditionError, check_pass, properties_of, run_checked
+from .pass_registry import registered_passes
 from .report import Report
 
-__all__ = ["PassManager", "known_pass_classes"]
+__all__ = ["PassManager", "PipelineResult"]
 
 
-def known_pass_classes() -> list[type[Pass]]:
-    """Every imported subclass of :class:`Pass` (built-in and user-written)."""
-    found, todo = [], list(Pass.__subclasses__())
-    while todo:
-        cls = todo.pop()
-        found.append(cls)
-        todo.extend(cls.__subclasses__())
-    return found
+class PipelineResult(NamedTuple):
+    """The graph the last pass left (passes may return a new one) and what every pass did."""
+
+    graph_module: GraphModule
+    report: Report
 
 
 class PassManager:
     """Validates, then runs, an ordered list of passes."""
 
     def __init__(self, passes: Sequence[Pass]):
-        for i, p in enumerate(passes):
-            if not isinstance(p, Pass):
-                raise PipelineError(f"pipeline item #{i + 1} is {p!r} ({type(p).__name__}), not a qc.Pass instance")
-        self.passes = list(passes)
+        self.passes = [check_pass(p, f"pipeline item #{i + 1}") for i, p in enumerate(passes)]
 
     def validate(self, *, has_calibration: bool,
                  initial: frozenset[GraphProperty] = frozenset({GraphProperty.CAPTURED})) -> None:
@@ -47,7 +44,7 @@ class PassManager:
             missing = [r for r in p.requires if r not in have]
             if missing:
                 prop = missing[0]
-                providers = sorted({c.__name__ for c in known_pass_classes() if prop in c.provides})
+                providers = sorted({c.__name__ for c in registered_passes().values() if prop in c.provides})
                 fix = (f"add {' or '.join(providers)} before it" if providers
                        else "no known pass provides it")
                 raise PipelineError(f"pass #{i + 1} {p.name} requires {prop.name}, which no earlier pass "
@@ -64,26 +61,25 @@ class PassManager:
                                     f"(inputs shaped like example_inputs)")
             have |= p.provides
 
-    def run(self, gm: GraphModule, ctx: PassContext) -> Report:
-        self.validate(has_calibration=bool(ctx.calibration))
+    def run(self, gm: GraphModule, ctx: PassContext) -> PipelineResult:
+        """Validate against the properties ``gm`` already has, then run every pass in order."""
+        self.validate(has_calibration=bool(ctx.calibration), initial=properties_of(gm))
         report = Report()
         for i, p in enumerate(self.passes):
-            record = PassRecord(name=p.name, config=p.config())
-            ctx.record = record
             ctx.log(f"pass {i + 1}/{len(self.passes)}: {p!r}")
-            start = time.perf_counter()
             try:
                 with torch.no_grad():
-                    record.modified = bool(p.run(gm, ctx))
+                    result = run_checked(p, gm, ctx, where=f"pass #{i + 1}")
+            except PostconditionError:
+                raise
             except Exception as exc:
                 before = ", ".join(q.name for q in self.passes[:i]) or "none"
                 raise PassError(f"pass #{i + 1} {p.name} failed (passes run before it: {before}): "
                                 f"{type(exc).__name__}: {exc}") from exc
-            record.seconds = time.perf_counter() - start
+            gm = result.graph_module
             lint_graph(gm, p.name)
-            report.passes.append(record)
-        ctx.record = PassRecord("standalone", {})
-        return report
+            report.passes.append(result.record)
+        return PipelineResult(gm, report)
 
 
 def lint_graph(gm: GraphModule, pass_name: str) -> None:

@@ -8,9 +8,11 @@
         group_size: 128
         act_order: true
 
-Each entry names a built-in pass (``qc.passes``) and sets its dataclass fields; the pass's own
-validation then checks the values. Unknown passes or keys are errors that name the entry and
-suggest the nearest valid name. TOML: the same structure, with ``[[passes]]`` tables.
+Each entry names a pass and sets its dataclass fields; the pass's own validation then checks the
+values. A built-in pass is named by its class name (``GPTQ``), one of your own by its import path
+(``pass: mypackage.passes:ClipWeights``: the module is imported; ``qcompiler/pass_registry.py``).
+Unknown passes or keys are errors that name the entry and suggest the nearest valid name. TOML:
+the same structure, with ``[[passes]]`` tables.
 """
 from __future__ import annotations
 
@@ -27,16 +29,12 @@ from typing import Any
 
 from .errors import RecipeError
 from .pass_base import Pass
+from .pass_registry import pass_name, resolve_pass
 from .recipes import Recipe, get_recipe
 
-__all__ = ["load_recipe_file", "recipe_from_dict", "recipe_to_dict", "pass_classes", "resolve_recipe"]
+__all__ = ["load_recipe_file", "recipe_from_dict", "recipe_to_dict", "resolve_recipe"]
 
 _TOP_KEYS = ("name", "description", "passes")
-
-
-def pass_classes() -> dict[str, type]:
-    from . import passes
-    return {name: getattr(passes, name) for name in passes.__all__}
 
 
 def _suggest(word: str, options) -> str:
@@ -66,8 +64,9 @@ def _type_names(types) -> str:
     return " or ".join("null" if t is type(None) else getattr(t, "__name__", str(t)) for t in types)
 
 
-def recipe_from_dict(data: Any, source: str = "recipe") -> Recipe:
-    """A :class:`Recipe` from parsed YAML/TOML (or a saved artifact's manifest)."""
+def recipe_from_dict(data: Any, source: str = "recipe", *, allow_import: bool = True) -> Recipe:
+    """A :class:`Recipe` from parsed YAML/TOML (or a saved artifact's manifest: ``allow_import``
+    False, only passes already imported resolve)."""
     if not isinstance(data, dict):
         raise RecipeError(f"{source}: a recipe is a mapping with 'passes' (and optional 'name', 'description')")
     for key in data:
@@ -76,16 +75,14 @@ def recipe_from_dict(data: Any, source: str = "recipe") -> Recipe:
     entries = data.get("passes")
     if not isinstance(entries, list):
         raise RecipeError(f"{source}: 'passes' must be a list of {{pass: Name, ...settings}} entries")
-    classes = pass_classes()
     built = []
     for i, entry in enumerate(entries):
         where = f"{source}: passes[{i}]"
         if not isinstance(entry, dict) or "pass" not in entry:
-            raise RecipeError(f"{where}: each entry needs 'pass: <name>' (one of {', '.join(classes)})")
+            raise RecipeError(f"{where}: each entry needs 'pass: <name>' (a built-in pass such as GPTQ, "
+                              f"or 'package.module:ClassName')")
         name = entry["pass"]
-        if name not in classes:
-            raise RecipeError(f"{where}: unknown pass {name!r}{_suggest(str(name), classes)}")
-        cls = classes[name]
+        cls = resolve_pass(name, allow_import=allow_import, where=where)
         fields = {f.name: f for f in dataclasses.fields(cls)}
         hints = typing.get_type_hints(cls)
         settings = {}
@@ -103,9 +100,9 @@ def recipe_from_dict(data: Any, source: str = "recipe") -> Recipe:
 
 
 def recipe_to_dict(recipe: Recipe) -> dict:
-    """The inverse of :func:`recipe_from_dict` (built-in passes only)."""
+    """The inverse of :func:`recipe_from_dict`."""
     return {"name": recipe.name, "description": recipe.description,
-            "passes": [{"pass": p.name, **p.config()} for p in recipe.passes]}
+            "passes": [{"pass": pass_name(type(p)), **p.config()} for p in recipe.passes]}
 
 
 MAX_RECIPE_BYTES = 1 << 20  # a recipe is a few lines; a bigger file is a mistake or an attack

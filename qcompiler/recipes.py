@@ -57,9 +57,9 @@ def _register_builtins() -> None:
     from . import passes as P
 
     register_recipe("none", "no passes: the captured FP graph (a baseline)", lambda: [])
-    for name, kw in _WEIGHT_ONLY.items():
-        cls = P.GPTQ if name.startswith("gptq") else P.RTN
-        register_recipe(name, _describe(name, kw), (lambda cls=cls, kw=kw: [cls(**kw)]))
+    for name, (method, kw) in _WEIGHT_ONLY.items():
+        cls = getattr(P, method)
+        register_recipe(name, _describe(cls, kw), (lambda cls=cls, kw=kw: [cls(**kw)]))
     register_recipe("spqr-w3g16", "SpQR: 3-bit weights in groups of 16, 3-bit statistics (beta2=16), "
                     "act-order, outliers (relative tau 1.0) in fp16 CSR", lambda: [P.SpQR()])
     register_recipe("spqr-w4g16", "SpQR, higher quality: 4-bit weights in groups of 16, 3-bit statistics, "
@@ -76,29 +76,30 @@ def _register_builtins() -> None:
                     lambda: [P.SmoothQuant(alpha="auto"), P.LowerInt8()])
 
 
-def _describe(name: str, kw: dict) -> str:
-    method = "GPTQ" if name.startswith("gptq") else "round-to-nearest"
+def _describe(cls: type, kw: dict) -> str:
+    method = "GPTQ" if cls.__name__ == "GPTQ" else "round-to-nearest"
     group = "per channel" if kw["group_size"] == -1 else f"groups of {kw['group_size']}"
     extra = (", act-order" if kw.get("act_order") else "") + (", lm_head in 4 bits (RTN)" if kw.get("lm_head") else "")
     return f"{method} W{kw['bits']}A16, {group}, asymmetric{extra}"
 
 
-# Asymmetric grids: measured clearly better than symmetric on MiniLM (docs/methods/gptq.md).
+# name -> (pass class in qcompiler.passes, its settings). Asymmetric grids: measured clearly better
+# than symmetric on MiniLM (docs/methods/gptq.md).
 _WEIGHT_ONLY = {
-    "rtn-w4g128": dict(bits=4, group_size=128, sym=False),
-    "rtn-w3g128": dict(bits=3, group_size=128, sym=False),
-    "rtn-w2g128": dict(bits=2, group_size=128, sym=False),
-    "rtn-w3": dict(bits=3, group_size=-1, sym=False),
-    "gptq-w4g128": dict(bits=4, group_size=128, sym=False),
-    "gptq-w3g128": dict(bits=3, group_size=128, sym=False),
-    "gptq-w2g128": dict(bits=2, group_size=128, sym=False),
-    "gptq-w3": dict(bits=3, group_size=-1, sym=False),
-    "gptq-w3-act": dict(bits=3, group_size=-1, sym=False, act_order=True),
-    "gptq-w4g128-act": dict(bits=4, group_size=128, sym=False, act_order=True),
-    "gptq-w3g128-act": dict(bits=3, group_size=128, sym=False, act_order=True),
-    "gptq-w2g128-act": dict(bits=2, group_size=128, sym=False, act_order=True),
-    "gptq-w4g128-static": dict(bits=4, group_size=128, sym=False, act_order=True, static_groups=True),
+    "rtn-w4g128": ("RTN", dict(bits=4, group_size=128, sym=False)),
+    "rtn-w3g128": ("RTN", dict(bits=3, group_size=128, sym=False)),
+    "rtn-w2g128": ("RTN", dict(bits=2, group_size=128, sym=False)),
+    "rtn-w3": ("RTN", dict(bits=3, group_size=-1, sym=False)),
+    "gptq-w4g128": ("GPTQ", dict(bits=4, group_size=128, sym=False)),
+    "gptq-w3g128": ("GPTQ", dict(bits=3, group_size=128, sym=False)),
+    "gptq-w2g128": ("GPTQ", dict(bits=2, group_size=128, sym=False)),
+    "gptq-w3": ("GPTQ", dict(bits=3, group_size=-1, sym=False)),
+    "gptq-w3-act": ("GPTQ", dict(bits=3, group_size=-1, sym=False, act_order=True)),
+    "gptq-w4g128-act": ("GPTQ", dict(bits=4, group_size=128, sym=False, act_order=True)),
+    "gptq-w3g128-act": ("GPTQ", dict(bits=3, group_size=128, sym=False, act_order=True)),
+    "gptq-w2g128-act": ("GPTQ", dict(bits=2, group_size=128, sym=False, act_order=True)),
+    "gptq-w4g128-static": ("GPTQ", dict(bits=4, group_size=128, sym=False, act_order=True, static_groups=True)),
     # the output head in 4 bits too (RTN), as onnxruntime-genai's int4 builder: faster decoding
-    "rtn-w4g128-head": dict(bits=4, group_size=128, sym=False, lm_head=True),
-    "gptq-w4g128-head": dict(bits=4, group_size=128, sym=False, lm_head=True),
+    "rtn-w4g128-head": ("RTN", dict(bits=4, group_size=128, sym=False, lm_head=True)),
+    "gptq-w4g128-head": ("GPTQ", dict(bits=4, group_size=128, sym=False, lm_head=True)),
 }

@@ -124,7 +124,8 @@ def _write_page(artifact: Path, manifest: dict, out_dir: Path) -> None:
     lines.append("")
     errors = _per_layer(manifest, "rel_error")
     if errors:
-        _bar(errors, "relative output error per layer (lower is better)", "||ΔY|| / ||Y||", out_dir / "error.png", log=True)
+        _bar(errors, "relative output error per layer (lower is better)", "||ΔY|| / ||Y||", out_dir / "error.png",
+             log=True)
         worst = sorted(errors.items(), key=lambda kv: -kv[1])[:5]
         lines += ["## Per-layer error", "", "![error](error.png)", "", "Worst layers: " +
                   ", ".join(f"`{k}` {v:.3g}" for k, v in worst) + ".", ""]

@@ -100,7 +100,8 @@ def plan_smoothing(consumers: Sequence[LinearLayer], all_layers: Sequence[Linear
         outside = _terminal_users(norm.output) - consumer_nodes
         weight_shared = norm.weight_node is not None and len(norm.weight_node.users) > 1
         if norm.weight_node is None:
-            return SmoothingPlan("explicit", f"{norm.path} has no affine weight to absorb 1/s", norm=norm, label=norm.path)
+            return SmoothingPlan("explicit", f"{norm.path} has no affine weight to absorb 1/s", norm=norm,
+                                 label=norm.path)
         if weight_shared:
             return SmoothingPlan("explicit", f"{norm.path}'s weight is used by other nodes", norm=norm, label=norm.path)
         if outside:

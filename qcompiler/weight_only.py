@@ -7,7 +7,6 @@ every block is done, each linear node is swapped for the method's op(s).
 from __future__ import annotations
 
 import time
-import warnings
 from typing import Callable, NamedTuple, Optional, Union
 
 import torch
@@ -132,7 +131,8 @@ class _BlockQuantizer:
 
     @staticmethod
     def solve(method: QuantizeFn, layer: LinearLayer, path: str, W: torch.Tensor,
-              H: Optional[torch.Tensor], energy: Optional[float] = None) -> tuple[Optional[LayerQuant], Union[dict, str]]:
+              H: Optional[torch.Tensor], energy: Optional[float] = None
+              ) -> tuple[Optional[LayerQuant], Union[dict, str]]:
         """``method`` on one fp32 matrix (on the compute device) and its report figures, or
         ``(None, why)`` when the packed layout cannot hold it (the caller skips the layer)."""
         _check_finite(path, W)
@@ -271,11 +271,10 @@ def quantize_block_linears(gm: GraphModule, ctx: PassContext, *, quantize: Quant
                      + [expert.path for expert in find_expert_linears(gm)], ctx.record.notes)
     if walk.rewrite():
         return True
-    ctx.record.notes.append("nothing was quantized: " + (
+    ctx.record.notes.append("nothing was quantized: " + (  # the pass contract turns this into the error
         f"every eligible layer was kept in full precision ({len(walk.skipped)})" if walk.skipped else
         "no unquantized linear layer inside a transformer block (an earlier pass quantized them, or the "
         "model's linears lie outside numbered blocks such as model.layers.N; lm_head is never quantized)"))
-    warnings.warn(f"qcompiler: {ctx.record.name} quantized no layer: {ctx.record.notes[-1]}", stacklevel=2)
     return False
 
 

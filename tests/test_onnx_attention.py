@@ -78,7 +78,7 @@ def test_plain_attention_export_uses_standard_onnx_ops_only(tmp_path):
     assert {n.domain for n in model.graph.node} <= {"", "ai.onnx"}
     fused = fp.export_onnx(tmp_path / "fused.onnx", accuracy_level=0)
     from qcompiler.backends.onnxruntime import session_for
-    inputs = cache_graph.graph_inputs(fp.cache_layout, prompt(2, 5), 
+    inputs = cache_graph.graph_inputs(fp.cache_layout, prompt(2, 5),
                                      past=tuple(torch.randn_like(t) for t in fp.cache_layout.empty_past(2, 3)))
     feeds = {"input_ids": inputs["input_ids"].numpy(), "attention_mask": inputs["attention_mask"].numpy(),
              "position_ids": inputs["position_ids"].numpy()}

@@ -11,8 +11,12 @@ from qcompiler.backends.onnx_nbits import dequantize_matmul_nbits, to_matmul_nbi
 from tiny_models import example_inputs, main_output, make_model
 
 RECIPES = {  # recipe -> max |ORT − eager| relative to max |eager| (float reassociation only)
-    "gptq-w4g128": 1e-5, "gptq-w3g128": 1e-5, "spqr-w3g16": 1e-5, "w8a8": 1e-5, "w8a8-smoothquant": 1e-5,
+    "gptq-w4g128": 1e-5, "gptq-w3g128": 1e-5, "spqr-w3g16": 1e-5, "w8a8": 1e-3, "w8a8-smoothquant": 1e-3,
 }
+# W8A8: the int32 sums are exact, but ORT's float ops before the activation quantizer (fused
+# LayerNorm, per-CPU reductions) may move a value across a rounding boundary, flipping one code by
+# one step (measured 1e-4 on BERT); int16 saturation in ORT's u8 x s8 kernel on AVX2 CPUs gave
+# 4e-3-7e-2, which this bound fails.
 EXTRA = {"gptq-act": [qc.passes.GPTQ(bits=4, group_size=32, act_order=True)],
          "rtn-2bit": [qc.passes.RTN(bits=2, group_size=32)], "rtn-8bit-channel": [qc.passes.RTN(bits=8, group_size=-1)],
          "w8a8-static": "w8a8-static"}

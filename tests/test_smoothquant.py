@@ -121,8 +121,12 @@ def test_model_without_foldable_producer_is_reported_not_crashed():
 
     m = NoNorm().eval()
     x = torch.randn(2, 4, 16)
-    cm = qc.compile(m, (x,), recipe=[qc.passes.SmoothQuant()], calibration=[(x,)], progress=False)
-    record = cm.report.passes[0]
-    assert not record.modified and not record.layers
-    assert any("no producer group could be smoothed" in n for n in record.notes)
-    assert any("layers.0.0" in n and "no norm or linear producer" in n for n in record.notes)
+    gm = qc.capture(m, (x,))
+    ctx = qc.PassContext(example_inputs=((x,), {}), calibration=[((x,), {})], progress=False)
+    assert not qc.passes.SmoothQuant().run(gm, ctx) and not ctx.record.layers
+    assert any("no producer group could be smoothed" in n for n in ctx.record.notes)
+    assert any("layers.0.0" in n and "no norm or linear producer" in n for n in ctx.record.notes)
+    # in a pipeline, SmoothQuant provides SMOOTHED: smoothing nothing fails its contract, naming why
+    with pytest.raises(qc.PassError, match="pass #1 SmoothQuant provides SMOOTHED, but it reported that it changed "
+                                           "nothing .*no producer group could be smoothed"):
+        qc.compile(m, (x,), recipe=[qc.passes.SmoothQuant()], calibration=[(x,)], progress=False)

@@ -154,8 +154,12 @@ def test_bad_settings_and_narrow_layers():
         def forward(self, x):
             return self.layers[0](x)
 
-    with pytest.warns(UserWarning, match="quantized no layer"):   # skipped with a note, not an abort
-        cm = qc.compile(Narrow(), (torch.randn(2, 32),), recipe="spqr-w3g16", calibration=[(torch.randn(16, 32),)],
-                        progress=False)
-    notes = " ".join(cm.report.passes[0].notes)
+    gm = qc.capture(Narrow(), (torch.randn(2, 32),))   # skipped with a note, not an abort of the pass ...
+    ctx = qc.PassContext(example_inputs=((torch.randn(2, 32),), {}), calibration=[((torch.randn(16, 32),), {})],
+                         progress=False)
+    assert not qc.passes.SpQR().run(gm, ctx)
+    notes = " ".join(ctx.record.notes)
+    with pytest.raises(qc.PassError, match="SpQR provides OUTLIERS_SPLIT"):   # ... but the pipeline's contract fails
+        qc.compile(Narrow(), (torch.randn(2, 32),), recipe="spqr-w3g16", calibration=[(torch.randn(16, 32),)],
+                   progress=False)
     assert re.search(r"layers\.0: kept in full precision \(.*(narrower than one group|cannot be stored)", notes), notes

@@ -1,6 +1,7 @@
 """Streamed loading: a model folder is captured from a skeleton with fake parameters and each tensor
 is read from its safetensors file when needed. Same quantized model as a full load; the weights
 read and alive at any moment stay near one block's; bad checkpoints are refused as a full load does."""
+import dataclasses
 import json
 import weakref
 
@@ -237,6 +238,7 @@ def test_a_pass_that_computes_on_a_placeholder_is_caught(folder):
     from qcompiler.errors import PassError
     from qcompiler.graph import find_linears, set_tensor
 
+    @dataclasses.dataclass(frozen=True)
     class ReadsParameters(qc.Pass):
         def run(self, gm, ctx):
             layer = find_linears(gm)[0]

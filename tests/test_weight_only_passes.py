@@ -85,14 +85,17 @@ def test_plain_module_blocks_and_unpackable_layer_is_named():
     cm = qc.compile(Stack(), (x,), recipe=[qc.passes.GPTQ(bits=4, group_size=32)],
                     calibration=[(torch.randn(4, 8, 32),)], progress=False)
     assert sum(n.target is QL for n in cm.graph_module.graph.nodes) == 4
-    # a layer the packed layout cannot hold is kept in FP with a note naming it (here: all of them,
-    # which the report and a warning say loudly)
-    with pytest.warns(UserWarning, match="RTN quantized no layer"):
-        cm = qc.compile(Stack(d=36), (torch.randn(2, 5, 36),), recipe=[qc.passes.RTN(bits=3, group_size=-1)],
-                        progress=False)
-    notes = " ".join(cm.report.passes[0].notes)
+    # a layer the packed layout cannot hold is kept in FP with a note naming it; when that is all of
+    # them, the pass contract fails: RTN provides QUANTIZED_WEIGHTS and quantized nothing
+    gm = qc.capture(Stack(d=36), (torch.randn(2, 5, 36),))
+    ctx = qc.PassContext(example_inputs=((torch.randn(2, 5, 36),), {}), progress=False)
+    assert not qc.passes.RTN(bits=3, group_size=-1).run(gm, ctx)
+    notes = " ".join(ctx.record.notes)
     assert "layers.0.fc1: kept in full precision (in_features=36 cannot be stored" in notes, notes
-    assert "nothing was quantized" in notes and not cm.report.passes[0].modified
+    with pytest.raises(qc.PassError, match=r"pass #1 RTN provides QUANTIZED_WEIGHTS, but it added no node .*"
+                                           r"nothing was quantized: every eligible layer was kept in full precision \(4\)"):
+        qc.compile(Stack(d=36), (torch.randn(2, 5, 36),), recipe=[qc.passes.RTN(bits=3, group_size=-1)],
+                   progress=False)
 
 
 def test_pass_settings_are_validated_when_made():
@@ -127,9 +130,9 @@ def test_a_pass_runs_standalone_with_a_default_context():
 
 def test_a_model_with_nothing_to_quantize_says_so():
     model = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.ReLU(), torch.nn.Linear(32, 32))
-    with pytest.warns(UserWarning, match="RTN quantized no layer"):
-        cm = qc.compile(model, (torch.randn(2, 32),), recipe="rtn-w4g128", progress=False)
-    assert "nothing was quantized" in " ".join(cm.report.passes[0].notes)
+    with pytest.raises(qc.PassError, match="RTN provides QUANTIZED_WEIGHTS, .*nothing was quantized: no unquantized "
+                                           "linear layer inside a transformer block"):
+        qc.compile(model, (torch.randn(2, 32),), recipe="rtn-w4g128", progress=False)
 
 
 def test_lm_head_option_quantizes_the_head_and_leaves_a_tied_embedding_alone():

@@ -66,7 +66,8 @@ def unpack_rows(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
         raise ValueError(f"packed tensor has {packed.shape[0]} rows, expected {words} for {n} values of {bits} bits")
     if 32 % bits == 0:  # 2, 4, 8 bits: whole values per word, one shift and mask in int32
         per_word = 32 // bits
-        shifts = torch.arange(0, 32, bits, dtype=torch.int32, device=packed.device).view(1, per_word, *(1,) * (packed.dim() - 1))
+        shifts = torch.arange(0, 32, bits, dtype=torch.int32, device=packed.device)
+        shifts = shifts.view(1, per_word, *(1,) * (packed.dim() - 1))
         value = (packed.unsqueeze(1) >> shifts) & ((1 << bits) - 1)  # the arithmetic shift's sign bits are masked off
         return value.reshape(n, *packed.shape[1:]).to(torch.int32)
     p = packed.to(torch.int64) & 0xFFFFFFFF

@@ -184,7 +184,8 @@ def spqr_quantize(W: torch.Tensor, H: torch.Tensor, *, bits: int = 3, group_size
         if j % group_size == 0:
             grid[:] = [state.fit(j // group_size, W1[:, i:i + group_size], torch.diagonal(U1)[i:i + group_size])]
         w = W1[:, i]
-        dense[:, j], codes[:, j], outlier[:, j], residual[:, j] = _quantize_column(w, grid[0], bits, U1[i, i].item(), tau)
+        column = _quantize_column(w, grid[0], bits, U1[i, i].item(), tau)
+        dense[:, j], codes[:, j], outlier[:, j], residual[:, j] = column
         return (w - (dense[:, j] + residual[:, j].float())) / U1[i, i]
 
     lazy_sweep(Wp, U, block_size, step)

@@ -15,11 +15,12 @@ from ..atomic import publish_directory
 from ..data import ByteTokenizer
 from ..errors import QCompilerError
 from ..graph import get_tensor
-from ..op_registry import args_of, quantized_layer_path, spec_of
+from ..op_registry import OpArgs, args_of, implementation, quantized_layer_path, spec_of
 from ..ops import GPTQ_TENSORS
 from ..sharding import DEFAULT_SHARD_BYTES, plan_shards, shard_names
 
-__all__ = ["ExportError", "QuantLayer", "quantized_layers", "fp_tensors", "write_checkpoint", "model_config_of",
+__all__ = ["ExportError", "QuantLayer", "layer_writers", "gptq_layer", "fp_tensors", "write_checkpoint",
+           "model_config_of",
            "source_files", "TOKENIZER_FILES"]
 
 
@@ -36,22 +37,30 @@ class QuantLayer:
     group_size: int
 
 
-def quantized_layers(gm: GraphModule, fmt: str) -> list[QuantLayer]:
-    """The ``qc.quant_linear`` layers; any other ``qc`` op is an error naming the layer and the format."""
-    layers = []
+def layer_writers(gm: GraphModule, target: str, fmt: str) -> list[tuple[OpArgs, str, object]]:
+    """``(arguments, layer path, writer)`` for each ``qc`` node, the writer being what ``target``
+    registered for its op; an op the target refuses (or never registered) is an error naming the
+    layer, the format and the reason."""
+    found = []
     for node in gm.graph.nodes:
         if spec_of(node) is None:
             continue
         a = args_of(node)
         path = quantized_layer_path(a)
-        if node.target != torch.ops.qc.quant_linear.default:
-            raise ExportError(f"layer {path} is {node.target}: the {fmt} format holds only weight-only "
-                              f"GPTQ/RTN layers (qc.quant_linear); export this recipe to ONNX or save it with cm.save")
-        tensors = dict(zip(GPTQ_TENSORS, a.tensors(gm, *GPTQ_TENSORS)))
-        layers.append(QuantLayer(path, node, tensors, int(a.bits), int(a.group_size)))
-    if not layers:
-        raise ExportError(f"the graph has no quantized linear layers to write in the {fmt} format")
-    return layers
+        impl = implementation(target, a.spec.name)
+        if impl is None or impl.refusal is not None:
+            why = impl.refusal if impl is not None else "no writer is registered for it"
+            raise ExportError(f"layer {path} is qc.{a.spec.name}: {why}")
+        found.append((a, path, impl.load()))
+    if not found:
+        raise ExportError(f"the graph has no quantized layers to write in the {fmt} format")
+    return found
+
+
+def gptq_layer(gm: GraphModule, a: OpArgs, path: str) -> QuantLayer:
+    """A ``qc.quant_linear`` node's tensors and settings, as GPTQ checkpoints store them."""
+    return QuantLayer(path, a.node, dict(zip(GPTQ_TENSORS, a.tensors(gm, *GPTQ_TENSORS))), int(a.bits),
+                      int(a.group_size))
 
 
 def fp_tensors(gm: GraphModule, consumed: set[str]) -> dict[str, torch.Tensor]:

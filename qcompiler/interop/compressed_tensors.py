@@ -15,10 +15,10 @@ from __future__ import annotations
 import torch
 
 from ..graph import find_linears
-from ..op_registry import OpArgs, args_of, quantized_layer_path, spec_of
+from ..op_registry import OpArgs, implement, refuse, register_target
 from ..ops import GPTQ_TENSORS
 from ..algorithms.packing import unpack_cols
-from .checkpoint import DEFAULT_SHARD_BYTES, ExportError, fp_tensors, model_config_of, write_checkpoint
+from .checkpoint import DEFAULT_SHARD_BYTES, ExportError, fp_tensors, layer_writers, model_config_of, write_checkpoint
 
 __all__ = ["export_compressed_tensors"]
 
@@ -71,7 +71,16 @@ def _int8_layer(gm, a: OpArgs, path: str) -> tuple[dict, dict]:
                      "input_activations": acts}
 
 
-_WRITERS = {torch.ops.qc.quant_linear.default: _gptq_layer, torch.ops.qc.int8_linear.default: _int8_layer}
+register_target("compressed-tensors", "exporter: compressed-tensors checkpoint folders (transformers, vLLM)")
+implement("compressed-tensors", "quant_linear", _gptq_layer, kind="writer", label="pack-quantized")
+implement("compressed-tensors", "int8_linear", _int8_layer, kind="writer", label="int-quantized")
+_NO_FORM = ("compressed-tensors cannot express it (supported: GPTQ/RTN weight-only and W8A8 layers); export this "
+            "recipe to ONNX or save it with cm.save")
+refuse("compressed-tensors", "quant_experts_linear", "mixture-of-experts checkpoints in compressed-tensors are not "
+                                                     "written yet; export this recipe to ONNX or save it with cm.save")
+refuse("compressed-tensors", "spqr_dense_linear", _NO_FORM)
+refuse("compressed-tensors", "sparse_outlier_linear", _NO_FORM)
+refuse("compressed-tensors", "spqr_experts_linear", _NO_FORM)
 
 
 def export_compressed_tensors(cm, out_dir, *, progress=print, overwrite: bool = False,
@@ -80,21 +89,12 @@ def export_compressed_tensors(cm, out_dir, *, progress=print, overwrite: bool = 
     gm = cm.graph_module if hasattr(cm, "graph_module") else cm
     config = model_config_of(gm)
     tensors, groups, consumed = {}, {}, set()
-    for node in gm.graph.nodes:
-        if spec_of(node) is None:
-            continue
-        a = args_of(node)
-        path = quantized_layer_path(a)
-        if node.target not in _WRITERS:
-            raise ExportError(f"layer {path} is {node.target}, which compressed-tensors cannot express "
-                              f"(supported: GPTQ/RTN weight-only and W8A8 layers)")
-        layer_tensors, scheme = _WRITERS[node.target](gm, a, path)
+    for a, path, write in layer_writers(gm, "compressed-tensors", "compressed-tensors"):
+        layer_tensors, scheme = write(gm, a, path)
         tensors.update({f"{path}.{k}": v for k, v in layer_tensors.items()})
         consumed.update(n.target for n in a.stored() if not n.target.endswith(".bias"))
         key = repr(sorted(scheme.items(), key=str))
         groups.setdefault(key, (scheme, []))[1].append(path)
-    if not groups:
-        raise ExportError("the graph has no quantized layers to write in the compressed-tensors format")
     tensors.update(fp_tensors(gm, consumed))
     formats = {scheme["format"] for scheme, _ in groups.values()}
     config_groups = {f"group_{i}": {"targets": sorted(paths), **{k: v for k, v in scheme.items()}}

@@ -22,13 +22,24 @@ import torch
 from safetensors import safe_open
 
 from ..algorithms.packing import unpack_cols
-from ..op_registry import args_of
+from ..op_registry import args_of, implement, refuse, register_target
 from ..ops import GPTQ_TENSORS
-from .checkpoint import (DEFAULT_SHARD_BYTES, ExportError, fp_tensors, model_config_of, quantized_layers,
+from .checkpoint import (DEFAULT_SHARD_BYTES, ExportError, fp_tensors, gptq_layer, layer_writers, model_config_of,
                          write_checkpoint)
 from .gptq_format import read_gptq_checkpoint, zeros_from_v1, zeros_to_v1
 
 __all__ = ["export_gptq", "import_gptq", "zeros_to_v1", "zeros_from_v1"]
+
+register_target("gptq", "exporter: GPTQ checkpoint folders (transformers, GPTQModel, vLLM)")
+implement("gptq", "quant_linear", gptq_layer, kind="writer", label="qweight/qzeros/scales/g_idx")
+_ONLY_GPTQ = ("the GPTQ format holds only weight-only GPTQ/RTN layers (qc.quant_linear); export this recipe to "
+              "ONNX or save it with cm.save")
+refuse("gptq", "quant_experts_linear", "GPTQ checkpoints of mixture-of-experts models are not written yet; "
+                                       "export this recipe to ONNX or save it with cm.save")
+refuse("gptq", "int8_linear", _ONLY_GPTQ)
+refuse("gptq", "spqr_dense_linear", _ONLY_GPTQ)
+refuse("gptq", "sparse_outlier_linear", _ONLY_GPTQ)
+refuse("gptq", "spqr_experts_linear", _ONLY_GPTQ)
 
 
 def _is_act_order(g_idx: torch.Tensor, group_size: int) -> bool:
@@ -44,10 +55,11 @@ def export_gptq(cm, out_dir, *, zero_format: str = "auto", progress=print, overw
         raise ValueError(f"zero_format must be 'auto', 'v1' or 'v2', got {zero_format!r}")
     gm = cm.graph_module if hasattr(cm, "graph_module") else cm
     config = model_config_of(gm)
-    layers = quantized_layers(gm, "GPTQ")
+    layers = [write(gm, a, path) for a, path, write in layer_writers(gm, "gptq", "GPTQ")]
     settings = {(layer.bits, layer.group_size) for layer in layers}
     if len(settings) > 1:
-        raise ExportError(f"a GPTQ checkpoint has one bits/group_size for all layers; this graph mixes {sorted(settings)}")
+        raise ExportError(f"a GPTQ checkpoint has one bits/group_size for all layers; this graph mixes "
+                          f"{sorted(settings)}")
     bits, group_size = settings.pop()
     zero_layers = [layer.path for layer in layers
                    if (unpack_cols(layer.tensors["qzeros"], bits, layer.tensors["scales"].shape[1]) == 0).any()]

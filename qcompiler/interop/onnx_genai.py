@@ -53,7 +53,8 @@ def genai_config(cm) -> dict:
                           f"{cm.capture_info.model_class} has none (an encoder, or captured with use_cache=False)")
     if len(set(layout.heads)) != 1 or len(set(layout.key_dims + layout.value_dims)) != 1:
         raise ExportError(f"onnxruntime-genai needs the same KV heads and head size in every layer; this model has "
-                          f"heads {sorted(set(layout.heads))}, head sizes {sorted(set(layout.key_dims + layout.value_dims))}")
+                          f"heads {sorted(set(layout.heads))}, "
+                          f"head sizes {sorted(set(layout.key_dims + layout.value_dims))}")
     window = cache_window(config)
     context = layout.max_length if window is None else min(layout.max_length, window - 1)
     inputs = {"input_ids": "input_ids", "attention_mask": "attention_mask",

@@ -193,9 +193,10 @@ def _refuse_custom_code(path: Path) -> None:
     if not isinstance(config, dict):
         raise ValueError(f"model folder {path}: config.json is not a JSON object")
     if config.get("auto_map"):
-        raise ValueError(f"model folder {path} ships its own model code (auto_map in config.json); qcompiler never runs "
-                         f"code from a model folder unless told to: pass --trust-remote-code (trust_remote_code=True) "
-                         f"only for a folder you trust, or use an architecture that transformers implements")
+        raise ValueError(f"model folder {path} ships its own model code (auto_map in config.json); qcompiler never "
+                         f"runs code from a model folder unless told to: pass --trust-remote-code "
+                         f"(trust_remote_code=True) only for a folder you trust, or use an architecture that "
+                         f"transformers implements")
 
 
 def _check_loading(path: Path, info: dict) -> None:
