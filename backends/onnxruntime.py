@@ -23,6 +23,7 @@ __all__ = ["prepare_onnxruntime", "session_for"]
 
 
 def session_for(path, *, threads: Optional[int] = None):
+    """An ONNX Runtime CPU session for the model file at ``path`` (``threads`` intra-op threads)."""
     import onnxruntime as ort
 
     options = ort.SessionOptions()

@@ -58,19 +58,16 @@ def model_speed() -> dict:
     import qcompiler as qc
     from qcompiler import models
     from qcompiler.algorithms.gptq import gptq_quantize_reference
-    from qcompiler.weight_only import gptq_layer_quant, quantize_block_linears
+    from qcompiler.weight_only import gptq_layer_quant
 
     @dataclass(frozen=True)
     class ReferenceGPTQ(qc.passes.GPTQ):
         """The same pass, with the straightforward algorithm."""
 
-        def run(self, gm, ctx):
-            def quantize(layer, W, H):
-                res = gptq_quantize_reference(W, H, bits=self.bits, group_size=self.group_size, sym=self.sym,
-                                              act_order=self.act_order, damp=self.damp)
-                return gptq_layer_quant(layer, W, res, self.bits, self.group_size)
-            return quantize_block_linears(gm, ctx, quantize=quantize, true_sequential=self.true_sequential,
-                                          needs_hessian=True)
+        def quantize_layer(self, layer, W, H):
+            res = gptq_quantize_reference(W, H, bits=self.bits, group_size=self.group_size, sym=self.sym,
+                                          act_order=self.act_order, damp=self.damp)
+            return gptq_layer_quant(layer, W, res, self.bits, self.group_size)
 
     loaded = models.load("tinylm")
     calib = loaded.calibration(32, 256)

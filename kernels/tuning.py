@@ -37,6 +37,7 @@ def runtime_problem(device: torch.device) -> Optional[str]:
 
 
 def check_activation(kernel: str, x: torch.Tensor) -> None:
+    """Raise UnsupportedKernel when ``x``'s dtype or device is one ``kernel`` cannot take."""
     if x.dtype not in ACTIVATION_DTYPES:
         raise UnsupportedKernel(f"{kernel}: {x.dtype} activations are not supported "
                                 f"(supported: float16, bfloat16, float32)")

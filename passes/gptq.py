@@ -10,19 +10,33 @@ import weakref
 from dataclasses import dataclass
 from typing import ClassVar
 
-from torch.fx import GraphModule
+import torch
 
 from qcompiler.errors import QuantizationError
 from qcompiler.algorithms.gptq import check_spec, gptq_quantize, hessian_factor, rtn_quantize
-from qcompiler.layer_filter import check_patterns
-from qcompiler.pass_base import GraphProperty, Pass, PassContext
-from qcompiler.weight_only import gptq_experts, gptq_layer_quant, quantize_block_linears
+from qcompiler.weight_only import gptq_experts, gptq_layer_quant
+from qcompiler.weight_quantizer import WeightQuantizer
 
 __all__ = ["GPTQ"]
 
+# q/k/v and gate/up get the same Hessian object: one factor for all of them, kept only while that
+# Hessian lives (a down_proj's H and factor, 2 x 67 MB at width 4096, would otherwise stay through
+# the next block's calibration). id(H) -> {(damp, act_order): factor}.
+_FACTORS: dict[int, dict] = {}
+
+
+def _factor(H: torch.Tensor, damp: float, act_order: bool):
+    if id(H) not in _FACTORS:
+        _FACTORS[id(H)] = {}
+        weakref.finalize(H, _FACTORS.pop, id(H), None)
+    per_setting = _FACTORS[id(H)]
+    if (damp, act_order) not in per_setting:
+        per_setting[(damp, act_order)] = hessian_factor(H, damp, act_order)
+    return per_setting[(damp, act_order)]
+
 
 @dataclass(frozen=True)
-class GPTQ(Pass):
+class GPTQ(WeightQuantizer):
     """Replaces each linear inside a transformer block with ``qc.quant_linear`` holding its GPTQ weight."""
 
     bits: int = 4
@@ -36,36 +50,35 @@ class GPTQ(Pass):
     lm_head: bool = False         # also the output head, by RTN on the same grid (it has no block Hessian)
     ignore: tuple[str, ...] = ()  # module paths kept in full precision: globs, or 're:' + a regex
 
-    requires: ClassVar = frozenset()
-    provides: ClassVar = frozenset({GraphProperty.QUANTIZED_WEIGHTS})
-    noop_after: ClassVar = frozenset({GraphProperty.QUANTIZED_WEIGHTS, GraphProperty.INT8_LOWERED})
+    requires = frozenset()
+    provides = WeightQuantizer.provides
     needs_calibration: ClassVar = True
+    needs_hessian: ClassVar = True
 
     def __post_init__(self):
         check_spec(self.bits, self.group_size)
-        object.__setattr__(self, "ignore", check_patterns(self.name, self.ignore))
+        super().__post_init__()
         if not 0 < self.damp < 1:
             raise QuantizationError(f"damp must be in (0, 1), got {self.damp}")
         if self.block_size < 1:
             raise QuantizationError(f"block_size must be positive, got {self.block_size}")
 
-    def run(self, gm: GraphModule, ctx: PassContext) -> bool:
-        # q/k/v and gate/up get the same Hessian object: one factor for all of them, kept only
-        # while that Hessian lives (a down_proj's H and factor, 2 x 67 MB at width 4096, would
-        # otherwise stay through the next block's calibration)
-        factors: dict[int, object] = {}
+    def quantize_layer(self, layer, W, H):
+        """GPTQ on one layer, with the factor of its (shared) Hessian computed once."""
+        res = gptq_quantize(W, H, bits=self.bits, group_size=self.group_size, sym=self.sym,
+                            act_order=self.act_order, static_groups=self.static_groups, damp=self.damp,
+                            block_size=self.block_size, factor=_factor(H, self.damp, self.act_order))
+        return gptq_layer_quant(layer, W, res, self.bits, self.group_size)
 
-        def quantize(layer, W, H):
-            if id(H) not in factors:
-                factors[id(H)] = hessian_factor(H, self.damp, self.act_order)
-                weakref.finalize(H, factors.pop, id(H), None)
-            res = gptq_quantize(W, H, bits=self.bits, group_size=self.group_size, sym=self.sym,
-                                act_order=self.act_order, static_groups=self.static_groups,
-                                damp=self.damp, block_size=self.block_size, factor=factors[id(H)])
-            return gptq_layer_quant(layer, W, res, self.bits, self.group_size)
-        def head(layer, W, H):
-            res = rtn_quantize(W, bits=self.bits, group_size=self.group_size, sym=self.sym)
-            return gptq_layer_quant(layer, W, res, self.bits, self.group_size)
-        return quantize_block_linears(gm, ctx, quantize=quantize, true_sequential=self.true_sequential,
-                                      needs_hessian=True, head=head if self.lm_head else None, ignore=self.ignore,
-                                      experts=gptq_experts(head))
+    def _rtn(self, layer, W, H):
+        """The head and experts no calibration row reached: RTN on the same grid."""
+        res = rtn_quantize(W, bits=self.bits, group_size=self.group_size, sym=self.sym)
+        return gptq_layer_quant(layer, W, res, self.bits, self.group_size)
+
+    def head_quantizer(self):
+        """The head is quantized by RTN on the same grid when ``lm_head`` is set."""
+        return self._rtn if self.lm_head else None
+
+    def experts_format(self):
+        """Experts in the GPTQ layout; an expert no calibration row reached is quantized by RTN."""
+        return gptq_experts(self._rtn)

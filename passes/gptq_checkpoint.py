@@ -36,6 +36,7 @@ class LoadGPTQCheckpoint(Pass):
             raise QuantizationError("LoadGPTQCheckpoint(folder=...) needs the checkpoint folder")
 
     def run(self, gm: GraphModule, ctx: PassContext) -> bool:
+        """Swap each linear the checkpoint holds for ``qc.quant_linear`` with the checkpoint's packed tensors."""
         ckpt = read_gptq_checkpoint(self.folder)
         layers = {layer.path: layer for layer in find_linears(gm)}
         unknown = sorted(set(ckpt.layers) - set(layers))

@@ -47,9 +47,11 @@ class LowerInt8(Pass):
 
     @property
     def needs_calibration(self) -> bool:
+        """Static activation scales come from calibration data; dynamic ones need none."""
         return self.activations == "static_per_tensor"
 
     def run(self, gm: GraphModule, ctx: PassContext) -> bool:
+        """Replace each block linear with ``qc.int8_linear`` (int8 weights per channel, int8 activations)."""
         candidates = [layer for layer in find_linears(gm) if block_of(layer.path) is not None]
         report_unmatched(self.name, self.ignore, [layer.path for layer in candidates], ctx.record.notes)
         layers = []

@@ -6,20 +6,15 @@ error feedback. Same grid, groups and storage as GPTQ, so the two differ only in
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
-
-from torch.fx import GraphModule
-
 from qcompiler.algorithms.gptq import check_spec, rtn_quantize
-from qcompiler.layer_filter import check_patterns
-from qcompiler.pass_base import GraphProperty, Pass, PassContext
-from qcompiler.weight_only import gptq_experts, gptq_layer_quant, quantize_block_linears
+from qcompiler.weight_only import gptq_experts, gptq_layer_quant
+from qcompiler.weight_quantizer import WeightQuantizer
 
 __all__ = ["RTN"]
 
 
 @dataclass(frozen=True)
-class RTN(Pass):
+class RTN(WeightQuantizer):
     """Replaces each linear inside a transformer block with ``qc.quant_linear`` holding its RTN weight."""
 
     bits: int = 4
@@ -28,19 +23,23 @@ class RTN(Pass):
     lm_head: bool = False         # also the output head (RTN), as onnxruntime-genai's int4 builder does
     ignore: tuple[str, ...] = ()  # module paths kept in full precision: globs, or 're:' + a regex
 
-    requires: ClassVar = frozenset()
-    provides: ClassVar = frozenset({GraphProperty.QUANTIZED_WEIGHTS})
-    noop_after: ClassVar = frozenset({GraphProperty.QUANTIZED_WEIGHTS, GraphProperty.INT8_LOWERED})
+    requires = frozenset()
+    provides = WeightQuantizer.provides
 
     def __post_init__(self):
         check_spec(self.bits, self.group_size)
-        object.__setattr__(self, "ignore", check_patterns(self.name, self.ignore))
+        super().__post_init__()
 
-    def run(self, gm: GraphModule, ctx: PassContext) -> bool:
+    def quantize_layer(self, layer, W, H):
+        """Round-to-nearest on the min-max grid of each group."""
         # With calibration data the report gets each layer's output error on it; without, none.
-        def quantize(layer, W, H):
-            res = rtn_quantize(W, bits=self.bits, group_size=self.group_size, sym=self.sym)
-            return gptq_layer_quant(layer, W, res, self.bits, self.group_size)
-        return quantize_block_linears(gm, ctx, quantize=quantize, true_sequential=False, needs_hessian=False,
-                                      head=quantize if self.lm_head else None, ignore=self.ignore,
-                                      experts=gptq_experts(quantize))
+        res = rtn_quantize(W, bits=self.bits, group_size=self.group_size, sym=self.sym)
+        return gptq_layer_quant(layer, W, res, self.bits, self.group_size)
+
+    def head_quantizer(self):
+        """The head is quantized like the block layers when ``lm_head`` is set."""
+        return self.quantize_layer if self.lm_head else None
+
+    def experts_format(self):
+        """Experts in the GPTQ layout, each expert rounded like a layer."""
+        return gptq_experts(self.quantize_layer)

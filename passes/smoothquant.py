@@ -45,6 +45,7 @@ class SmoothQuant(Pass):
             raise QuantizationError(f"alpha must be in [0, 1] or 'auto', got {self.alpha!r}")
 
     def run(self, gm: GraphModule, ctx: PassContext) -> bool:
+        """Fold per-channel smoothing scales into each producer group's norm or previous linear."""
         record = ctx.record
         all_layers = find_linears(gm)
         engine = CalibrationEngine.for_pass(gm, ctx)

@@ -17,14 +17,14 @@ from torch.fx import GraphModule
 
 from qcompiler.errors import QuantizationError
 from qcompiler.graph import LinearLayer, aten, set_tensor
-from qcompiler.layer_filter import check_patterns
 from qcompiler.op_registry import args_of, call_op
 from qcompiler.ops import SPQR_DENSE_TENSORS, to_csr
 from qcompiler.algorithms.packing import pack_cols, pack_rows
-from qcompiler.pass_base import GraphProperty, Pass, PassContext
+from qcompiler.pass_base import GraphProperty
 from qcompiler.algorithms.spqr import SpQRResult, check_spqr_spec, spqr_quantize
 from qcompiler.folding import replace_linear
-from qcompiler.weight_only import ExpertsFormat, LayerQuant, check_packable, quantize_block_linears
+from qcompiler.weight_only import ExpertsFormat, LayerQuant, check_packable
+from qcompiler.weight_quantizer import WeightQuantizer
 
 __all__ = ["SpQR", "pack_spqr"]
 
@@ -53,7 +53,7 @@ def _top_columns(mask: torch.Tensor, k: int = 3) -> str:
 
 
 @dataclass(frozen=True)
-class SpQR(Pass):
+class SpQR(WeightQuantizer):
     """Replaces each block linear with a dense low-bit SpQR op plus a sparse fp16 outlier op, summed."""
 
     bits: int = 3
@@ -68,13 +68,13 @@ class SpQR(Pass):
     true_sequential: bool = True
     ignore: tuple[str, ...] = ()  # module paths kept in full precision: globs, or 're:' + a regex
 
-    requires: ClassVar = frozenset()
-    provides: ClassVar = frozenset({GraphProperty.QUANTIZED_WEIGHTS, GraphProperty.OUTLIERS_SPLIT})
-    noop_after: ClassVar = frozenset({GraphProperty.QUANTIZED_WEIGHTS, GraphProperty.INT8_LOWERED})
+    requires = frozenset()
+    provides = frozenset({GraphProperty.QUANTIZED_WEIGHTS, GraphProperty.OUTLIERS_SPLIT})
     needs_calibration: ClassVar = True
+    needs_hessian: ClassVar = True
 
     def __post_init__(self):
-        object.__setattr__(self, "ignore", check_patterns(self.name, self.ignore))
+        super().__post_init__()
         if self.stat_bits is None:  # the algorithm allows fp16 statistics; the stored layout does not
             raise QuantizationError("SpQR(stat_bits=None): the SpQR pass stores quantized group statistics; "
                                     "choose stat_bits 2, 3, 4 or 8 (fp16 statistics exist only in "
@@ -106,28 +106,31 @@ class SpQR(Pass):
                 lo = mid
         return best
 
-    def run(self, gm: GraphModule, ctx: PassContext) -> bool:
-        def quantize(layer: LinearLayer, W: torch.Tensor, H: torch.Tensor) -> LayerQuant:
-            check_packable(layer, W, self.bits)
-            if W.shape[1] < self.group_size or W.shape[0] < self.stat_group_size:
-                raise QuantizationError(f"layer {layer.path} ({W.shape[0]}x{W.shape[1]}) is narrower than one "
-                                        f"group ({self.group_size} columns, {self.stat_group_size} rows)")
-            if self.outlier_fraction is None:
-                res, tau = self._quantize(W, H, self.outlier_threshold), self.outlier_threshold
-            else:
-                res, tau = self._within_budget(W, H)
-            tensors = pack_spqr(res, self.bits, self.stat_bits)
-            figures = {"bits": self.bits, "bits_per_weight": stored_bits(tensors) / W.numel(),
-                       "outlier_fraction": res.outliers.float().mean().item(), "tau": tau,
-                       "top_outlier_columns": _top_columns(res.outliers), "damp": res.damp,
-                       "damp_steps": res.damp_steps}
-            return LayerQuant(res.dequantized, figures, tensors,
-                              lambda gm, layer, stored: self._rewrite(gm, layer, stored, W.shape[0]))
-        def no_tokens(layer: LinearLayer, W: torch.Tensor, H: None) -> LayerQuant:
-            return quantize(layer, W, torch.eye(W.shape[1], device=W.device))
-        experts = ExpertsFormat(self._stack_experts, no_tokens, "SpQR on an identity Hessian")
-        return quantize_block_linears(gm, ctx, quantize=quantize, true_sequential=self.true_sequential,
-                                      needs_hessian=True, ignore=self.ignore, experts=experts)
+    def quantize_layer(self, layer: LinearLayer, W: torch.Tensor, H: torch.Tensor) -> LayerQuant:
+        """SpQR on one layer: dense low-bit codes with bi-level statistics plus fp16 outliers."""
+        check_packable(layer, W, self.bits)
+        if W.shape[1] < self.group_size or W.shape[0] < self.stat_group_size:
+            raise QuantizationError(f"layer {layer.path} ({W.shape[0]}x{W.shape[1]}) is narrower than one "
+                                    f"group ({self.group_size} columns, {self.stat_group_size} rows)")
+        if self.outlier_fraction is None:
+            res, tau = self._quantize(W, H, self.outlier_threshold), self.outlier_threshold
+        else:
+            res, tau = self._within_budget(W, H)
+        tensors = pack_spqr(res, self.bits, self.stat_bits)
+        figures = {"bits": self.bits, "bits_per_weight": stored_bits(tensors) / W.numel(),
+                   "outlier_fraction": res.outliers.float().mean().item(), "tau": tau,
+                   "top_outlier_columns": _top_columns(res.outliers), "damp": res.damp,
+                   "damp_steps": res.damp_steps}
+        out_features = W.shape[0]
+        return LayerQuant(res.dequantized, figures, tensors,
+                          lambda gm, layer, stored: self._rewrite(gm, layer, stored, out_features))
+
+    def _no_tokens(self, layer: LinearLayer, W: torch.Tensor, H: None) -> LayerQuant:
+        return self.quantize_layer(layer, W, torch.eye(W.shape[1], device=W.device))
+
+    def experts_format(self) -> ExpertsFormat:
+        """Experts as one ``qc.spqr_experts_linear``; an expert without tokens gets an identity Hessian."""
+        return ExpertsFormat(self._stack_experts, self._no_tokens, "SpQR on an identity Hessian")
 
     def _stack_experts(self, results: list[LayerQuant]) -> tuple[str, dict, dict]:
         """``qc.spqr_experts_linear``: the dense tensors stacked per expert; the outliers of all

@@ -11,13 +11,14 @@ from .pass_contract import run_checked as run_pass
 from .pass_manager import PassManager
 from .recipes import Recipe, get_recipe, list_recipes, register_recipe
 from .report import Report
+from .weight_quantizer import WeightQuantizer
 
 from . import passes  # noqa: E402  (qcompiler.passes, mapped from the top-level passes/ folder)
 
 __version__ = "0.1.0"
 
 __all__ = ["capture", "compile", "load", "CompiledModel", "Pass", "PassContext", "PassRecord", "PassResult",
-           "GraphProperty",
-           "PassManager", "run_pass", "Recipe", "get_recipe", "list_recipes", "register_recipe", "Report", "passes",
+           "GraphProperty", "PassManager", "run_pass", "WeightQuantizer", "Recipe", "get_recipe", "list_recipes",
+           "register_recipe", "Report", "passes",
            "ops", "QCompilerError", "CaptureError", "PipelineError", "PassError", "GraphLintError",
            "RecipeError", "BackendError", "CalibrationError", "QuantizationError"]

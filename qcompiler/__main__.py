@@ -21,6 +21,7 @@ from qcompiler.quality import QualityJudge
 
 
 def main(argv=None) -> int:
+    """``python -m qcompiler``: the bundled demo, or the command line when given a command."""
     ap = argparse.ArgumentParser(prog="python -m qcompiler", description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="tinylm", help="tinylm | minilm | path to a Hugging Face model folder")
     ap.add_argument("--recipe", default="gptq-w4g128", help="built-in recipe name (see --list)")

@@ -172,6 +172,7 @@ def file_names(manifest: dict) -> list[str]:
 
 
 def read_manifest(path) -> dict:
+    """The artifact's ``manifest.json``, checked for format, version and plain file names."""
     path = Path(path)
     file = path / MANIFEST
     if not file.is_file():

@@ -73,6 +73,7 @@ def atomic_file(path, suffix: str = "") -> Iterator[Path]:
 
 
 def write_text_atomically(path, text: str) -> None:
+    """Write ``text`` to ``path`` through a temporary file and a rename (no half-written file)."""
     with atomic_file(path) as tmp:
         tmp.write_text(text)
 

@@ -99,6 +99,7 @@ class LayerStats:
         return None if total is None or self.rows == 0 else 2.0 * float(total) / self.rows
 
     def add(self, x: torch.Tensor) -> None:
+        """Accumulate one batch of input rows ``x`` [rows, in]."""
         for chunk in float_row_chunks(x.reshape(-1, self.in_features)):
             self._add_rows(chunk)
 

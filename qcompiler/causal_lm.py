@@ -43,22 +43,26 @@ class CacheLayout:
     uses_position_ids: bool
 
     def to_dict(self) -> dict:
+        """The layout as JSON-safe data (saved in the capture info)."""
         return asdict(self)
 
     @classmethod
     def from_dict(cls, data: dict) -> "CacheLayout":
+        """The layout :meth:`to_dict` wrote."""
         return cls(int(data["layers"]), tuple(map(int, data["heads"])), tuple(map(int, data["key_dims"])),
                    tuple(map(int, data["value_dims"])), str(data["dtype"]), int(data["max_length"]),
                    bool(data["uses_position_ids"]))
 
     @property
     def torch_dtype(self) -> torch.dtype:
+        """The cache tensors' dtype."""
         dtype = getattr(torch, self.dtype, None)
         if not isinstance(dtype, torch.dtype):
             raise CaptureError(f"unknown cache dtype {self.dtype!r}")
         return dtype
 
     def empty_past(self, batch: int, length: int = 0) -> tuple[torch.Tensor, ...]:
+        """Zero cache tensors for ``batch`` rows and ``length`` past positions."""
         past = []
         for h, kd, vd in zip(self.heads, self.key_dims, self.value_dims):
             past += [torch.zeros(batch, h, length, kd, dtype=self.torch_dtype),

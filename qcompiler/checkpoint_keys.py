@@ -27,6 +27,7 @@ class Converted:
     sources: dict[str, list[str]]      # its source pattern -> checkpoint keys, in expert order
 
     def keys(self) -> list[str]:
+        """The checkpoint keys this parameter is read from."""
         return [k for keys in self.sources.values() for k in keys]
 
     def build(self, read, model: Optional[torch.nn.Module] = None) -> torch.Tensor:

@@ -46,6 +46,7 @@ class CompiledModel:
 
     @property
     def capture_info(self) -> CaptureInfo:
+        """What capture recorded about the model (class, call signature, config, cache layout)."""
         return self.graph_module.meta["qcompiler"]
 
     @property

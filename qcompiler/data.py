@@ -30,10 +30,12 @@ class ByteTokenizer:
     vocab_size = 256
 
     def encode(self, text: str) -> torch.Tensor:
+        """Token ids (one per UTF-8 byte) of ``text``."""
         data = text.encode("utf-8")
         return torch.frombuffer(bytearray(data), dtype=torch.uint8).long() if data else torch.zeros(0, dtype=torch.long)
 
     def decode(self, ids) -> str:
+        """The text of byte token ids (invalid UTF-8 replaced)."""
         return bytes(int(i) for i in ids).decode("utf-8", errors="replace")
 
     def save_pretrained(self, folder) -> list[str]:

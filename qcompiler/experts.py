@@ -45,6 +45,7 @@ class ExpertLinear:
     weight_user: Node          # the matmul's weight argument: the transpose, or weight_node itself
 
     def stored(self, gm: GraphModule) -> torch.Tensor:
+        """The stored 3-D expert weight (read from disk when streamed)."""
         return get_tensor(gm, self.weight_node.target)
 
     def expert_weight(self, stored: torch.Tensor, e: int) -> torch.Tensor:
@@ -52,19 +53,23 @@ class ExpertLinear:
         return stored[e] if self.transposed else stored[e].t()
 
     def expert_path(self, e: int) -> str:
+        """The report name of expert ``e``: ``{path}.{e}``."""
         return f"{self.path}.{e}"
 
     @property
     def num_experts(self) -> int:
+        """How many experts the parameter stacks."""
         return self.weight_node.meta["val"].shape[0]
 
     @property
     def in_features(self) -> int:
+        """Input width of one expert matrix."""
         shape = self.weight_node.meta["val"].shape
         return shape[2] if self.transposed else shape[1]
 
     @property
     def out_features(self) -> int:
+        """Output width of one expert matrix."""
         shape = self.weight_node.meta["val"].shape
         return shape[1] if self.transposed else shape[2]
 

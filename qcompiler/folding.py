@@ -20,16 +20,19 @@ SMOOTH_META = "qc_smooth_inv"  # marks an explicit 1/s multiply node; value: its
 
 
 def replace_tensor(gm: GraphModule, target: str, tensor: torch.Tensor) -> None:
+    """Store ``tensor`` at ``target`` (a new tensor: the user's parameters are never modified in place)."""
     old = get_tensor(gm, target)
     set_tensor(gm, target, tensor.to(old.dtype).contiguous(), parameter=isinstance(old, torch.nn.Parameter))
 
 
 def scale_input_columns(gm: GraphModule, layer: LinearLayer, s: torch.Tensor) -> None:
+    """Multiply ``layer``'s weight columns by ``s`` (the consumer side of a smoothing scale)."""
     w = get_tensor(gm, layer.weight_node.target).detach()
     replace_tensor(gm, layer.weight_node.target, w * s.unsqueeze(1) if layer.transposed else w * s)
 
 
 def scale_output_rows(gm: GraphModule, layer: LinearLayer, inv: torch.Tensor) -> None:
+    """Multiply ``layer``'s output rows (and bias) by ``inv`` (a producer absorbing ``1/s``)."""
     w = get_tensor(gm, layer.weight_node.target).detach()
     replace_tensor(gm, layer.weight_node.target, w * inv if layer.transposed else w * inv.unsqueeze(1))
     if layer.bias_node is not None:
@@ -37,6 +40,7 @@ def scale_output_rows(gm: GraphModule, layer: LinearLayer, inv: torch.Tensor) ->
 
 
 def insert_smoothing_multiply(gm: GraphModule, consumers: list[LinearLayer], inv: torch.Tensor, label: str) -> None:
+    """Put an explicit ``x * inv`` before ``consumers`` when no producer can absorb it."""
     target = f"{label}.smooth_inv_scale" if label else "smooth_inv_scale"
     set_tensor(gm, target, inv.float())
     made = {}

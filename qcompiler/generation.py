@@ -18,6 +18,7 @@ __all__ = ["SamplingConfig", "generate_tokens", "sample_next", "timed_generation
 
 @dataclass(frozen=True)
 class SamplingConfig:
+    """How the next token is chosen: greedy, or sampled with temperature / top-k / top-p (checked here)."""
     do_sample: bool = False
     temperature: float = 1.0
     top_k: int = 0          # 0: no top-k cut

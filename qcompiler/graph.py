@@ -123,10 +123,12 @@ class LinearLayer:
         return w.t() if self.transposed else w
 
     def bias(self, gm: GraphModule) -> Optional[torch.Tensor]:
+        """The layer's bias tensor, or None."""
         return None if self.bias_node is None else get_tensor(gm, self.bias_node.target)
 
     @property
     def in_features(self) -> int:
+        """The layer's input width."""
         return self.weight_node.meta["val"].shape[0 if self.transposed else 1] \
             if "val" in self.weight_node.meta else -1
 

@@ -23,6 +23,7 @@ __all__ = ["short", "is_identifier", "check_identifier", "check_dotted", "checke
 
 
 def short(value: Any) -> str:
+    """``value`` as a short printable string for error messages."""
     text = repr(value)
     return text if len(text) <= 80 else text[:77] + "..."
 
@@ -34,12 +35,14 @@ def is_identifier(text: Any) -> bool:
 
 
 def check_identifier(text: Any, what: str) -> str:
+    """``text`` if it is a Python identifier, else an ArtifactError naming ``what``."""
     if not is_identifier(text):
         raise ArtifactError(f"refusing to load {what} {short(text)}: not a plain identifier")
     return text
 
 
 def check_dotted(text: Any, what: str) -> str:
+    """``text`` if it is a dotted path of identifiers, else an ArtifactError naming ``what``."""
     if not isinstance(text, str) or not all(is_identifier(p) or re.fullmatch(r"[0-9]+", p) for p in text.split(".")):
         raise ArtifactError(f"refusing to load {what} {short(text)}: not a dotted name of identifiers")
     return text

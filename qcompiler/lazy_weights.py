@@ -74,6 +74,7 @@ class Checkpoint:
         return next(iter(self.float_dtypes), torch.float32)
 
     def read(self, key: str, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+        """The tensor stored under ``key`` (cast to ``dtype`` when given)."""
         with safe_open(self.file_of[key], framework="pt") as f:
             tensor = f.get_tensor(key)
         return tensor if dtype is None else tensor.to(dtype)
@@ -87,6 +88,7 @@ class Checkpoint:
         return tensor if dtype is None else tensor.to(dtype)
 
     def shape_of_entry(self, entry: Entry) -> tuple:
+        """The shape an entry's tensor has once read (several keys stacked for MoE experts)."""
         if not isinstance(entry, Converted):
             return self.shape_of[entry]
         return tuple(entry.build(lambda key: torch.empty(self.shape_of[key], device="meta")).shape)
@@ -162,6 +164,7 @@ class LazySource:
     dtypes: dict[str, torch.dtype] = field(default_factory=dict)
 
     def read(self, target: str) -> torch.Tensor:
+        """The real tensor behind the placeholder at graph target ``target``."""
         return self.checkpoint.read_entry(self.keys[target], self.dtypes[target])
 
 
@@ -184,6 +187,7 @@ def attach(gm: GraphModule, model: torch.nn.Module) -> None:
 
 
 def lazy_source(gm: GraphModule) -> Optional[LazySource]:
+    """The streamed-weights source of ``gm``, or None for a fully loaded model."""
     return gm.meta.get(LAZY_META_KEY)
 
 

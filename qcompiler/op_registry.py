@@ -55,13 +55,16 @@ class OpSpec:
 
     @property
     def overload(self) -> torch._ops.OpOverload:
+        """The ``torch.ops.qc`` overload graph nodes call."""
         return getattr(torch.ops.qc, self.name).default
 
     @property
     def params(self) -> tuple[str, ...]:
+        """The op's argument names, in schema order."""
         return tuple(a.name for a in self.overload._schema.arguments)
 
     def defaults(self) -> dict[str, Any]:
+        """The arguments that have defaults, with them."""
         return {a.name: a.default_value for a in self.overload._schema.arguments if a.has_default_value()}
 
 
@@ -90,6 +93,7 @@ class OpArgs:
         raise AttributeError("OpArgs is read-only; build a new node with call_op")
 
     def as_dict(self) -> dict[str, Any]:
+        """Every argument by name."""
         return dict(self._values)
 
     def tensor(self, gm: GraphModule, name: str) -> torch.Tensor:
@@ -100,6 +104,7 @@ class OpArgs:
         return get_tensor(gm, arg.target)
 
     def tensors(self, gm: GraphModule, *names: str) -> tuple[torch.Tensor, ...]:
+        """The stored tensors behind several arguments, in the order named."""
         return tuple(self.tensor(gm, n) for n in names)
 
     def stored(self) -> list[Node]:
@@ -179,6 +184,7 @@ def storage_ops() -> list[OpSpec]:
 
 
 def spec(name: str) -> OpSpec:
+    """The spec of ``qc.{name}``, or an error listing the registered ops."""
     try:
         return _SPECS[name]
     except KeyError:
@@ -186,6 +192,7 @@ def spec(name: str) -> OpSpec:
 
 
 def registered() -> dict[str, OpSpec]:
+    """Every registered op spec by name."""
     return dict(_SPECS)
 
 
@@ -197,6 +204,7 @@ def spec_of(node: Node) -> Optional[OpSpec]:
 
 
 def args_of(node: Node) -> OpArgs:
+    """``node``'s arguments by name (a ValueError if it is not a registered ``qc`` op)."""
     op_spec = spec_of(node)
     if op_spec is None:
         raise ValueError(f"node {node.name} ({node.target}) is not a registered qc op")

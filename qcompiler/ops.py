@@ -40,10 +40,12 @@ class GPTQWeight(NamedTuple):
 
     @property
     def in_features(self) -> int:
+        """Input width of the packed weight."""
         return self.g_idx.numel()
 
     @property
     def out_features(self) -> int:
+        """Output width of the packed weight."""
         return self.scales.shape[1]
 
 

@@ -57,6 +57,7 @@ def properties_of(gm: GraphModule) -> frozenset[GraphProperty]:
 
 
 def record_properties(gm: GraphModule, props) -> None:
+    """Record ``props`` as the properties that hold on ``gm``."""
     gm.meta[PROPERTIES_META] = sorted(p.value for p in props)
 
 

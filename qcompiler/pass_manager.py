@@ -39,6 +39,7 @@ class PassManager:
 
     def validate(self, *, has_calibration: bool,
                  initial: frozenset[GraphProperty] = frozenset({GraphProperty.CAPTURED})) -> None:
+        """Check the whole list before anything runs: requirements, no-op orders, calibration data."""
         have = set(initial)
         for i, p in enumerate(self.passes):
             missing = [r for r in p.requires if r not in have]

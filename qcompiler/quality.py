@@ -20,6 +20,7 @@ __all__ = ["QualityJudge"]
 
 @dataclass
 class QualityJudge:
+    """Scores a model on held-out data the same way for every recipe (perplexity or embedding cosine)."""
     loaded: LoadedModel
     max_windows: int = 512          # held-out windows of 256 bytes for perplexity (131k tokens)
     sentences: int = 256            # held-out sentences for embedding fidelity
@@ -27,10 +28,12 @@ class QualityJudge:
 
     @property
     def metric(self) -> str:
+        """The metric's name."""
         return "perplexity" if self.loaded.kind == "causal-lm" else "cosine"
 
     @property
     def higher_is_better(self) -> bool:
+        """Whether a larger score is better (cosine) or worse (perplexity)."""
         return self.metric == "cosine"
 
     def _embed(self, model: Callable) -> torch.Tensor:

@@ -17,6 +17,7 @@ __all__ = ["Recipe", "register_recipe", "get_recipe", "list_recipes"]
 
 @dataclass(frozen=True)
 class Recipe:
+    """A named, ordered list of passes."""
     name: str
     passes: tuple[Pass, ...]
     description: str = ""
@@ -31,6 +32,7 @@ def register_recipe(name: str, description: str, factory: Callable[[], Sequence[
 
 
 def get_recipe(name: str) -> Recipe:
+    """The built-in or registered recipe ``name`` (fresh pass instances), or an error suggesting a name."""
     _register_builtins()
     if name not in _REGISTRY:
         close = difflib.get_close_matches(name, _REGISTRY, n=1)
@@ -41,6 +43,7 @@ def get_recipe(name: str) -> Recipe:
 
 
 def list_recipes() -> list[Recipe]:
+    """Every registered recipe."""
     _register_builtins()
     return [get_recipe(name) for name in _REGISTRY]
 

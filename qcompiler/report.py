@@ -16,9 +16,11 @@ def _fmt(value) -> str:
 
 @dataclass
 class Report:
+    """What every pass did, in order (``cm.report``)."""
     passes: list[PassRecord] = field(default_factory=list)
 
     def to_dict(self) -> dict:
+        """The report as JSON-safe data (saved in artifacts)."""
         return {"passes": [asdict(p) for p in self.passes]}
 
     def layer_table(self, pass_name: str | None = None) -> list[dict]:

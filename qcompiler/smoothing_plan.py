@@ -27,6 +27,7 @@ __all__ = ["SmoothingPlan", "plan_smoothing"]
 
 @dataclass
 class SmoothingPlan:
+    """Where one producer group's ``1/s`` goes: a norm, a previous linear, or an explicit multiply."""
     form: str                          # "norm" | "linear" | "explicit" | "none"
     reason: str
     norm: Optional[NormInfo] = None

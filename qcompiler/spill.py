@@ -33,4 +33,5 @@ class Spill:
         return lambda: load_file(str(path))
 
     def close(self) -> None:
+        """Delete the spill file."""
         self._folder.cleanup()

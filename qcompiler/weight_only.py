@@ -61,6 +61,7 @@ class UnpackableLayer(QuantizationError):
 
 
 def check_packable(layer: LinearLayer, W: torch.Tensor, bits: int) -> None:
+    """Raise UnpackableLayer when the packed layout cannot hold ``W`` at ``bits``."""
     for dim, size in (("in_features", W.shape[1]), ("out_features", W.shape[0])):
         try:
             packed_length(size, bits)
@@ -236,22 +237,23 @@ class _BlockQuantizer:
         return bool(self.done or self.experts_done)
 
 
-def quantize_block_linears(gm: GraphModule, ctx: PassContext, *, quantize: QuantizeFn,
-                           true_sequential: bool, needs_hessian: bool, head: Optional[QuantizeFn] = None,
-                           ignore: tuple[str, ...] = (), experts: Optional[ExpertsFormat] = None) -> bool:
-    """Quantize every linear inside a transformer block, and the output head with ``head`` when
-    given (it sees no Hessian: RTN); returns True if any layer was quantized.
+def quantize_block_linears(gm: GraphModule, ctx: PassContext, quantizer) -> bool:
+    """The walk of a ``WeightQuantizer`` (``weight_quantizer.py``): quantize every linear inside a
+    transformer block with ``quantizer.quantize_layer``, and the output head with its
+    ``head_quantizer()`` when it has one (it sees no Hessian: RTN); returns True if any layer was
+    quantized.
 
     Mixture-of-experts 3-D expert parameters are quantized expert by expert, each from the rows
-    the router sent it, and stored as ``experts`` says; an expert that received no calibration
-    rows is quantized by ``experts.no_tokens`` and named in a note. Without ``experts`` they stay
-    in full precision, with a note.
+    the router sent it, and stored as ``quantizer.experts_format()`` says; an expert that received
+    no calibration rows is quantized by its ``no_tokens`` and named in a note. Without a format
+    they stay in full precision, with a note.
 
     Layers are solved on ``ctx.device`` (one at a time: only that layer's weight, Hessian and result
     are there); what is stored goes back to where the graph's weights live."""
-    walk = _BlockQuantizer(gm, ctx, quantize, experts, ignore)
+    ignore, head = quantizer.ignored, quantizer.head_quantizer()
+    walk = _BlockQuantizer(gm, ctx, quantizer.quantize_layer, quantizer.experts_format(), ignore)
     if ctx.calibration is None:
-        if needs_hessian:
+        if quantizer.needs_hessian:
             raise QuantizationError("calibration data is required")
         for layer in find_linears(gm):  # nothing runs the graph: no need to store what stands for the codes
             if block_of(layer.path) is not None:
@@ -260,7 +262,7 @@ def quantize_block_linears(gm: GraphModule, ctx: PassContext, *, quantize: Quant
             if block_of(expert.path) is not None:
                 walk.experts(expert, None, store=False)
     else:
-        _calibrated_walk(walk, CalibrationEngine.for_pass(gm, ctx), true_sequential)
+        _calibrated_walk(walk, CalibrationEngine.for_pass(gm, ctx), quantizer)
     if head is not None:  # not stored back: a tied embedding keeps reading the FP weight
         heads = [layer for layer in find_linears(gm) if is_output_head(layer.path)]
         if not heads:
@@ -278,13 +280,15 @@ def quantize_block_linears(gm: GraphModule, ctx: PassContext, *, quantize: Quant
     return False
 
 
-def _calibrated_walk(walk: _BlockQuantizer, engine: CalibrationEngine, true_sequential: bool) -> None:
-    """Block by block: collect the inputs' statistics, solve, move on with the quantized weights."""
+def _calibrated_walk(walk: _BlockQuantizer, engine: CalibrationEngine, quantizer) -> None:
+    """Block by block: the quantizer's ``before_block``, collect the inputs' statistics, solve,
+    ``after_block``, move on with the quantized weights."""
     previous: list[Node] = []
     for seg in engine.blocks():
         _release(walk.gm, previous)  # the previous block has run with them: nothing reads them again
+        quantizer.before_block(walk.gm, seg, engine, walk.ctx)
         first, first_expert = len(walk.done), len(walk.experts_done)
-        for group in (seg.sibling_groups() if true_sequential else [seg.linears]):
+        for group in (seg.sibling_groups() if quantizer.sequential_groups else [seg.linears]):
             if not group:
                 continue
             start = time.perf_counter()
@@ -299,6 +303,7 @@ def _calibrated_walk(walk: _BlockQuantizer, engine: CalibrationEngine, true_sequ
             del stats, st  # nothing of this collect lives into the next one
         for expert in seg.experts:  # one at a time: down_proj sees the quantized gate_up_proj
             walk.experts(expert, engine.collect(seg, [], experts=[expert]) if walk.experts_format else None)
+        quantizer.after_block(walk.gm, seg, walk.ctx)
         previous = [layer.weight_node for layer in seg.linears if layer.path in walk.record.layers] + \
                    [expert.weight_node for expert, *_ in walk.experts_done[first_expert:]]  # quantized, not skipped
         walk.block_done(first, first_expert)

@@ -153,3 +153,27 @@ def test_lm_head_option_quantizes_the_head_and_leaves_a_tied_embedding_alone():
     a, b = main_output(plain(**inputs)), main_output(head(**inputs))
     assert not torch.equal(a, b)                                  # the head really is 4-bit now
     assert ((b - a).norm() / a.norm()).item() < 0.2                # and its 4-bit error is bounded
+
+
+def test_weight_quantizer_hooks_run_around_each_blocks_solves():
+    """before_block sees the block's inputs (its engine collects them) before any layer of the block
+    is solved; after_block follows the solves; the walk and report are the base's."""
+    from dataclasses import dataclass
+
+    calls = []
+
+    @dataclass(frozen=True)
+    class Hooked(qc.passes.RTN):
+        def before_block(self, gm, block, engine, ctx):
+            stats = engine.collect(block, block.linears[:1], hessian=False)
+            calls.append(("before", block.name, sum(p.startswith(block.name + ".") for p in ctx.record.layers),
+                          len(stats)))
+
+        def after_block(self, gm, block, ctx):
+            calls.append(("after", block.name, sum(p.startswith(block.name + ".") for p in ctx.record.layers), 0))
+
+    cm = qc.compile(make_model("llama"), example_inputs("llama"), recipe=[Hooked(bits=4, group_size=32)],
+                    calibration=calib(), progress=False)
+    assert calls == [("before", "model.layers.0", 0, 1), ("after", "model.layers.0", 7, 0),
+                     ("before", "model.layers.1", 0, 1), ("after", "model.layers.1", 7, 0)]
+    assert len(cm.report.passes[0].layers) == 14

@@ -23,6 +23,7 @@ __all__ = ["QuantResult", "HessianFactor", "hessian_factor", "check_spec", "inve
 
 
 class QuantResult(NamedTuple):
+    """One quantized matrix: codes, per-group grid, column groups, its dequantized value, damping used."""
     codes: torch.Tensor        # int32 [out, in], original column order
     scales: torch.Tensor       # float32 [groups, out] (fp16-representable)
     zeros: torch.Tensor        # float32 [groups, out] (integers)
@@ -35,6 +36,7 @@ class QuantResult(NamedTuple):
 
 
 def check_spec(bits: int, group_size: int) -> None:
+    """Refuse bit widths and group sizes the packed layout and kernels cannot hold."""
     if bits not in SUPPORTED_BITS:
         raise QuantizationError(f"bits={bits} is not supported; choose one of {SUPPORTED_BITS}")
     if group_size != -1 and group_size < 1:
@@ -125,6 +127,7 @@ class HessianFactor(NamedTuple):
 
 
 def hessian_factor(H: torch.Tensor, damp: float, act_order: bool) -> HessianFactor:
+    """The damped Hessian's inverse Cholesky factor (act-order permuted), shared by layers reading one input."""
     H, dead, perm = _condition(H, act_order)
     U, damp_used, steps = inverse_hessian_cholesky(H, damp)
     return HessianFactor(dead, perm, U, damp_used, steps, damp_used * torch.diagonal(H).mean().item())

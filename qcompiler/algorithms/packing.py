@@ -84,4 +84,5 @@ def pack_cols(codes: torch.Tensor, bits: int) -> torch.Tensor:
 
 
 def unpack_cols(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
+    """The ``n`` codes per row that :func:`pack_cols` packed along the last dim."""
     return unpack_rows(packed.t(), bits, n).t().contiguous()

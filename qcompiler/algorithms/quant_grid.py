@@ -15,6 +15,7 @@ __all__ = ["Grid", "fit_grid", "quantize", "dequantize_codes", "fake_quantize"]
 
 
 class Grid(NamedTuple):
+    """An affine quantization grid: ``value = scale * (code - zero)``."""
     scale: torch.Tensor  # [rows, 1] float32 holding fp16-representable values
     zero: torch.Tensor   # [rows, 1] float32 holding integers in [0, 2^bits)
 
@@ -45,6 +46,7 @@ def quantize(w: torch.Tensor, grid: Grid, bits: int) -> torch.Tensor:
 
 
 def dequantize_codes(q: torch.Tensor, grid: Grid) -> torch.Tensor:
+    """The values that integer codes ``q`` stand for on ``grid``."""
     return grid.scale * (q.float() - grid.zero)
 
 

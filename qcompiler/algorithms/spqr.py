@@ -31,6 +31,7 @@ __all__ = ["SpQRResult", "spqr_quantize", "spqr_quantize_reference", "leave_one_
 
 
 class SpQRResult(NamedTuple):
+    """One SpQR layer: dense codes and quantized statistics, outlier mask and values, dequantized weight."""
     codes: torch.Tensor         # int32 [out, in] weight codes, permuted column order
     scale_codes: torch.Tensor   # int32 [groups, out] (stat_bits) — or None-like empty when unquantized
     zero_codes: torch.Tensor    # int32 [groups, out]
@@ -49,6 +50,7 @@ class SpQRResult(NamedTuple):
 
 
 def check_spqr_spec(bits: int, group_size: int, stat_bits: Optional[int], stat_group_size: int) -> None:
+    """Refuse SpQR settings the stored layout cannot hold."""
     if bits not in (2, 3, 4, 8):
         raise QuantizationError(f"bits={bits} is not supported; choose 2, 3, 4 or 8")
     if group_size < 2:

@@ -30,6 +30,7 @@ class ExportError(QCompilerError):
 
 @dataclass
 class QuantLayer:
+    """One GPTQ-layout layer as a checkpoint stores it."""
     path: str                      # HF module path, e.g. "model.layers.0.self_attn.q_proj"
     node: Node
     tensors: dict[str, torch.Tensor]
@@ -74,6 +75,7 @@ def fp_tensors(gm: GraphModule, consumed: set[str]) -> dict[str, torch.Tensor]:
 
 
 def model_config_of(gm: GraphModule) -> dict:
+    """The transformers config the capture recorded (a checkpoint needs it), or an error."""
     info = gm.meta.get("qcompiler")
     config = getattr(info, "model_config", None)
     if not config:

