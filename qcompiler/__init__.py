@@ -15,10 +15,10 @@ from .weight_quantizer import WeightQuantizer
 
 from . import passes  # noqa: E402  (qcompiler.passes, mapped from the top-level passes/ folder)
 
-__version__ = "0.1.0"
+from .version import __version__  # noqa: E402
 
-__all__ = ["capture", "compile", "load", "CompiledModel", "Pass", "PassContext", "PassRecord", "PassResult",
-           "GraphProperty", "PassManager", "run_pass", "WeightQuantizer", "Recipe", "get_recipe", "list_recipes",
-           "register_recipe", "Report", "passes",
-           "ops", "QCompilerError", "CaptureError", "PipelineError", "PassError", "GraphLintError",
-           "RecipeError", "BackendError", "CalibrationError", "QuantizationError"]
+__all__ = ["__version__", "capture", "compile", "load", "CompiledModel", "Pass", "PassContext", "PassRecord",
+           "PassResult", "GraphProperty", "PassManager", "run_pass", "WeightQuantizer", "Recipe", "get_recipe",
+           "list_recipes", "register_recipe", "Report", "passes", "ops", "QCompilerError", "CaptureError",
+           "PipelineError", "PassError", "GraphLintError", "RecipeError", "BackendError", "CalibrationError",
+           "QuantizationError"]

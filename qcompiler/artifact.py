@@ -38,6 +38,7 @@ from .recipe_files import recipe_from_dict
 from .recipes import Recipe
 from .report import Report
 from .sharding import DEFAULT_SHARD_BYTES, plan_shards, shard_names
+from .version import __version__
 
 __all__ = ["save", "read", "StoredModel", "read_manifest", "role_files", "report_from_manifest", "ArtifactError",
            "MANIFEST"]
@@ -97,7 +98,7 @@ def save(cm, path, *, metadata: Optional[dict] = None, overwrite: bool = False, 
     manifest = {
         "format": FORMAT, "version": VERSION if len(names) == 1 else SHARDED_VERSION,
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "versions": {"qcompiler": _version(), "torch": torch.__version__},
+        "versions": {"qcompiler": __version__, "torch": torch.__version__},
         "recipe": {"name": cm.recipe.name, "description": cm.recipe.description,
                    "passes": [{"pass": pass_name(type(p)), "config_version": p.config_version,
                                **_json_safe(p.config())} for p in cm.recipe.passes]},
@@ -363,8 +364,3 @@ def _restore_properties(gm, manifest: dict, where) -> None:
         record_properties(gm, [GraphProperty(n) for n in names])
     except ValueError:
         raise ArtifactError(f"{where}: unknown graph property in {names!r}") from None
-
-
-def _version() -> str:
-    from . import __version__
-    return __version__

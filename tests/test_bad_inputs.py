@@ -39,6 +39,8 @@ def inputs(tmp_path_factory):
     text("bad.yaml", "passes: [\n")
     text("typo.yaml", "passes:\n  - pass: GPTQ\n    group_sise: 64\n")
     text("bits.yaml", "passes:\n  - pass: RTN\n    bits: '4'\n")
+    text("nopass.yaml", "passes:\n  - pass: not_installed_anywhere:MyPass\n")
+    text("ignoreall.yaml", "passes:\n  - pass: RTN\n    ignore: ['*']\n")
     text("bomb.yaml", BOMB)
     text("huge.yaml", "#" * (2 << 20))
     text("recipe.json", "{}")
@@ -144,6 +146,8 @@ CLI_ROWS = [
     ("recipe: huge file", ["quantize", "bundled:tinylm", "--recipe", "{huge_yaml}", "--out", "{root}/o"], 2, "limited to"),
     ("recipe: wrong extension", ["quantize", "bundled:tinylm", "--recipe", "{recipe_json}", "--out", "{root}/o"], 2, ".toml file"),
     ("recipe: missing file", ["quantize", "bundled:tinylm", "--recipe", "{root}/no.yaml", "--out", "{root}/o"], 2, "does not exist"),
+    ("recipe: user pass not importable", ["quantize", "bundled:tinylm", "--recipe", "{nopass_yaml}", "--out", "{root}/o"], 2, "cannot import module 'not_installed_anywhere'"),
+    ("recipe: quantizes nothing", ["quantize", "bundled:tinylm", "--recipe", "{ignoreall_yaml}", "--samples", "2", "--out", "{root}/o"], 2, "RTN provides QUANTIZED_WEIGHTS"),
     # model folders
     ("model: missing folder", ["quantize", "{root}/nothing", "--out", "{root}/o"], 2, "does not exist"),
     ("model: no config.json", ["quantize", "{nocfg}", "--out", "{root}/o"], 2, "no config.json"),
