@@ -19,6 +19,7 @@ created, then renamed into place): a failed export leaves nothing behind.
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import logging
 import os
@@ -97,8 +98,19 @@ def _register_contrib_schemas() -> None:
 
 
 def _translation(op: str, label: str) -> None:
-    """``op`` is translated to ONNX by the function of the same name in :func:`_translation_table`."""
-    implement("onnx", op, load=lambda: op, kind="translation", label=label)
+    """``op`` is translated to ONNX by the function of the same name in :func:`_onnx_functions`;
+    its implementation's ``load()`` gives ``translate(accuracy_level)`` -> that onnxscript function."""
+    implement("onnx", op, load=lambda: functools.partial(_translate, op), kind="translation", label=label)
+
+
+def _translate(op: str, accuracy_level: int):
+    return _onnx_functions(accuracy_level)[op]
+
+
+def _translation_table(accuracy_level: int) -> dict:
+    """``{op overload: onnxscript function}`` for every op registered as translated."""
+    return {spec(name).overload: impl.load()(accuracy_level)
+            for name, impl in implementations("onnx", kind="translation").items()}
 
 
 _translation("int8_linear", "MatMulInteger with per-token scales")
@@ -110,8 +122,9 @@ _translation("experts_gathered_outlier_linear", "Gather + MatMul per expert")
 _translation("kv_cache_attention", "com.microsoft::GroupQueryAttention")
 
 
-def _translation_table(accuracy_level: int) -> dict:
-    """``{op overload: onnxscript function}`` for every op registered as translated."""
+@functools.lru_cache(maxsize=None)
+def _onnx_functions(accuracy_level: int) -> dict:
+    """The onnxscript function of each translated op, by op name (built once per accuracy level)."""
     import onnxscript
     from onnxscript import opset18 as op
 
@@ -221,7 +234,7 @@ def _translation_table(accuracy_level: int) -> dict:
         return op.Transpose(out, perm=[0, 2, 1, 3]), present_key, present_value
 
     functions = locals()
-    return {spec(op).overload: functions[op] for op in implementations("onnx", kind="translation")}
+    return {name: functions[name] for name in implementations("onnx", kind="translation")}
 
 
 def _static_dim(value, dim: int) -> int:

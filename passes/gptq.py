@@ -13,8 +13,8 @@ from typing import ClassVar
 import torch
 
 from qcompiler.errors import QuantizationError
-from qcompiler.algorithms.gptq import check_spec, gptq_quantize, hessian_factor, rtn_quantize
-from qcompiler.weight_only import gptq_experts, gptq_layer_quant
+from qcompiler.algorithms.gptq import check_spec, gptq_quantize, hessian_factor
+from qcompiler.weight_only import gptq_experts, gptq_layer_quant, rtn_layer_quant
 from qcompiler.weight_quantizer import WeightQuantizer
 
 __all__ = ["GPTQ"]
@@ -72,8 +72,7 @@ class GPTQ(WeightQuantizer):
 
     def _rtn(self, layer, W, H):
         """The head and experts no calibration row reached: RTN on the same grid."""
-        res = rtn_quantize(W, bits=self.bits, group_size=self.group_size, sym=self.sym)
-        return gptq_layer_quant(layer, W, res, self.bits, self.group_size)
+        return rtn_layer_quant(layer, W, self.bits, self.group_size, self.sym)
 
     def head_quantizer(self):
         """The head is quantized by RTN on the same grid when ``lm_head`` is set."""

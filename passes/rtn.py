@@ -6,8 +6,9 @@ error feedback. Same grid, groups and storage as GPTQ, so the two differ only in
 from __future__ import annotations
 
 from dataclasses import dataclass
-from qcompiler.algorithms.gptq import check_spec, rtn_quantize
-from qcompiler.weight_only import gptq_experts, gptq_layer_quant
+
+from qcompiler.algorithms.gptq import check_spec
+from qcompiler.weight_only import gptq_experts, rtn_layer_quant
 from qcompiler.weight_quantizer import WeightQuantizer
 
 __all__ = ["RTN"]
@@ -33,8 +34,7 @@ class RTN(WeightQuantizer):
     def quantize_layer(self, layer, W, H):
         """Round-to-nearest on the min-max grid of each group."""
         # With calibration data the report gets each layer's output error on it; without, none.
-        res = rtn_quantize(W, bits=self.bits, group_size=self.group_size, sym=self.sym)
-        return gptq_layer_quant(layer, W, res, self.bits, self.group_size)
+        return rtn_layer_quant(layer, W, self.bits, self.group_size, self.sym)
 
     def head_quantizer(self):
         """The head is quantized like the block layers when ``lm_head`` is set."""

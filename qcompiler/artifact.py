@@ -32,7 +32,7 @@ from .graph_format import ArtifactError, graph_from_data, graph_to_data
 from .errors import RecipeError
 from .op_registry import spec_of
 from .pass_base import GraphProperty, PassRecord
-from .pass_contract import properties_of, record_properties
+from .pass_contract import properties_of, record_properties, witnesses
 from .pass_registry import pass_name, resolve_pass
 from .recipe_files import recipe_from_dict
 from .recipes import Recipe
@@ -358,7 +358,6 @@ def _restore_properties(gm, manifest: dict, where) -> None:
     """The graph properties the artifact's passes established (older artifacts: from their ops)."""
     names = manifest.get("properties")
     if names is None:
-        from .pass_contract import witnesses
         names = ["captured", *(p.value for p in witnesses(gm))]
     try:
         record_properties(gm, [GraphProperty(n) for n in names])

@@ -176,7 +176,8 @@ def evaluate(target: str = typer.Argument(..., help="an artifact folder, or a mo
 
 @app.command()
 def export(artifact: Path = typer.Argument(..., help="artifact folder written by 'quantize'"),
-           format: ExportFormat = typer.Option(..., "--format"),
+           format: ExportFormat = typer.Option(..., "--format", help="; ".join(
+               f"{name}: {export_format(name).description}" for name in export_format_names())),
            dest: Path = typer.Option(..., "--out", help="file (onnx) or folder (onnx-genai, gptq, compressed-tensors)"),
            zero_format: str = typer.Option("auto", help="gptq only: auto | v1 | v2 zero points"),
            max_shard_gb: float = typer.Option(5.0, help="gptq, compressed-tensors: safetensors shard size (GiB)"),

@@ -18,7 +18,7 @@ from .calibration import CalibrationEngine
 from .errors import QuantizationError
 from .experts import ExpertLinear, find_expert_linears
 from .algorithms.finite import all_finite
-from .algorithms.gptq import QuantResult, output_error
+from .algorithms.gptq import QuantResult, output_error, rtn_quantize
 from .folding import replace_experts, replace_linear
 from .graph import LinearLayer, block_of, find_linears, is_router, set_tensor
 from .layer_filter import ignore_reason, report_unmatched
@@ -28,7 +28,7 @@ from .pass_base import PassContext
 from .spill import Spill
 
 __all__ = ["LayerQuant", "ExpertsFormat", "quantize_block_linears", "is_output_head", "gptq_layer_quant",
-           "gptq_experts", "check_packable", "UnpackableLayer"]
+           "rtn_layer_quant", "gptq_experts", "check_packable", "UnpackableLayer"]
 
 
 class LayerQuant(NamedTuple):
@@ -326,6 +326,12 @@ def gptq_layer_quant(layer: LinearLayer, W: torch.Tensor, res: QuantResult, bits
                        lambda x, a: dict(x=x, **a, bias=layer.bias_node, bits=stored_bits, group_size=stored_group))
     return LayerQuant(res.dequantized, figures, {f: getattr(packed, f) for f in GPTQ_TENSORS},
                       rewrite, packed, res.damped_error)
+
+
+def rtn_layer_quant(layer: LinearLayer, W: torch.Tensor, bits: int, group_size: int, sym: bool) -> LayerQuant:
+    """Round-to-nearest on the GPTQ grid, stored like GPTQ: RTN's layers, and GPTQ's head and its
+    experts that no calibration row reached."""
+    return gptq_layer_quant(layer, W, rtn_quantize(W, bits=bits, group_size=group_size, sym=sym), bits, group_size)
 
 
 def gptq_experts(no_tokens: QuantizeFn) -> ExpertsFormat:

@@ -9,7 +9,7 @@ import torch
 import qcompiler as qc
 import qcompiler.backends.onnx_export  # noqa: F401  (registers the ONNX translations)
 import qcompiler.interop  # noqa: F401  (registers the checkpoint writers)
-from qcompiler.op_registry import implementation, registered, storage_ops, targets
+from qcompiler.op_registry import implementation, implementations, registered, storage_ops, targets
 from tiny_models import example_inputs, make_model
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -34,7 +34,10 @@ def test_implementations_load_to_callables():
         for op in storage_ops():
             impl = implementation(target, op.name)
             if impl.refusal is None:
-                assert callable(impl.load()) or target == "onnx", (target, op.name)
+                assert callable(impl.load()), (target, op.name)
+    # an ONNX translation loads to translate(accuracy_level) -> the onnxscript function
+    for name, impl in implementations("onnx", kind="translation").items():
+        assert callable(impl.load()(0)), name
 
 
 def _per_op_tables(path: pathlib.Path, op_names: set[str], root: pathlib.Path = ROOT) -> list[str]:
