@@ -1,16 +1,22 @@
 """Backends: each turns a (quantized) GraphModule into something that runs."""
+
 from __future__ import annotations
 
 from typing import Callable
 
+from qcompiler.backends.eager import prepare_eager
+from qcompiler.backends.onnxruntime import prepare_onnxruntime
+from qcompiler.backends.triton import prepare_triton
 from qcompiler.errors import BackendError
 
-from .eager import prepare_eager
-from .onnxruntime import prepare_onnxruntime
-from .triton import prepare_triton
-
-__all__ = ["get_backend", "available_backends", "register_backend", "prepare_eager", "prepare_onnxruntime",
-           "prepare_triton"]
+__all__ = [
+    "get_backend",
+    "available_backends",
+    "register_backend",
+    "prepare_eager",
+    "prepare_onnxruntime",
+    "prepare_triton",
+]
 
 # name -> prepare(gm, example_inputs, **options) -> callable like the original model
 _BACKENDS: dict[str, Callable] = {}

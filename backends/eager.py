@@ -1,4 +1,5 @@
 """The eager backend: runs the graph as is, each ``qc`` op through its plain-torch reference."""
+
 from __future__ import annotations
 
 from torch.fx import GraphModule

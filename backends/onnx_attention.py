@@ -17,6 +17,7 @@ exactly transformers'. The node runs with ``seqlens_k = T - 1`` and ``query_seql
 every row: then its ``present`` is exactly ``cat([past, new])`` for left-padded batches and for
 batched chunks with a past (checked against the eager graph in tests/test_causal_lm.py).
 """
+
 from __future__ import annotations
 
 import operator
@@ -28,8 +29,8 @@ import torch
 from torch import Tensor
 from torch.fx import Graph, GraphModule, Node
 
-from qcompiler.graph import module_path
-from qcompiler.op_registry import OpSpec, call_op, register
+from qcompiler.ir.graph import module_path
+from qcompiler.ir.op_registry import OpSpec, call_op, register
 
 __all__ = ["kv_cache_attention", "fuse_kv_cache_attention"]
 
@@ -39,8 +40,9 @@ _CAT = aten.cat.default
 
 
 @torch.library.custom_op("qc::kv_cache_attention", mutates_args=())
-def kv_cache_attention(query: Tensor, key: Tensor, value: Tensor, past_key: Tensor, past_value: Tensor,
-                       bias: Tensor, scale: float) -> tuple[Tensor, Tensor, Tensor]:
+def kv_cache_attention(
+    query: Tensor, key: Tensor, value: Tensor, past_key: Tensor, past_value: Tensor, bias: Tensor, scale: float
+) -> tuple[Tensor, Tensor, Tensor]:
     """``(sdpa(query, K, V, bias, scale), K, V)`` with ``K = cat([past_key, key], 2)`` (same for V)
     and the KV heads shared by consecutive query heads, as transformers' ``repeat_kv``.
 
@@ -49,14 +51,18 @@ def kv_cache_attention(query: Tensor, key: Tensor, value: Tensor, past_key: Tens
     keys, values = torch.cat([past_key, key], 2), torch.cat([past_value, value], 2)
     rep = query.shape[1] // keys.shape[1]
     out = torch.nn.functional.scaled_dot_product_attention(
-        query, keys.repeat_interleave(rep, 1), values.repeat_interleave(rep, 1), attn_mask=bias, scale=scale)
+        query, keys.repeat_interleave(rep, 1), values.repeat_interleave(rep, 1), attn_mask=bias, scale=scale
+    )
     return out, keys, values
 
 
 @kv_cache_attention.register_fake
 def _kv_cache_attention_fake(query, key, value, past_key, past_value, bias, scale):
-    return (query.new_empty((*query.shape[:3], value.shape[3])), torch.cat([past_key, key], 2),
-            torch.cat([past_value, value], 2))
+    return (
+        query.new_empty((*query.shape[:3], value.shape[3])),
+        torch.cat([past_key, key], 2),
+        torch.cat([past_value, value], 2),
+    )
 
 
 register(OpSpec("kv_cache_attention", export_only="onnx"))  # export-only (the artifact writer refuses it)
@@ -66,7 +72,7 @@ register(OpSpec("kv_cache_attention", export_only="onnx"))  # export-only (the a
 class _Match:
     sdpa: Node
     query: Node
-    key_cache: Node    # cat([past_key, key], 2)
+    key_cache: Node  # cat([past_key, key], 2)
     value_cache: Node
     mask: Node
     scale: float
@@ -107,16 +113,21 @@ def _cache_behind(node, query_heads: int) -> Optional[Node]:
         if not (isinstance(expand, Node) and expand.target == aten.expand.default):
             return None
         unsqueeze = _through_slices(expand.args[0])
-        if not (isinstance(unsqueeze, Node) and unsqueeze.target == aten.unsqueeze.default
-                and unsqueeze.args[1] == 2):
+        if not (isinstance(unsqueeze, Node) and unsqueeze.target == aten.unsqueeze.default and unsqueeze.args[1] == 2):
             return None
         cache = _through_slices(unsqueeze.args[0])
         grouped, out = _shape(expand), _shape(node)
         if grouped is None or out is None or len(grouped) != 5 or len(out) != 4:
             return None
         b, kv, rep, t, d = grouped
-        if not (isinstance(kv, int) and isinstance(rep, int) and kv * rep == out[1] == query_heads
-                and _same_size(out[0], b) and _same_size(out[2], t) and _same_size(out[3], d)):
+        if not (
+            isinstance(kv, int)
+            and isinstance(rep, int)
+            and kv * rep == out[1] == query_heads
+            and _same_size(out[0], b)
+            and _same_size(out[2], t)
+            and _same_size(out[3], d)
+        ):
             return None
         node = cache
     if not (isinstance(node, Node) and node.target == _CAT and len(node.args[0]) == 2):
@@ -128,8 +139,10 @@ def _cache_behind(node, query_heads: int) -> Optional[Node]:
 
 def _returned(node: Node, outputs: set[Node], depth: int = 4) -> bool:
     """``node`` is a graph output, or slices of it are (a sliding-window cache keeps its last W - 1)."""
-    return node in outputs or (depth > 0 and any(
-        user.target == aten.slice.Tensor and _returned(user, outputs, depth - 1) for user in node.users))
+    return node in outputs or (
+        depth > 0
+        and any(user.target == aten.slice.Tensor and _returned(user, outputs, depth - 1) for user in node.users)
+    )
 
 
 def _match(node: Node, outputs: set[Node]) -> tuple[Optional[_Match], str]:
@@ -148,10 +161,17 @@ def _match(node: Node, outputs: set[Node]) -> tuple[Optional[_Match], str]:
     if not all(_returned(c, outputs) for c in caches):
         return None, "the concatenated keys/values are not returned as the present cache"
     k_shape, v_shape = _shape(caches[0]), _shape(caches[1])
-    if not (isinstance(k_shape[1], int) and k_shape[1] == v_shape[1] and heads % k_shape[1] == 0
-            and k_shape[3] == v_shape[3] == head_size):
-        return None, f"KV heads {k_shape[1]}/{v_shape[1]} or head sizes {k_shape[3]}/{v_shape[3]} do not fit " \
-                     f"{heads} query heads of size {head_size}"
+    if not (
+        isinstance(k_shape[1], int)
+        and k_shape[1] == v_shape[1]
+        and heads % k_shape[1] == 0
+        and k_shape[3] == v_shape[3] == head_size
+    ):
+        return (
+            None,
+            f"KV heads {k_shape[1]}/{v_shape[1]} or head sizes {k_shape[3]}/{v_shape[3]} do not fit "
+            f"{heads} query heads of size {head_size}",
+        )
     new_shapes = [_shape(c.args[0][1]) for c in caches]
     if any(n is None or not _same_size(n[2], q_shape[2]) for n in new_shapes):
         return None, "the new keys/values do not have the query's length (not self-attention over the cache)"
@@ -162,15 +182,25 @@ def _match(node: Node, outputs: set[Node]) -> tuple[Optional[_Match], str]:
     if m_shape is None or len(m_shape) != 4 or m_shape[1] not in (1, heads):
         return None, f"mask shape {m_shape} is not [batch or 1, 1 or heads, sequence, total]"
     scale = args.get("scale")
-    return _Match(node, args["query"], caches[0], caches[1], mask,
-                  float(scale) if scale is not None else head_size ** -0.5), ""
+    return _Match(
+        node, args["query"], caches[0], caches[1], mask, float(scale) if scale is not None else head_size**-0.5
+    ), ""
 
 
 def _fuse(graph: Graph, m: _Match, bias: Node) -> None:
     (past_key, new_key), (past_value, new_value) = m.key_cache.args[0], m.value_cache.args[0]
     with graph.inserting_before(m.sdpa):
-        fused = call_op(graph, "kv_cache_attention", query=m.query, key=new_key, value=new_value,
-                        past_key=past_key, past_value=past_value, bias=bias, scale=m.scale)
+        fused = call_op(
+            graph,
+            "kv_cache_attention",
+            query=m.query,
+            key=new_key,
+            value=new_value,
+            past_key=past_key,
+            past_value=past_value,
+            bias=bias,
+            scale=m.scale,
+        )
         out, present_key, present_value = (graph.call_function(operator.getitem, (fused, i)) for i in range(3))
     fused.meta["nn_module_stack"] = m.sdpa.meta.get("nn_module_stack", {})
     fused.meta["val"] = (m.sdpa.meta.get("val"), m.key_cache.meta.get("val"), m.value_cache.meta.get("val"))

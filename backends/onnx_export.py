@@ -16,6 +16,7 @@ Op mapping (ORT contrib ops live in the ``com.microsoft`` domain, version 1):
 The file is written atomically (temporary file, full ``onnx.checker`` check, an ORT session
 created, then renamed into place): a failed export leaves nothing behind.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -33,20 +34,18 @@ import onnx
 import torch
 from torch.fx import GraphModule
 
-from qcompiler import causal_lm
-from qcompiler.capture import dynamic_shapes_for
+from qcompiler.backends.onnx_attention import fuse_kv_cache_attention
+from qcompiler.backends.onnx_layout import lower_for_onnx
 from qcompiler.errors import BackendError
-
-from qcompiler.op_registry import implement, implementations, spec
-
-from .onnx_attention import fuse_kv_cache_attention
-from .onnx_layout import lower_for_onnx
+from qcompiler.frontend import causal_lm
+from qcompiler.frontend.capture import dynamic_shapes_for
+from qcompiler.ir.op_registry import implement, implementations, spec
 
 __all__ = ["export_onnx", "ONNX_OPSET", "MSFT_OPSET", "default_accuracy_level"]
 
 ONNX_OPSET = 18
 MSFT_OPSET = 1
-_TWO_GB = 2 * 1024 ** 3
+_TWO_GB = 2 * 1024**3
 
 
 def default_accuracy_level() -> int:
@@ -67,31 +66,74 @@ def _register_contrib_schemas() -> None:
     P, opt = OpSchema.FormalParameter, OpSchema.FormalParameterOption.Optional
     A = OpSchema.Attribute
     floats = ["tensor(float)", "tensor(float16)", "tensor(bfloat16)"]
-    gqa_inputs = [("query", "T"), ("key", "T"), ("value", "T"), ("past_key", "T"), ("past_value", "T"),
-                  ("seqlens_k", "M"), ("total_sequence_length", "M"), ("cos_cache", "T"), ("sin_cache", "T"),
-                  ("position_ids", "P"), ("attention_bias", "T"), ("head_sink", "T"), ("k_scale", "F"),
-                  ("v_scale", "F"), ("q_norm_weight", "T"), ("k_norm_weight", "T"), ("query_seqlens", "M")]
+    gqa_inputs = [
+        ("query", "T"),
+        ("key", "T"),
+        ("value", "T"),
+        ("past_key", "T"),
+        ("past_value", "T"),
+        ("seqlens_k", "M"),
+        ("total_sequence_length", "M"),
+        ("cos_cache", "T"),
+        ("sin_cache", "T"),
+        ("position_ids", "P"),
+        ("attention_bias", "T"),
+        ("head_sink", "T"),
+        ("k_scale", "F"),
+        ("v_scale", "F"),
+        ("q_norm_weight", "T"),
+        ("k_norm_weight", "T"),
+        ("query_seqlens", "M"),
+    ]
     required = {"query", "seqlens_k", "total_sequence_length"}
     gqa = OpSchema(  # the subset of ORT's schema we use: float caches, no quantization
-        "GroupQueryAttention", "com.microsoft", MSFT_OPSET,
-        inputs=[P(name, t, param_option=OpSchema.FormalParameterOption.Single if name in required else opt)
-                for name, t in gqa_inputs],
+        "GroupQueryAttention",
+        "com.microsoft",
+        MSFT_OPSET,
+        inputs=[
+            P(name, t, param_option=OpSchema.FormalParameterOption.Single if name in required else opt)
+            for name, t in gqa_inputs
+        ],
         outputs=[P("output", "T"), P("present_key", "T"), P("present_value", "T")],
-        type_constraints=[("T", floats, ""), ("M", ["tensor(int32)"], ""), ("P", ["tensor(int64)"], ""),
-                          ("F", ["tensor(float)"], "")],
-        attributes=[A("num_heads", OpSchema.AttrType.INT, ""), A("kv_num_heads", OpSchema.AttrType.INT, ""),
-                    A("scale", OpSchema.AttrType.FLOAT, "", required=False)])
+        type_constraints=[
+            ("T", floats, ""),
+            ("M", ["tensor(int32)"], ""),
+            ("P", ["tensor(int64)"], ""),
+            ("F", ["tensor(float)"], ""),
+        ],
+        attributes=[
+            A("num_heads", OpSchema.AttrType.INT, ""),
+            A("kv_num_heads", OpSchema.AttrType.INT, ""),
+            A("scale", OpSchema.AttrType.FLOAT, "", required=False),
+        ],
+    )
     nbits = OpSchema(
-        "MatMulNBits", "com.microsoft", MSFT_OPSET,
-        inputs=[P("A", "T1"), P("B", "T2"), P("scales", "T1"), P("zero_points", "T3", param_option=opt),
-                P("g_idx", "T4", param_option=opt), P("bias", "T1", param_option=opt)],
+        "MatMulNBits",
+        "com.microsoft",
+        MSFT_OPSET,
+        inputs=[
+            P("A", "T1"),
+            P("B", "T2"),
+            P("scales", "T1"),
+            P("zero_points", "T3", param_option=opt),
+            P("g_idx", "T4", param_option=opt),
+            P("bias", "T1", param_option=opt),
+        ],
         outputs=[P("Y", "T1")],
-        type_constraints=[("T1", ["tensor(float)", "tensor(float16)"], ""), ("T2", ["tensor(uint8)"], ""),
-                          ("T3", ["tensor(uint8)", "tensor(float)", "tensor(float16)"], ""),
-                          ("T4", ["tensor(int32)"], "")],
-        attributes=[A("K", OpSchema.AttrType.INT, ""), A("N", OpSchema.AttrType.INT, ""),
-                    A("bits", OpSchema.AttrType.INT, ""), A("block_size", OpSchema.AttrType.INT, ""),
-                    A("accuracy_level", OpSchema.AttrType.INT, "", required=False)])
+        type_constraints=[
+            ("T1", ["tensor(float)", "tensor(float16)"], ""),
+            ("T2", ["tensor(uint8)"], ""),
+            ("T3", ["tensor(uint8)", "tensor(float)", "tensor(float16)"], ""),
+            ("T4", ["tensor(int32)"], ""),
+        ],
+        attributes=[
+            A("K", OpSchema.AttrType.INT, ""),
+            A("N", OpSchema.AttrType.INT, ""),
+            A("bits", OpSchema.AttrType.INT, ""),
+            A("block_size", OpSchema.AttrType.INT, ""),
+            A("accuracy_level", OpSchema.AttrType.INT, "", required=False),
+        ],
+    )
     for schema in (gqa, nbits):  # once per process (and not over a schema another library registered)
         if not onnx.defs.has(schema.name, schema.domain):
             onnx.defs.register_schema(schema)
@@ -109,8 +151,10 @@ def _translate(op: str, accuracy_level: int):
 
 def _translation_table(accuracy_level: int) -> dict:
     """``{op overload: onnxscript function}`` for every op registered as translated."""
-    return {spec(name).overload: impl.load()(accuracy_level)
-            for name, impl in implementations("onnx", kind="translation").items()}
+    return {
+        spec(name).overload: impl.load()(accuracy_level)
+        for name, impl in implementations("onnx", kind="translation").items()
+    }
 
 
 _translation("int8_linear", "MatMulInteger with per-token scales")
@@ -135,8 +179,9 @@ def _onnx_functions(accuracy_level: int) -> dict:
     def nbits(a, B, scales, zero_points, group_corr, K, N, bits, block_size):
         """MatMulNBits of the (already permuted) input ``a``; SpQR's fractional zero points add
         (per-block sums of ``a``) @ ``group_corr``."""
-        y = msft.MatMulNBits(a, B, scales, zero_points, K=K, N=N, bits=bits, block_size=block_size,
-                             accuracy_level=accuracy_level)
+        y = msft.MatMulNBits(
+            a, B, scales, zero_points, K=K, N=N, bits=bits, block_size=block_size, accuracy_level=accuracy_level
+        )
         if group_corr is None:
             return y
         lead = op.Slice(op.Shape(a), op.Constant(value_ints=[0]), op.Constant(value_ints=[-1]))
@@ -144,8 +189,7 @@ def _onnx_functions(accuracy_level: int) -> dict:
         sums = op.ReduceSum(op.Reshape(a, shape), op.Constant(value_ints=[-1]), keepdims=0)
         return op.Add(y, op.MatMul(sums, group_corr))
 
-    def matmul_nbits(x, B, scales, zero_points, perm=None, group_corr=None, bias=None, K=0, N=0, bits=4,
-                     block_size=32):
+    def matmul_nbits(x, B, scales, zero_points, perm=None, group_corr=None, bias=None, K=0, N=0, bits=4, block_size=32):
         a = x if perm is None else op.Gather(x, perm, axis=-1)
         y = nbits(a, B, scales, zero_points, group_corr, K, N, bits, block_size)
         return y if bias is None else op.Add(y, bias)
@@ -166,21 +210,37 @@ def _onnx_functions(accuracy_level: int) -> dict:
             outs.append(matmul(op.Slice(x, start, end, axis0), e))
             start = end
         rest = op.Sub(op.Slice(op.Shape(x), zero, op.Constant(value_ints=[1])), start)
-        outs.append(op.ConstantOfShape(op.Concat(rest, op.Constant(value_ints=[n_out]), axis=0),
-                                       value=onnx.helper.make_tensor("zero", FLOAT, [1], [0.0])))
+        outs.append(
+            op.ConstantOfShape(
+                op.Concat(rest, op.Constant(value_ints=[n_out]), axis=0),
+                value=onnx.helper.make_tensor("zero", FLOAT, [1], [0.0]),
+            )
+        )
         return op.Concat(*outs, axis=0)
 
-    def experts_matmul_nbits(x, offsets, B, scales, zero_points, perm=None, K=0, N=0, bits=4, block_size=32,
-                             group_corr=None):
+    def experts_matmul_nbits(
+        x, offsets, B, scales, zero_points, perm=None, K=0, N=0, bits=4, block_size=32, group_corr=None
+    ):
         def one(rows, e):
             rows = rows if perm is None else op.Gather(rows, pick(perm, e), axis=-1)
-            return nbits(rows, pick(B, e), pick(scales, e), pick(zero_points, e),
-                         None if group_corr is None else pick(group_corr, e), K, N, bits, block_size)
+            return nbits(
+                rows,
+                pick(B, e),
+                pick(scales, e),
+                pick(zero_points, e),
+                None if group_corr is None else pick(group_corr, e),
+                K,
+                N,
+                bits,
+                block_size,
+            )
+
         return by_expert(x, offsets, _static_dim(B, 0), N, one)
 
     def experts_matmul(x, offsets, weight):
-        return by_expert(x, offsets, _static_dim(weight, 0), _static_dim(weight, 2),
-                         lambda rows, e: op.MatMul(rows, pick(weight, e)))
+        return by_expert(
+            x, offsets, _static_dim(weight, 0), _static_dim(weight, 2), lambda rows, e: op.MatMul(rows, pick(weight, e))
+        )
 
     def gathered_outlier_linear(x, cols, block_t):
         return op.MatMul(op.Gather(x, cols, axis=-1), block_t)
@@ -191,6 +251,7 @@ def _onnx_functions(accuracy_level: int) -> dict:
         def one(rows, e):
             part = op.Constant(value_ints=[bounds[e]]), op.Constant(value_ints=[bounds[e + 1]])
             return gathered_outlier_linear(rows, op.Slice(cols, *part), op.Slice(block_t, *part))
+
         return by_expert(x, offsets, len(sizes), _static_dim(block_t, 1), one)
 
     def int8_linear(x, weight, weight_scale, bias=None, act_scale=None, smooth_inv=None):
@@ -208,8 +269,9 @@ def _onnx_functions(accuracy_level: int) -> dict:
         q = op.Clip(op.Round(op.Div(xs, sx)), op.Constant(value_float=-127.0), op.Constant(value_float=127.0))
         qu = op.Cast(op.Add(q, op.Constant(value_float=128.0)), to=UINT8)
         zero = op.Constant(value=onnx.helper.make_tensor("zp", UINT8, [], [128]))
-        wu = op.Cast(op.Add(op.Cast(op.Transpose(weight, perm=[1, 0]), to=FLOAT), op.Constant(value_float=128.0)),
-                     to=UINT8)
+        wu = op.Cast(
+            op.Add(op.Cast(op.Transpose(weight, perm=[1, 0]), to=FLOAT), op.Constant(value_float=128.0)), to=UINT8
+        )
         acc = op.MatMulInteger(qu, wu, zero, zero)
         y = op.Mul(op.Mul(op.Cast(acc, to=FLOAT), sx), weight_scale)
         return y if bias is None else op.Add(y, bias)
@@ -227,9 +289,27 @@ def _onnx_functions(accuracy_level: int) -> dict:
         total = op.Add(op.Shape(past_key, start=2, end=3), new)
         seqlens_k = op.Cast(op.Expand(op.Sub(total, op.Constant(value_ints=[1])), batch), to=INT32)
         out, present_key, present_value = msft.GroupQueryAttention(
-            tokens_first(query), tokens_first(key), tokens_first(value), past_key, past_value, seqlens_k,
-            op.Cast(op.Squeeze(total), to=INT32), None, None, None, bias, None, None, None, None, None,
-            op.Cast(op.Expand(new, batch), to=INT32), num_heads=heads, kv_num_heads=kv_heads, scale=scale)
+            tokens_first(query),
+            tokens_first(key),
+            tokens_first(value),
+            past_key,
+            past_value,
+            seqlens_k,
+            op.Cast(op.Squeeze(total), to=INT32),
+            None,
+            None,
+            None,
+            bias,
+            None,
+            None,
+            None,
+            None,
+            None,
+            op.Cast(op.Expand(new, batch), to=INT32),
+            num_heads=heads,
+            kv_num_heads=kv_heads,
+            scale=scale,
+        )
         out = op.Reshape(out, op.Constant(value_ints=[0, 0, heads, -1]))
         return op.Transpose(out, perm=[0, 2, 1, 3]), present_key, present_value
 
@@ -249,11 +329,14 @@ def _check_mappable(lowered: GraphModule, table: dict) -> None:
     """Every ``qc`` op left after re-packing must have a translation (the table is the list)."""
     for node in lowered.graph.nodes:
         if node.op == "call_function" and getattr(node.target, "namespace", None) == "qc" and node.target not in table:
-            from qcompiler.graph import module_path
+            from qcompiler.ir.graph import module_path
+
             mapped = sorted(implementations("onnx"))
-            raise BackendError(f"node {node.name} ({module_path(node) or 'top level'}) uses op "
-                               f"qc.{str(node.target).split('.')[-2]}, which has no ONNX mapping "
-                               f"(mapped: {', '.join(mapped)})")
+            raise BackendError(
+                f"node {node.name} ({module_path(node) or 'top level'}) uses op "
+                f"qc.{str(node.target).split('.')[-2]}, which has no ONNX mapping "
+                f"(mapped: {', '.join(mapped)})"
+            )
 
 
 @contextlib.contextmanager
@@ -271,8 +354,16 @@ def _quiet():
             lg.setLevel(level)
 
 
-def export_onnx(gm: GraphModule, path, example_inputs: tuple[tuple, dict], *, recipe: str = "",
-                accuracy_level: Optional[int] = None, overwrite: bool = False, fused_attention: bool = True) -> Path:
+def export_onnx(
+    gm: GraphModule,
+    path,
+    example_inputs: tuple[tuple, dict],
+    *,
+    recipe: str = "",
+    accuracy_level: Optional[int] = None,
+    overwrite: bool = False,
+    fused_attention: bool = True,
+) -> Path:
     """Write ``gm`` as an ONNX model at ``path`` (atomically); returns the path.
 
     An existing file is replaced only when it is an earlier qcompiler export (or ``overwrite``).
@@ -295,9 +386,17 @@ def export_onnx(gm: GraphModule, path, example_inputs: tuple[tuple, dict], *, re
     shapes = causal_lm.dynamic_shapes(kwargs) if info.cache else dynamic_shapes_for(args, kwargs, [])
     try:
         with _quiet():
-            program = torch.onnx.export(lowered, args, kwargs=kwargs or None, dynamo=True, opset_version=ONNX_OPSET,
-                                        custom_translation_table=table, dynamic_shapes=shapes,
-                                        verbose=False, optimize=True)
+            program = torch.onnx.export(
+                lowered,
+                args,
+                kwargs=kwargs or None,
+                dynamo=True,
+                opset_version=ONNX_OPSET,
+                custom_translation_table=table,
+                dynamic_shapes=shapes,
+                verbose=False,
+                optimize=True,
+            )
     except Exception as exc:
         raise BackendError(f"ONNX export of {info.model_class} failed: {failure_reason(exc)}") from exc
     model = program.model_proto
@@ -306,9 +405,13 @@ def export_onnx(gm: GraphModule, path, example_inputs: tuple[tuple, dict], *, re
     for node in model.graph.node:  # the exporter's per-node debug metadata (stack traces) was ~20 % of the file
         del node.metadata_props[:]
         node.doc_string = ""
-    meta = {"qcompiler.recipe": recipe or gm.meta.get("qcompiler_recipe", ""), "qcompiler.onnx_opset": str(ONNX_OPSET),
-            "qcompiler.com_microsoft_opset": str(MSFT_OPSET), "qcompiler.matmul_nbits_accuracy_level": str(level),
-            "qcompiler.notes": "; ".join(notes)}
+    meta = {
+        "qcompiler.recipe": recipe or gm.meta.get("qcompiler_recipe", ""),
+        "qcompiler.onnx_opset": str(ONNX_OPSET),
+        "qcompiler.com_microsoft_opset": str(MSFT_OPSET),
+        "qcompiler.matmul_nbits_accuracy_level": str(level),
+        "qcompiler.notes": "; ".join(notes),
+    }
     for key, value in meta.items():
         entry = model.metadata_props.add()
         entry.key, entry.value = key, value
@@ -362,18 +465,22 @@ def _is_qcompiler_onnx(path: Path) -> bool:
 
 def _check_target(path: Path, overwrite: bool) -> None:
     """Never replace a file qcompiler did not write (the model file and its external-data file)."""
-    from qcompiler.atomic import OutputPathError
+    from qcompiler.store.atomic import OutputPathError
 
     if path.is_dir():
-        raise OutputPathError(f"refusing to write the ONNX model to {path}: it is a folder; give a file name "
-                              f"such as {path / 'model.onnx'}")
+        raise OutputPathError(
+            f"refusing to write the ONNX model to {path}: it is a folder; give a file name "
+            f"such as {path / 'model.onnx'}"
+        )
     if overwrite:
         return
     ours = path.exists() and _is_qcompiler_onnx(path)
     for file in (path, path.with_name(path.name + ".data")):
         if file.exists() and not ours:
-            raise OutputPathError(f"refusing to replace {file}: it is not an ONNX export of qcompiler; choose "
-                                  f"another name or pass --overwrite / overwrite=True")
+            raise OutputPathError(
+                f"refusing to replace {file}: it is not an ONNX export of qcompiler; choose "
+                f"another name or pass --overwrite / overwrite=True"
+            )
 
 
 def _write_checked(model: onnx.ModelProto, path: Path) -> None:
@@ -385,8 +492,13 @@ def _write_checked(model: onnx.ModelProto, path: Path) -> None:
         tmp = tmpdir / path.name
         # initializer bytes, not model.ByteSize(): protobuf cannot even measure a message over 2 GB
         external = sum(len(t.raw_data) for t in model.graph.initializer) > _TWO_GB
-        onnx.save_model(model, str(tmp), save_as_external_data=external, all_tensors_to_one_file=True,
-                        location=path.name + ".data" if external else None)
+        onnx.save_model(
+            model,
+            str(tmp),
+            save_as_external_data=external,
+            all_tensors_to_one_file=True,
+            location=path.name + ".data" if external else None,
+        )
         try:
             onnx.checker.check_model(str(tmp), full_check=True)
         except onnx.checker.ValidationError as exc:

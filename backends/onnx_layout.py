@@ -18,6 +18,7 @@ here, on a copy of the graph, as ops with their own torch references (tested aga
 - ``qc.matmul_nbits`` nodes that read one input (q/k/v; gate/up) → one node over the stacked
   tensors and a split (``onnx_siblings.py``).
 """
+
 from __future__ import annotations
 
 import copy
@@ -28,14 +29,24 @@ from torch import Tensor
 from torch.fx import GraphModule
 
 from qcompiler.algorithms.packing import unpack_rows
-from qcompiler.experts import find_expert_linears
-from qcompiler.graph import contiguous_before_reshape, set_tensor
-from qcompiler.op_registry import (OpArgs, OpSpec, args_of, call_op, implement, implementation, quantized_layer_path,
-                                   register, register_target, spec_of)
-from qcompiler.ops import GPTQ_TENSORS, SPQR_DENSE_TENSORS, dequantize_gptq, expert_csr, per_expert, spqr_group_stats
-
-from .onnx_nbits import gptq_to_nbits, to_matmul_nbits_layout
-from .onnx_siblings import fuse_sibling_nbits
+from qcompiler.backends.onnx_nbits import gptq_to_nbits, to_matmul_nbits_layout
+from qcompiler.backends.onnx_siblings import fuse_sibling_nbits
+from qcompiler.ir.experts import find_expert_linears
+from qcompiler.ir.graph import contiguous_before_reshape
+from qcompiler.ir.op_registry import (
+    OpArgs,
+    OpSpec,
+    args_of,
+    call_op,
+    implement,
+    implementation,
+    quantized_layer_path,
+    register,
+    register_target,
+    spec_of,
+)
+from qcompiler.ir.ops import GPTQ_TENSORS, SPQR_DENSE_TENSORS, dequantize_gptq, expert_csr, per_expert, spqr_group_stats
+from qcompiler.ir.tensors import set_tensor
 
 __all__ = ["lower_for_onnx", "gathered_outlier_linear", "experts_gathered_outlier_linear", "spqr_to_nbits"]
 
@@ -52,13 +63,20 @@ def _gathered_fake(x, cols, block_t):
 
 
 @torch.library.custom_op("qc::experts_gathered_outlier_linear", mutates_args=())
-def experts_gathered_outlier_linear(x: Tensor, offsets: Tensor, cols: Tensor, block_t: Tensor,
-                                    sizes: list[int]) -> Tensor:
+def experts_gathered_outlier_linear(
+    x: Tensor, offsets: Tensor, cols: Tensor, block_t: Tensor, sizes: list[int]
+) -> Tensor:
     """Per expert (rows sorted by expert), ``gathered_outlier_linear`` with its own columns and block:
     expert ``e``'s are the ``sizes[e]`` entries of ``cols`` / rows of ``block_t`` after those of ``0..e-1``."""
     bounds = [0, *itertools.accumulate(sizes)]
-    return per_expert(x, offsets, block_t.shape[1], lambda rows, e: gathered_outlier_linear(
-        rows, cols[bounds[e]:bounds[e + 1]], block_t[bounds[e]:bounds[e + 1]]))
+    return per_expert(
+        x,
+        offsets,
+        block_t.shape[1],
+        lambda rows, e: gathered_outlier_linear(
+            rows, cols[bounds[e] : bounds[e + 1]], block_t[bounds[e] : bounds[e + 1]]
+        ),
+    )
 
 
 @experts_gathered_outlier_linear.register_fake
@@ -70,19 +88,29 @@ register(OpSpec("gathered_outlier_linear", export_only="onnx"))  # export-only (
 register(OpSpec("experts_gathered_outlier_linear", export_only="onnx"))
 
 
-def spqr_to_nbits(codes: Tensor, scale_codes: Tensor, zero_codes: Tensor, scale_stats: Tensor, zero_stats: Tensor,
-                  perm: Tensor, bits: int, group: int, stat_bits: int, stat_group: int) -> tuple:
+def spqr_to_nbits(
+    codes: Tensor,
+    scale_codes: Tensor,
+    zero_codes: Tensor,
+    scale_stats: Tensor,
+    zero_stats: Tensor,
+    perm: Tensor,
+    bits: int,
+    group: int,
+    stat_bits: int,
+    stat_group: int,
+) -> tuple:
     """One SpQR dense branch in MatMulNBits' layout (``gptq_to_nbits``'s tuple, plus ``group_corr``)."""
     k, n = perm.numel(), scale_stats.shape[1] * stat_group
-    s = spqr_group_stats(scale_codes, scale_stats, stat_bits, stat_group).clamp(min=1e-8).t()   # [N, groups]
+    s = spqr_group_stats(scale_codes, scale_stats, stat_bits, stat_group).clamp(min=1e-8).t()  # [N, groups]
     z = spqr_group_stats(zero_codes, zero_stats, stat_bits, stat_group).t()
-    q = unpack_rows(codes, bits, k).t()                           # [N, K] processing order
+    q = unpack_rows(codes, bits, k).t()  # [N, K] processing order
     out_bits = 4 if bits == 3 else bits
     # ORT's float zero-point path is ~10x slower than its uint8 one, so split the fractional zero:
     # s·(q − z) = s·(q − round(z)) + s·(round(z) − z), the last term a per-block constant.
-    z_int = z.round().clamp(0, 2 ** out_bits - 1)
+    z_int = z.round().clamp(0, 2**out_bits - 1)
     tensors = to_matmul_nbits_layout(q, s, z_int, out_bits, group, False)
-    tensors["group_corr"] = (s * (z_int - z)).t().contiguous()   # [groups, N]
+    tensors["group_corr"] = (s * (z_int - z)).t().contiguous()  # [groups, N]
     ident = bool((perm.long() == torch.arange(k)).all())
     return tensors, None if ident else perm.long(), k, n, out_bits, group
 
@@ -94,8 +122,13 @@ def _lower_gptq(gm: GraphModule, a: OpArgs, path: str, notes: list[str]):
 
 def _lower_spqr_dense(gm: GraphModule, a: OpArgs, path: str, notes: list[str]):
     """SpQR's dense branch -> ``qc.matmul_nbits`` with its fractional-zero correction."""
-    return _nbits_node(gm, a, path, notes, spqr_to_nbits(*a.tensors(gm, *SPQR_DENSE_TENSORS), a.bits, a.group_size,
-                                                         a.stat_bits, a.stat_group_size))
+    return _nbits_node(
+        gm,
+        a,
+        path,
+        notes,
+        spqr_to_nbits(*a.tensors(gm, *SPQR_DENSE_TENSORS), a.bits, a.group_size, a.stat_bits, a.stat_group_size),
+    )
 
 
 def _nbits_node(gm: GraphModule, a: OpArgs, path: str, notes: list[str], lowered):
@@ -114,9 +147,21 @@ def _nbits_node(gm: GraphModule, a: OpArgs, path: str, notes: list[str], lowered
     for name, t in tensors.items():
         set_tensor(gm, f"{path}.onnx_{name}", t)
     attrs = {name: graph.get_attr(f"{path}.onnx_{name}") for name in tensors}
-    return call_op(graph, "matmul_nbits", x=a.x, B=attrs["B"], scales=attrs["scales"],
-                   zero_points=attrs["zero_points"], perm=attrs.get("perm"), group_corr=attrs.get("group_corr"),
-                   bias=a.bias, K=k, N=n, bits=nbits, block_size=block)
+    return call_op(
+        graph,
+        "matmul_nbits",
+        x=a.x,
+        B=attrs["B"],
+        scales=attrs["scales"],
+        zero_points=attrs["zero_points"],
+        perm=attrs.get("perm"),
+        group_corr=attrs.get("group_corr"),
+        bias=a.bias,
+        K=k,
+        N=n,
+        bits=nbits,
+        block_size=block,
+    )
 
 
 def _gathered_block(row_ptr: Tensor, col_idx: Tensor, values: Tensor, n_out: int) -> tuple[Tensor, Tensor]:
@@ -138,8 +183,13 @@ def _lower_outliers(gm: GraphModule, a: OpArgs, path: str, notes: list[str]):
     cols, block_t = _gathered_block(*a.tensors(gm, "row_ptr", "col_idx", "values"), a.out_features)
     set_tensor(gm, f"{path}.onnx_cols", cols)
     set_tensor(gm, f"{path}.onnx_block_t", block_t)
-    return call_op(gm.graph, "gathered_outlier_linear", x=a.x, cols=gm.graph.get_attr(f"{path}.onnx_cols"),
-                   block_t=gm.graph.get_attr(f"{path}.onnx_block_t"))
+    return call_op(
+        gm.graph,
+        "gathered_outlier_linear",
+        x=a.x,
+        cols=gm.graph.get_attr(f"{path}.onnx_cols"),
+        block_t=gm.graph.get_attr(f"{path}.onnx_block_t"),
+    )
 
 
 def _stacked_nbits(gm: GraphModule, path: str, lowered: list[tuple]) -> dict:
@@ -151,8 +201,9 @@ def _stacked_nbits(gm: GraphModule, path: str, lowered: list[tuple]) -> dict:
         tensors["perm"] = torch.stack([lw[1] if lw[1] is not None else torch.arange(k) for lw in lowered])
     for name, t in tensors.items():
         set_tensor(gm, f"{path}.onnx_{name}", t.contiguous())
-    return dict({name: gm.graph.get_attr(f"{path}.onnx_{name}") for name in tensors}, K=k, N=n, bits=nbits,
-                block_size=block)
+    return dict(
+        {name: gm.graph.get_attr(f"{path}.onnx_{name}") for name in tensors}, K=k, N=n, bits=nbits, block_size=block
+    )
 
 
 def _lower_spqr_experts(gm: GraphModule, a: OpArgs, path: str, notes: list[str]):
@@ -160,17 +211,24 @@ def _lower_spqr_experts(gm: GraphModule, a: OpArgs, path: str, notes: list[str])
     outliers as a gathered block (``qc.experts_gathered_outlier_linear``)."""
     stacked = a.tensors(gm, *SPQR_DENSE_TENSORS)
     experts = range(stacked[0].shape[0])
-    lowered = [spqr_to_nbits(*(t[e] for t in stacked), a.bits, a.group_size, a.stat_bits, a.stat_group_size)
-               for e in experts]
+    lowered = [
+        spqr_to_nbits(*(t[e] for t in stacked), a.bits, a.group_size, a.stat_bits, a.stat_group_size) for e in experts
+    ]
     dense = call_op(gm.graph, "experts_matmul_nbits", x=a.x, offsets=a.offsets, **_stacked_nbits(gm, path, lowered))
     n_out = a.tensor(gm, "scale_stats").shape[-2] * a.stat_group_size
     csr = a.tensors(gm, "row_ptr", "col_idx", "values")
     blocks = [_gathered_block(*expert_csr(*csr, e), n_out) for e in experts]
     set_tensor(gm, f"{path}.onnx_cols", torch.cat([cols for cols, _ in blocks]))
     set_tensor(gm, f"{path}.onnx_block_t", torch.cat([block for _, block in blocks]))
-    sparse = call_op(gm.graph, "experts_gathered_outlier_linear", x=a.x, offsets=a.offsets,
-                     cols=gm.graph.get_attr(f"{path}.onnx_cols"), block_t=gm.graph.get_attr(f"{path}.onnx_block_t"),
-                     sizes=[cols.numel() for cols, _ in blocks])
+    sparse = call_op(
+        gm.graph,
+        "experts_gathered_outlier_linear",
+        x=a.x,
+        offsets=a.offsets,
+        cols=gm.graph.get_attr(f"{path}.onnx_cols"),
+        block_t=gm.graph.get_attr(f"{path}.onnx_block_t"),
+        sizes=[cols.numel() for cols, _ in blocks],
+    )
     return gm.graph.call_function(torch.ops.aten.add.Tensor, (dense, sparse))
 
 
@@ -182,7 +240,7 @@ def _lower_experts(gm: GraphModule, a: OpArgs, path: str, notes: list[str]):
     graph = gm.graph
     if any(lowered is None for lowered in experts):
         w = torch.stack([dequantize_gptq(*(t[e] for t in stacked), a.bits).t() for e in range(stacked[0].shape[0])])
-        set_tensor(gm, f"{path}.onnx_weight", w.contiguous())                      # [E, in, out]
+        set_tensor(gm, f"{path}.onnx_weight", w.contiguous())  # [E, in, out]
         notes.append(f"{path}: group size {a.group_size} has no MatMulNBits block size; exported as fp32 MatMul")
         return call_op(graph, "experts_matmul", x=a.x, offsets=a.offsets, weight=graph.get_attr(f"{path}.onnx_weight"))
     return call_op(graph, "experts_matmul_nbits", x=a.x, offsets=a.offsets, **_stacked_nbits(gm, path, experts))
@@ -197,14 +255,18 @@ def _swap(graph, old, make) -> None:
     graph.erase_node(old)
 
 
-register_target("onnx", "ONNX export (the onnxruntime backend, onnx and onnx-genai exports): each op is lowered "
-                        "to ONNX Runtime's layouts here or translated to ONNX ops in onnx_export.py")
+register_target(
+    "onnx",
+    "ONNX export (the onnxruntime backend, onnx and onnx-genai exports): each op is lowered "
+    "to ONNX Runtime's layouts here or translated to ONNX ops in onnx_export.py",
+)
 implement("onnx", "quant_linear", _lower_gptq, kind="lowering", label="MatMulNBits")
 implement("onnx", "spqr_dense_linear", _lower_spqr_dense, kind="lowering", label="MatMulNBits + block correction")
 implement("onnx", "sparse_outlier_linear", _lower_outliers, kind="lowering", label="Gather + MatMul")
 implement("onnx", "quant_experts_linear", _lower_experts, kind="lowering", label="MatMulNBits per expert")
-implement("onnx", "spqr_experts_linear", _lower_spqr_experts, kind="lowering",
-          label="MatMulNBits + Gather/MatMul per expert")
+implement(
+    "onnx", "spqr_experts_linear", _lower_spqr_experts, kind="lowering", label="MatMulNBits + Gather/MatMul per expert"
+)
 
 
 def _lowering(node):
@@ -225,8 +287,11 @@ def lower_for_onnx(gm: GraphModule) -> tuple[GraphModule, list[str]]:
         a = args_of(node)
         _swap(graph, node, lambda: lower(gm, a, quantized_layer_path(a), notes))
     for expert in find_expert_linears(gm):  # full-precision grouped matmuls: ONNX has no grouped matmul
-        _swap(graph, expert.node, lambda: call_op(graph, "experts_matmul", x=expert.input, offsets=expert.offsets,
-                                                  weight=expert.weight_user))
+        _swap(
+            graph,
+            expert.node,
+            lambda: call_op(graph, "experts_matmul", x=expert.input, offsets=expert.offsets, weight=expert.weight_user),
+        )
     fuse_sibling_nbits(gm)
     contiguous_before_reshape(graph)
     graph.eliminate_dead_code()

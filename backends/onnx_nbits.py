@@ -7,6 +7,7 @@ is translated to ONNX by ``onnx_export``: ``matmul_nbits`` (one linear), ``exper
 (a MoE layer's quantized experts, one MatMulNBits per expert on its rows) and ``experts_matmul``
 (full-precision experts).
 """
+
 from __future__ import annotations
 
 import math
@@ -16,11 +17,19 @@ import torch
 from torch import Tensor
 
 from qcompiler.algorithms.packing import pack_rows, unpack_cols, unpack_rows
-from qcompiler.op_registry import OpSpec, register
-from qcompiler.ops import per_expert
+from qcompiler.ir.op_registry import OpSpec, register
+from qcompiler.ir.ops import per_expert
 
-__all__ = ["to_matmul_nbits_layout", "dequantize_matmul_nbits", "matmul_nbits", "experts_matmul_nbits",
-           "experts_matmul", "gptq_to_nbits", "block_size_for", "sorted_groups"]
+__all__ = [
+    "to_matmul_nbits_layout",
+    "dequantize_matmul_nbits",
+    "matmul_nbits",
+    "experts_matmul_nbits",
+    "experts_matmul",
+    "gptq_to_nbits",
+    "block_size_for",
+    "sorted_groups",
+]
 
 
 def _pack_bytes(codes: Tensor, bits: int) -> Tensor:
@@ -42,8 +51,9 @@ def _unpack_bytes(data: Tensor, bits: int, k: int) -> Tensor:
     return unpack_rows(words, bits, total).t()[:, :k]
 
 
-def to_matmul_nbits_layout(codes: Tensor, scales: Tensor, zeros: Tensor, bits: int, block_size: int,
-                           float_zeros: bool) -> dict[str, Tensor]:
+def to_matmul_nbits_layout(
+    codes: Tensor, scales: Tensor, zeros: Tensor, bits: int, block_size: int, float_zeros: bool
+) -> dict[str, Tensor]:
     """Codes [N, K] and per-block scales/zeros [N, ceil(K/block)] (columns already in processing
     order). A K that is not a multiple of the block pads the last block with zero codes, as
     MatMulNBits defines (``n_blocks_per_col = ceil(K / block_size)``)."""
@@ -56,8 +66,9 @@ def to_matmul_nbits_layout(codes: Tensor, scales: Tensor, zeros: Tensor, bits: i
     return {"B": b.contiguous(), "scales": scales.float().reshape(-1).contiguous(), "zero_points": zp.contiguous()}
 
 
-def dequantize_matmul_nbits(B: Tensor, scales: Tensor, zero_points: Tensor, K: int, N: int, bits: int,
-                            block_size: int) -> Tensor:
+def dequantize_matmul_nbits(
+    B: Tensor, scales: Tensor, zero_points: Tensor, K: int, N: int, bits: int, block_size: int
+) -> Tensor:
     """The float32 weight [N, K] that a MatMulNBits node computes with (ORT's definition; the last
     block may be partial)."""
     blocks = -(-K // block_size)
@@ -71,9 +82,19 @@ def dequantize_matmul_nbits(B: Tensor, scales: Tensor, zero_points: Tensor, K: i
 
 
 @torch.library.custom_op("qc::matmul_nbits", mutates_args=())
-def matmul_nbits(x: Tensor, B: Tensor, scales: Tensor, zero_points: Tensor, perm: Optional[Tensor],
-                 group_corr: Optional[Tensor], bias: Optional[Tensor], K: int, N: int, bits: int,
-                 block_size: int) -> Tensor:
+def matmul_nbits(
+    x: Tensor,
+    B: Tensor,
+    scales: Tensor,
+    zero_points: Tensor,
+    perm: Optional[Tensor],
+    group_corr: Optional[Tensor],
+    bias: Optional[Tensor],
+    K: int,
+    N: int,
+    bits: int,
+    block_size: int,
+) -> Tensor:
     """ORT MatMulNBits semantics (after gathering input columns by ``perm`` when given), plus
     ``(per-block sums of x) @ group_corr`` when zero points were fractional."""
     if perm is not None:
@@ -109,20 +130,21 @@ def sorted_groups(g_idx: Tensor) -> Optional[Tensor]:
     return torch.argsort(g_idx.long(), stable=True)
 
 
-def gptq_to_nbits(qweight: Tensor, qzeros: Tensor, scales: Tensor, g_idx: Tensor, bits: int,
-                  group: int) -> Optional[tuple]:
+def gptq_to_nbits(
+    qweight: Tensor, qzeros: Tensor, scales: Tensor, g_idx: Tensor, bits: int, group: int
+) -> Optional[tuple]:
     """One GPTQ-layout matrix in MatMulNBits' layout: ``(tensors, perm, K, N, bits, block)``, or
     None when no MatMulNBits block tiles the group."""
     k, n = g_idx.numel(), scales.shape[1]
     block = block_size_for(group, k)
     if block is None:
         return None
-    codes = unpack_rows(qweight, bits, k).t()                     # [N, K]
-    zeros = unpack_cols(qzeros, bits, n).t()                      # [N, groups]
+    codes = unpack_rows(qweight, bits, k).t()  # [N, K]
+    zeros = unpack_cols(qzeros, bits, n).t()  # [N, groups]
     perm = sorted_groups(g_idx)
     order = perm if perm is not None else torch.arange(k)
     g = g_idx.long()[order]
-    col_scale = scales.float().t()[:, g]                          # [N, K] per column, processing order
+    col_scale = scales.float().t()[:, g]  # [N, K] per column, processing order
     col_zero = zeros[:, g]
     pick = torch.arange(0, k, block)
     out_bits = 4 if bits == 3 else bits
@@ -131,16 +153,41 @@ def gptq_to_nbits(qweight: Tensor, qzeros: Tensor, scales: Tensor, g_idx: Tensor
 
 
 @torch.library.custom_op("qc::experts_matmul_nbits", mutates_args=())
-def experts_matmul_nbits(x: Tensor, offsets: Tensor, B: Tensor, scales: Tensor, zero_points: Tensor,
-                         perm: Optional[Tensor], K: int, N: int, bits: int, block_size: int,
-                         group_corr: Optional[Tensor] = None) -> Tensor:
+def experts_matmul_nbits(
+    x: Tensor,
+    offsets: Tensor,
+    B: Tensor,
+    scales: Tensor,
+    zero_points: Tensor,
+    perm: Optional[Tensor],
+    K: int,
+    N: int,
+    bits: int,
+    block_size: int,
+    group_corr: Optional[Tensor] = None,
+) -> Tensor:
     """``qc.quant_experts_linear`` (or SpQR experts' dense branch) in MatMulNBits' layout:
     ``matmul_nbits``'s tensors stacked on a leading expert dim (``perm`` [E, K] when any expert has
     act-order groups, ``group_corr`` [E, blocks, N] for SpQR's fractional zeros); rows past the
     last offset stay zero."""
-    return per_expert(x, offsets, N, lambda rows, e: matmul_nbits(
-        rows, B[e], scales[e], zero_points[e], None if perm is None else perm[e],
-        None if group_corr is None else group_corr[e], None, K, N, bits, block_size))
+    return per_expert(
+        x,
+        offsets,
+        N,
+        lambda rows, e: matmul_nbits(
+            rows,
+            B[e],
+            scales[e],
+            zero_points[e],
+            None if perm is None else perm[e],
+            None if group_corr is None else group_corr[e],
+            None,
+            K,
+            N,
+            bits,
+            block_size,
+        ),
+    )
 
 
 @experts_matmul_nbits.register_fake
@@ -160,6 +207,6 @@ def _experts_matmul_fake(x, offsets, weight):
     return x.new_empty((x.shape[0], weight.shape[2]))
 
 
-register(OpSpec("matmul_nbits", export_only="onnx"))             # export-only layouts (never saved)
+register(OpSpec("matmul_nbits", export_only="onnx"))  # export-only layouts (never saved)
 register(OpSpec("experts_matmul_nbits", export_only="onnx"))
 register(OpSpec("experts_matmul", export_only="onnx"))

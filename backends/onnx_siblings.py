@@ -6,6 +6,7 @@ weights does the same arithmetic in fewer, larger calls and reads the input once
 Every ``MatMulNBits`` tensor leads with the output dim ``N`` (SpQR's ``group_corr`` trails with
 it), so stacking is concatenation, and each output is exactly the column slice it was.
 """
+
 from __future__ import annotations
 
 import operator
@@ -13,13 +14,13 @@ import operator
 import torch
 from torch.fx import GraphModule, Node
 
-from qcompiler.graph import drop_attr_if_unused, set_tensor
-from qcompiler.op_registry import OpArgs, args_of, call_op
+from qcompiler.ir.op_registry import OpArgs, args_of, call_op
+from qcompiler.ir.tensors import drop_attr_if_unused, set_tensor
 
 __all__ = ["fuse_sibling_nbits"]
 
 _MATMUL_NBITS = torch.ops.qc.matmul_nbits.default
-_STACKED = {"B": 0, "scales": 0, "zero_points": 0, "group_corr": 1, "bias": 0}   # tensor -> its N dim
+_STACKED = {"B": 0, "scales": 0, "zero_points": 0, "group_corr": 1, "bias": 0}  # tensor -> its N dim
 
 
 def _key(a: OpArgs) -> tuple:
@@ -57,14 +58,23 @@ def fuse_sibling_nbits(gm: GraphModule) -> int:
                 if getattr(first, name) is not None:
                     set_tensor(gm, f"{prefix}_{name}", torch.cat([a.tensor(gm, name) for a in args], dim=dim))
                     stacked[name] = graph.get_attr(f"{prefix}_{name}")
-            fused = call_op(graph, "matmul_nbits", x=first.x, perm=first.perm, K=first.K, N=sum(widths),
-                            bits=first.bits, block_size=first.block_size, **stacked)
+            fused = call_op(
+                graph,
+                "matmul_nbits",
+                x=first.x,
+                perm=first.perm,
+                K=first.K,
+                N=sum(widths),
+                bits=first.bits,
+                block_size=first.block_size,
+                **stacked,
+            )
             parts = graph.call_function(torch.ops.aten.split_with_sizes.default, (fused, widths, -1))
             for i, node in enumerate(nodes):
                 node.replace_all_uses_with(graph.call_function(operator.getitem, (parts, i)))
         for node, a in zip(nodes, args):
             graph.erase_node(node)
-            for attr in a.stored():   # the siblings' own tensors: no second copy of them in memory
+            for attr in a.stored():  # the siblings' own tensors: no second copy of them in memory
                 drop_attr_if_unused(gm, attr)
         removed += len(nodes) - 1
     return removed

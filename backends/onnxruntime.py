@@ -3,6 +3,7 @@
 The CUDA execution provider is used when onnxruntime-gpu sees a GPU, else the CPU one. The
 session is called like the original model and returns the original output structure.
 """
+
 from __future__ import annotations
 
 import tempfile
@@ -14,10 +15,9 @@ import torch.fx._pytree as fx_pytree
 import torch.utils._pytree as pytree
 from torch.fx import GraphModule
 
-from qcompiler.causal_lm import CacheLayout
+from qcompiler.backends.onnx_export import cache_io_names, export_onnx
 from qcompiler.errors import BackendError
-
-from .onnx_export import cache_io_names, export_onnx
+from qcompiler.frontend.causal_lm import CacheLayout
 
 __all__ = ["prepare_onnxruntime", "session_for"]
 
@@ -35,9 +35,15 @@ def session_for(path, *, threads: Optional[int] = None):
     return ort.InferenceSession(str(path), options, providers=providers)
 
 
-def prepare_onnxruntime(gm: GraphModule, example_inputs: tuple[tuple, dict], *, path=None,
-                        threads: Optional[int] = None, accuracy_level: Optional[int] = None,
-                        fused_attention: Optional[bool] = None):
+def prepare_onnxruntime(
+    gm: GraphModule,
+    example_inputs: tuple[tuple, dict],
+    *,
+    path=None,
+    threads: Optional[int] = None,
+    accuracy_level: Optional[int] = None,
+    fused_attention: Optional[bool] = None,
+):
     """Export ``gm`` (to ``path``, or to a temporary folder removed once the session holds the
     model) and return a callable session wrapper.
 
@@ -66,8 +72,10 @@ def prepare_onnxruntime(gm: GraphModule, example_inputs: tuple[tuple, dict], *, 
     def run(*args, **kwargs):
         unknown = [k for k in kwargs if k not in in_spec.child(1).context] if in_spec.num_children == 2 else []
         if unknown:  # never drop an input silently (a padding mask changes the result)
-            raise BackendError(f"the ONNX model was exported without input {unknown[0]!r} (its inputs: "
-                               f"{', '.join(names)}); compile with an example that includes {unknown[0]}")
+            raise BackendError(
+                f"the ONNX model was exported without input {unknown[0]!r} (its inputs: "
+                f"{', '.join(names)}); compile with an example that includes {unknown[0]}"
+            )
         try:
             flat = fx_pytree.tree_flatten_spec((args, kwargs), in_spec)
         except Exception as exc:  # pytree raises several types for a structure that does not match

@@ -7,6 +7,7 @@ CSR kernel adds the outliers' product into the dense kernel's output in place. A
 handles keeps its reference op, and the plan — kernel or fallback with the reason, per node — goes
 into the compiled model's report.
 """
+
 from __future__ import annotations
 
 import copy
@@ -17,11 +18,11 @@ import torch
 import torch.utils._pytree as pytree
 from torch.fx import GraphModule, Node
 
-from qcompiler.errors import BackendError
-from qcompiler.graph import get_tensor, set_tensor
-from qcompiler.op_registry import args_of, implement, implementations, quantized_layer_path, register_target, spec
 from qcompiler.algorithms.packing import SUPPORTED_BITS
-from qcompiler.pass_base import PassRecord
+from qcompiler.errors import BackendError
+from qcompiler.ir.op_registry import args_of, implement, implementations, quantized_layer_path, register_target, spec
+from qcompiler.ir.tensors import get_tensor, set_tensor
+from qcompiler.pipeline.pass_base import PassRecord
 
 __all__ = ["prepare_triton", "plan_triton"]
 
@@ -32,25 +33,35 @@ register_target("triton", "backend: Triton kernels (GPU; CPU under TRITON_INTERP
 
 def _kernel(name: str) -> Callable[[], Callable]:
     """A loader of ``qcompiler.kernels.name``: importing Triton is slow, and TRITON_INTERPRET must be set before."""
+
     def load():
         from qcompiler import kernels
+
         return getattr(kernels, name)
+
     return load
 
 
 implement("triton", "quant_linear", load=_kernel("gptq_linear"), kind="kernel", label="gptq_gemm")
-implement("triton", "quant_experts_linear", load=_kernel("gptq_experts_linear"), kind="kernel",
-          label="gptq_gemm per expert")
+implement(
+    "triton", "quant_experts_linear", load=_kernel("gptq_experts_linear"), kind="kernel", label="gptq_gemm per expert"
+)
 implement("triton", "int8_linear", load=_kernel("int8_linear"), kind="kernel", label="int8_gemm")
 implement("triton", "spqr_dense_linear", load=_kernel("spqr_dense_linear"), kind="kernel", label="spqr_gemm")
-implement("triton", "spqr_experts_linear", load=_kernel("spqr_experts_linear"), kind="kernel",
-          label="spqr_gemm+csr_spmm per expert")
+implement(
+    "triton",
+    "spqr_experts_linear",
+    load=_kernel("spqr_experts_linear"),
+    kind="kernel",
+    label="spqr_gemm+csr_spmm per expert",
+)
 implement("triton", "sparse_outlier_linear", load=_kernel("csr_linear"), kind="kernel", label="csr_spmm")
 
 
 def _kernels():
     """The kernels module and ``{op overload: (label, kernel)}`` from the registrations above."""
     from qcompiler import kernels
+
     return kernels, {spec(op).overload: (impl.label, impl.load()) for op, impl in implementations("triton").items()}
 
 
@@ -88,6 +99,7 @@ def _fused_spqr(dense_kernel: Callable, csr_kernel: Callable) -> Callable:
     def spqr_linear(dense: dict, sparse: dict):
         """``dense(**dense) + sparse(**sparse)``: dense kernel, then CSR accumulating into its output."""
         return csr_kernel(**sparse, out=dense_kernel(**dense))
+
     return spqr_linear
 
 
@@ -108,9 +120,13 @@ def _spqr_pairs(graph) -> list[tuple[Node, Node, Node]]:
         dense, sparse = node.args
         if not (isinstance(dense, Node) and isinstance(sparse, Node)):
             continue
-        if (dense.target == torch.ops.qc.spqr_dense_linear.default
-                and sparse.target == torch.ops.qc.sparse_outlier_linear.default
-                and args_of(dense).x is args_of(sparse).x and len(dense.users) == 1 and len(sparse.users) == 1):
+        if (
+            dense.target == torch.ops.qc.spqr_dense_linear.default
+            and sparse.target == torch.ops.qc.sparse_outlier_linear.default
+            and args_of(dense).x is args_of(sparse).x
+            and len(dense.users) == 1
+            and len(sparse.users) == 1
+        ):
             pairs.append((node, dense, sparse))
     return pairs
 
@@ -129,8 +145,10 @@ def plan_triton(gm: GraphModule) -> tuple[GraphModule, PassRecord]:
         layer = _layer_name(dense)  # before erasing: an erased node's arguments are cleared
         with graph.inserting_before(add):
             fused_kernel = _fused_spqr(table[dense.target][1], table[sparse.target][1])
-            call = graph.call_function(_guarded("spqr_gemm_csr", layer, fused_kernel, _spqr_reference, record),
-                                       (args_of(dense).as_dict(), args_of(sparse).as_dict()))
+            call = graph.call_function(
+                _guarded("spqr_gemm_csr", layer, fused_kernel, _spqr_reference, record),
+                (args_of(dense).as_dict(), args_of(sparse).as_dict()),
+            )
         call.meta.update(add.meta)
         add.replace_all_uses_with(call)
         for n in (add, sparse, dense):
@@ -173,8 +191,9 @@ def _move_to(runner: GraphModule, device: torch.device) -> None:
         if node.op == "get_attr":
             tensor = get_tensor(runner, node.target)
             if isinstance(tensor, torch.Tensor):
-                set_tensor(runner, node.target, tensor.detach().to(device),
-                           parameter=isinstance(tensor, torch.nn.Parameter))
+                set_tensor(
+                    runner, node.target, tensor.detach().to(device), parameter=isinstance(tensor, torch.nn.Parameter)
+                )
         retarget = lambda a: device if isinstance(a, torch.device) and a.type == "cpu" else a  # noqa: E731
         node.args = torch.fx.node.map_aggregate(node.args, retarget)
         node.kwargs = torch.fx.node.map_aggregate(node.kwargs, retarget)

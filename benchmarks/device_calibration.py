@@ -12,6 +12,7 @@ error against FP32 on held-out windows, and the relative distance between the cp
 cuda-compiled models' logits (float reductions round differently on the two devices).
 Writes benchmarks/results/device_calibration.json.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -23,7 +24,6 @@ import time
 from pathlib import Path
 
 import torch
-
 from peak_memory import peak_rss_mb
 from results_file import results_file
 
@@ -36,20 +36,28 @@ CASES = {  # name: (hidden, ffn, layers, nsamples, seqlen, devices)
 
 def build(hidden: int, ffn: int, layers: int):
     from transformers import LlamaConfig, LlamaForCausalLM
+
     torch.manual_seed(0)
-    config = LlamaConfig(hidden_size=hidden, intermediate_size=ffn, num_hidden_layers=layers,
-                         num_attention_heads=max(1, hidden // 128), num_key_value_heads=max(1, hidden // 128),
-                         vocab_size=32000, max_position_embeddings=4096)
+    config = LlamaConfig(
+        hidden_size=hidden,
+        intermediate_size=ffn,
+        num_hidden_layers=layers,
+        num_attention_heads=max(1, hidden // 128),
+        num_key_value_heads=max(1, hidden // 128),
+        vocab_size=32000,
+        max_position_embeddings=4096,
+    )
     return LlamaForCausalLM(config).eval()
 
 
 def one(case: str, device: str, logits_path: str) -> dict:
     import qcompiler as qc
+
     hidden, ffn, layers, nsamples, seqlen, _ = CASES[case]
     model = build(hidden, ffn, layers)
     gen = torch.Generator().manual_seed(1)
     windows = torch.randint(0, 32000, (nsamples, seqlen), generator=gen)
-    calib = [{"input_ids": windows[i:i + 8]} for i in range(0, nsamples, 8)]
+    calib = [{"input_ids": windows[i : i + 8]} for i in range(0, nsamples, 8)]
     held_out = {"input_ids": torch.randint(0, 32000, (2, min(seqlen, 256)), generator=gen)}
     start = time.perf_counter()
     cm = qc.compile(model, calib[0], recipe="gptq-w4g128", calibration=calib, device=device, progress=False)
@@ -59,11 +67,16 @@ def one(case: str, device: str, logits_path: str) -> dict:
     q = cm(**held_out)
     q = q["logits"] if isinstance(q, dict) else getattr(q, "logits", q[0] if isinstance(q, (tuple, list)) else q)
     torch.save(q, logits_path)
-    out = {"case": case, "device": device, "seconds": seconds, "threads": torch.get_num_threads(),
-           "params_M": sum(p.numel() for p in model.parameters()) / 1e6,
-           "calibration_tokens": nsamples * seqlen,
-           "rel_logit_error_vs_fp32": ((q - fp).norm() / fp.norm()).item(),
-           "peak_rss_MB": peak_rss_mb()}
+    out = {
+        "case": case,
+        "device": device,
+        "seconds": seconds,
+        "threads": torch.get_num_threads(),
+        "params_M": sum(p.numel() for p in model.parameters()) / 1e6,
+        "calibration_tokens": nsamples * seqlen,
+        "rel_logit_error_vs_fp32": ((q - fp).norm() / fp.norm()).item(),
+        "peak_rss_MB": peak_rss_mb(),
+    }
     if device.startswith("cuda"):
         out["peak_gpu_MB"] = torch.cuda.max_memory_allocated() / 2**20
         out["gpu"] = torch.cuda.get_device_name()
@@ -81,12 +94,16 @@ def main() -> None:
         print(json.dumps(one(*args.one)))
         return
     cases = ["quick"] if args.quick else ["llama-1024x4", "llama7b-shape-x2"]
-    from qcompiler.atomic import write_text_atomically
+    from qcompiler.store.atomic import write_text_atomically
+
     rows = []
 
     def write() -> None:  # after every case: a time limit keeps what was measured
-        write_text_atomically(args.out, json.dumps({"date": time.strftime("%Y-%m-%d"), "torch": torch.__version__,
-                                                    "rows": rows}, indent=1) + "\n")
+        write_text_atomically(
+            args.out,
+            json.dumps({"date": time.strftime("%Y-%m-%d"), "torch": torch.__version__, "rows": rows}, indent=1) + "\n",
+        )
+
     with tempfile.TemporaryDirectory() as tmp:
         for case in cases:
             logits = {}
@@ -95,23 +112,35 @@ def main() -> None:
                     print(f"{case}: no CUDA GPU, cuda skipped", file=sys.stderr)
                     continue
                 path = f"{tmp}/{case}-{device}.pt"
-                done = subprocess.run([sys.executable, __file__, "--one", case, device, path],
-                                      capture_output=True, text=True)
+                done = subprocess.run(
+                    [sys.executable, __file__, "--one", case, device, path], capture_output=True, text=True
+                )
                 if done.returncode:
                     sys.exit(f"{case} on {device} failed:\n{done.stderr[-3000:]}")
                 row = json.loads(done.stdout.strip().splitlines()[-1])
                 logits[device] = torch.load(path, weights_only=True)
                 rows.append(row)
                 write()
-                print(f"{case:18s} {device:5s} {row['seconds']:8.1f}s  logit error vs fp32 "
-                      f"{row['rel_logit_error_vs_fp32']:.4f}  peak GPU {row.get('peak_gpu_MB', 0):8.0f} MB  "
-                      f"peak RSS {row['peak_rss_MB']:8.0f} MB", flush=True)
+                print(
+                    f"{case:18s} {device:5s} {row['seconds']:8.1f}s  logit error vs fp32 "
+                    f"{row['rel_logit_error_vs_fp32']:.4f}  peak GPU {row.get('peak_gpu_MB', 0):8.0f} MB  "
+                    f"peak RSS {row['peak_rss_MB']:8.0f} MB",
+                    flush=True,
+                )
             if len(logits) == 2:
                 a, b = logits["cpu"], logits["cuda"]
-                rows.append({"case": case, "cpu_over_cuda_seconds": rows[-2]["seconds"] / rows[-1]["seconds"],
-                             "rel_distance_cpu_vs_cuda_logits": ((a - b).norm() / a.norm()).item()})
-                print(f"{case:18s} cuda is {rows[-1]['cpu_over_cuda_seconds']:.1f}x faster; cpu vs cuda logits "
-                      f"differ by {rows[-1]['rel_distance_cpu_vs_cuda_logits']:.4f} (relative)", flush=True)
+                rows.append(
+                    {
+                        "case": case,
+                        "cpu_over_cuda_seconds": rows[-2]["seconds"] / rows[-1]["seconds"],
+                        "rel_distance_cpu_vs_cuda_logits": ((a - b).norm() / a.norm()).item(),
+                    }
+                )
+                print(
+                    f"{case:18s} cuda is {rows[-1]['cpu_over_cuda_seconds']:.1f}x faster; cpu vs cuda logits "
+                    f"differ by {rows[-1]['rel_distance_cpu_vs_cuda_logits']:.4f} (relative)",
+                    flush=True,
+                )
     write()
     print(f"wrote {args.out}")
 

@@ -18,6 +18,7 @@ The 0.44 B run also times the ``rtn-w4g128-head`` genai export with its attentio
 (``fused_attention=False``) beside the default ``GroupQueryAttention`` one: the fused node's share.
 Writes benchmarks/results/generate.json.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -46,8 +47,16 @@ RESULTS = Path(__file__).resolve().parent / "results" / "generate.json"
 
 def llama_05b():
     from transformers import LlamaConfig, LlamaForCausalLM
-    config = LlamaConfig(vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=32,
-                         num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=1024)
+
+    config = LlamaConfig(
+        vocab_size=32000,
+        hidden_size=1024,
+        intermediate_size=2816,
+        num_hidden_layers=32,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        max_position_embeddings=1024,
+    )
     torch.manual_seed(0)
     model = LlamaForCausalLM(config).eval()
     ids = torch.randint(0, 32000, (1, 16))
@@ -68,6 +77,7 @@ class HFEngine:
 
     def decode_rate(self, ids, new) -> float:
         from transformers.generation.streamers import BaseStreamer
+
         stamps = []
 
         class Clock(BaseStreamer):
@@ -76,8 +86,9 @@ class HFEngine:
 
             def end(self):
                 pass
+
         self.model.generate(ids, max_new_tokens=new, min_new_tokens=new, do_sample=False, streamer=Clock())
-        return _rate(stamps[1:])          # the first put() is the prompt
+        return _rate(stamps[1:])  # the first put() is the prompt
 
 
 class QCEngine:
@@ -93,6 +104,7 @@ class GenaiEngine:
 
     def __init__(self, folder: Path):
         import onnxruntime_genai as og
+
         config = json.loads((folder / "genai_config.json").read_text())
         config["model"]["decoder"]["session_options"].update(intra_op_num_threads=1, inter_op_num_threads=1)
         (folder / "genai_config.json").write_text(json.dumps(config, indent=1))
@@ -100,6 +112,7 @@ class GenaiEngine:
 
     def decode_rate(self, ids, new) -> float:
         import numpy as np
+
         params = self.og.GeneratorParams(self.model)
         params.set_search_options(max_length=ids.shape[1] + new, min_length=ids.shape[1] + new, do_sample=False)
         generator = self.og.Generator(self.model, params)
@@ -114,26 +127,59 @@ class GenaiEngine:
 def builder_int4(model, workdir: Path, group_size: int = 128) -> Path:
     """The peer: onnxruntime-genai's own model builder, int4 RTN with the same group size."""
     import subprocess
+
     src, out = workdir / "hf", workdir / "builder"
     model.save_pretrained(src)
     _byte_tokenizer(model.config.vocab_size).save_pretrained(src)
-    subprocess.run([sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(src), "-o", str(out),
-                    "-p", "int4", "-e", "cpu", "-c", str(workdir / "cache"), "--extra_options",
-                    f"int4_block_size={group_size}"], check=True, capture_output=True)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "onnxruntime_genai.models.builder",
+            "-i",
+            str(src),
+            "-o",
+            str(out),
+            "-p",
+            "int4",
+            "-e",
+            "cpu",
+            "-c",
+            str(workdir / "cache"),
+            "--extra_options",
+            f"int4_block_size={group_size}",
+        ],
+        check=True,
+        capture_output=True,
+    )
     return out
 
 
 def _byte_tokenizer(vocab: int):
     """A throwaway word-level tokenizer: the builder insists on copying one."""
-    from tokenizers import Tokenizer, models as tok_models, pre_tokenizers
+    from tokenizers import Tokenizer, pre_tokenizers
+    from tokenizers import models as tok_models
     from transformers import PreTrainedTokenizerFast
+
     tok = Tokenizer(tok_models.WordLevel({f"t{i}": i for i in range(vocab)}, unk_token="t0"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0", bos_token="t1", eos_token="t2")
 
 
-def run_model(label, model, example, calib, recipe, prompt_len, new, rounds, peer: bool, eager: bool = True,
-              genai_only: tuple[str, ...] = (), plain_attention: tuple[str, ...] = ()):
+def run_model(
+    label,
+    model,
+    example,
+    calib,
+    recipe,
+    prompt_len,
+    new,
+    rounds,
+    peer: bool,
+    eager: bool = True,
+    genai_only: tuple[str, ...] = (),
+    plain_attention: tuple[str, ...] = (),
+):
     vocab = model.config.vocab_size
     ids = torch.randint(3, vocab, (1, prompt_len), generator=torch.Generator().manual_seed(0))
     with warnings.catch_warnings():
@@ -143,19 +189,25 @@ def run_model(label, model, example, calib, recipe, prompt_len, new, rounds, pee
         engines = {"transformers FP32": HFEngine(model)}
         if eager:  # the plain-torch reference: dequantizes every weight on every call
             engines.update({"qcompiler eager FP32": QCEngine(fp), f"qcompiler eager {recipe}": QCEngine(quant)})
-        engines.update({
-            "onnxruntime FP32": QCEngine(fp.with_backend("onnxruntime", threads=1)),
-            f"onnxruntime {recipe}": QCEngine(quant.with_backend("onnxruntime", threads=1)),
-        })
+        engines.update(
+            {
+                "onnxruntime FP32": QCEngine(fp.with_backend("onnxruntime", threads=1)),
+                f"onnxruntime {recipe}": QCEngine(quant.with_backend("onnxruntime", threads=1)),
+            }
+        )
         work = Path(tempfile.mkdtemp(prefix="qc-generate-bench-"))
-        extra = [(name, qc.compile(model, {"input_ids": example}, recipe=name, calibration=calib, progress=False))
-                 for name in genai_only]
+        extra = [
+            (name, qc.compile(model, {"input_ids": example}, recipe=name, calibration=calib, progress=False))
+            for name in genai_only
+        ]
         for name, cm in (("FP32", fp), (recipe, quant), *extra):
             export_onnx_genai(cm, work / name, progress=lambda _: None)
             engines[f"onnxruntime-genai, qcompiler {name}"] = GenaiEngine(work / name)
             if name in plain_attention:  # the same export with attention as plain ops: GroupQueryAttention's share
                 export_onnx_genai(cm, work / f"{name}-plain", progress=lambda _: None, fused_attention=False)
-                engines[f"onnxruntime-genai, qcompiler {name}, plain-op attention"] = GenaiEngine(work / f"{name}-plain")
+                engines[f"onnxruntime-genai, qcompiler {name}, plain-op attention"] = GenaiEngine(
+                    work / f"{name}-plain"
+                )
         if peer:
             engines["onnxruntime-genai, builder int4 g128"] = GenaiEngine(builder_int4(model, work))
     speeds = {name: [] for name in engines}
@@ -166,11 +218,21 @@ def run_model(label, model, example, calib, recipe, prompt_len, new, rounds, pee
     fp32 = statistics.median(speeds["onnxruntime-genai, qcompiler FP32"])
     for name, values in speeds.items():
         med = statistics.median(values)
-        rows.append({"model": label, "engine": name, "decode_tok_s": round(med, 2),
-                     "min": round(min(values), 2), "max": round(max(values), 2),
-                     "vs_genai_fp32": round(med / fp32, 3)})
-        print(f"{label:12s} {name:40s} {med:9.1f} tok/s  [{min(values):.1f}-{max(values):.1f}]  "
-              f"{med / fp32:5.2f}x genai FP32", flush=True)
+        rows.append(
+            {
+                "model": label,
+                "engine": name,
+                "decode_tok_s": round(med, 2),
+                "min": round(min(values), 2),
+                "max": round(max(values), 2),
+                "vs_genai_fp32": round(med / fp32, 3),
+            }
+        )
+        print(
+            f"{label:12s} {name:40s} {med:9.1f} tok/s  [{min(values):.1f}-{max(values):.1f}]  "
+            f"{med / fp32:5.2f}x genai FP32",
+            flush=True,
+        )
     shutil.rmtree(work, ignore_errors=True)
     return rows
 
@@ -186,17 +248,42 @@ def main(argv=None) -> int:
     new = 16 if args.quick else args.new
     rows = []
     tiny = models.load("tinylm")
-    rows += run_model("tinylm", tiny.model, tiny.example_inputs()["input_ids"], tiny.calibration(16),
-                      "gptq-w4g128", args.prompt, new, 1 if args.quick else args.rounds, peer=False)
+    rows += run_model(
+        "tinylm",
+        tiny.model,
+        tiny.example_inputs()["input_ids"],
+        tiny.calibration(16),
+        "gptq-w4g128",
+        args.prompt,
+        new,
+        1 if args.quick else args.rounds,
+        peer=False,
+    )
     if not args.quick:
         model, example, calib, recipe = llama_05b()
         params = sum(p.numel() for p in model.parameters()) / 1e9
-        rows += run_model(f"llama-{params:.2f}B", model, example, calib, recipe, args.prompt, new, args.rounds,
-                          peer=True, eager=False, genai_only=("rtn-w4g128-head",),
-                          plain_attention=("rtn-w4g128-head",))
-    record = {"threads": 1, "batch": 1, "prompt_tokens": args.prompt, "new_tokens": new,
-              "machine": f"{platform.machine()}, {platform.processor() or 'cpu'}, torch {torch.__version__}",
-              "rows": rows}
+        rows += run_model(
+            f"llama-{params:.2f}B",
+            model,
+            example,
+            calib,
+            recipe,
+            args.prompt,
+            new,
+            args.rounds,
+            peer=True,
+            eager=False,
+            genai_only=("rtn-w4g128-head",),
+            plain_attention=("rtn-w4g128-head",),
+        )
+    record = {
+        "threads": 1,
+        "batch": 1,
+        "prompt_tokens": args.prompt,
+        "new_tokens": new,
+        "machine": f"{platform.machine()}, {platform.processor() or 'cpu'}, torch {torch.__version__}",
+        "rows": rows,
+    }
     if not args.quick:
         write_atomically(RESULTS, json.dumps(record, indent=1))
     return 0

@@ -10,6 +10,7 @@ same weight and Hessian in the same process, alternately, best of ``--repeats``;
 Hessian-weighted output error of both results is printed next to the times (it must be equal).
 Writes benchmarks/results/gptq_solver.json.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -39,9 +40,10 @@ def _fake_quantize(x, scale, zero, maxq):
     return scale * (torch.clamp(torch.round(x / scale) + zero, 0, maxq) - zero)
 
 
-def daslab(W: torch.Tensor, H: torch.Tensor, bits: int = 4, groupsize: int = 128, blocksize: int = 128,
-           percdamp: float = 0.01) -> torch.Tensor:
-    W, H, maxq = W.clone().float(), H.clone(), 2 ** bits - 1
+def daslab(
+    W: torch.Tensor, H: torch.Tensor, bits: int = 4, groupsize: int = 128, blocksize: int = 128, percdamp: float = 0.01
+) -> torch.Tensor:
+    W, H, maxq = W.clone().float(), H.clone(), 2**bits - 1
     columns = W.shape[1]
     dead = torch.diag(H) == 0
     H[dead, dead] = 1
@@ -58,10 +60,10 @@ def daslab(W: torch.Tensor, H: torch.Tensor, bits: int = 4, groupsize: int = 128
         for i in range(i2 - i1):
             w, d = W1[:, i], Hinv1[i, i]
             if groupsize != -1 and (i1 + i) % groupsize == 0:
-                scale, zero = _find_params(W[:, i1 + i:i1 + i + groupsize], maxq)
+                scale, zero = _find_params(W[:, i1 + i : i1 + i + groupsize], maxq)
             q = _fake_quantize(w.unsqueeze(1), scale, zero, maxq).flatten()
             Q1[:, i] = q
-            Losses1[:, i] = (w - q) ** 2 / d ** 2
+            Losses1[:, i] = (w - q) ** 2 / d**2
             err1 = (w - q) / d
             W1[:, i:] -= err1.unsqueeze(1).matmul(Hinv1[i, i:].unsqueeze(0))
             Err1[:, i] = err1
@@ -79,7 +81,9 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     rows = []
-    print("| layer (out x in) | IST-DASLab loop, s | qcompiler, s | ratio | error (theirs / ours) |\n|---|---|---|---|---|")
+    print(
+        "| layer (out x in) | IST-DASLab loop, s | qcompiler, s | ratio | error (theirs / ours) |\n|---|---|---|---|---|"
+    )
     for shape in args.shapes:
         out, n = (int(v) for v in shape.split("x"))
         gen = torch.Generator().manual_seed(0)
@@ -93,11 +97,20 @@ def main() -> None:
             start = time.perf_counter()
             Q_ours = gptq_quantize(W, H, bits=4, group_size=128).dequantized
             ours = min(ours, time.perf_counter() - start)
-        row = {"shape": shape, "daslab_s": theirs, "qcompiler_s": ours, "ratio": ours / theirs,
-               "error_daslab": output_error(W, Q_ref, H), "error_qcompiler": output_error(W, Q_ours, H)}
+        row = {
+            "shape": shape,
+            "daslab_s": theirs,
+            "qcompiler_s": ours,
+            "ratio": ours / theirs,
+            "error_daslab": output_error(W, Q_ref, H),
+            "error_qcompiler": output_error(W, Q_ours, H),
+        }
         rows.append(row)
-        print(f"| {shape} | {theirs:.2f} | {ours:.2f} | {row['ratio']:.2f} | "
-              f"{row['error_daslab']:.5f} / {row['error_qcompiler']:.5f} |", flush=True)
+        print(
+            f"| {shape} | {theirs:.2f} | {ours:.2f} | {row['ratio']:.2f} | "
+            f"{row['error_daslab']:.5f} / {row['error_qcompiler']:.5f} |",
+            flush=True,
+        )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     tmp = args.out.with_suffix(".tmp")
     tmp.write_text(json.dumps({"threads": args.threads, "rows": rows}, indent=2))

@@ -11,6 +11,7 @@
    block's cached inputs: memory should grow with the weights, not with a cache per block.
 Writes benchmarks/results/gptq_speed.json.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -58,21 +59,25 @@ def model_speed() -> dict:
     import qcompiler as qc
     from qcompiler import models
     from qcompiler.algorithms.gptq import gptq_quantize_reference
-    from qcompiler.weight_only import gptq_layer_quant
+    from qcompiler.pipeline.weight_only import gptq_layer_quant
 
     @dataclass(frozen=True)
     class ReferenceGPTQ(qc.passes.GPTQ):
         """The same pass, with the straightforward algorithm."""
 
         def quantize_layer(self, layer, W, H):
-            res = gptq_quantize_reference(W, H, bits=self.bits, group_size=self.group_size, sym=self.sym,
-                                          act_order=self.act_order, damp=self.damp)
+            res = gptq_quantize_reference(
+                W, H, bits=self.bits, group_size=self.group_size, sym=self.sym, act_order=self.act_order, damp=self.damp
+            )
             return gptq_layer_quant(layer, W, res, self.bits, self.group_size)
 
     loaded = models.load("tinylm")
     calib = loaded.calibration(32, 256)
     out = {}
-    for name, p in (("lazy", qc.passes.GPTQ(bits=4, group_size=128)), ("reference", ReferenceGPTQ(bits=4, group_size=128))):
+    for name, p in (
+        ("lazy", qc.passes.GPTQ(bits=4, group_size=128)),
+        ("reference", ReferenceGPTQ(bits=4, group_size=128)),
+    ):
         start = time.perf_counter()
         cm = qc.compile(loaded.model, loaded.example_inputs(), recipe=[p], calibration=calib, progress=False)
         out[f"{name}_seconds"] = time.perf_counter() - start
@@ -88,9 +93,17 @@ def memory_probe(layers: int) -> dict:
     import qcompiler as qc
 
     torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=256, hidden_size=PROBE_HIDDEN, intermediate_size=PROBE_FFN,
-                                         num_hidden_layers=layers, num_attention_heads=8, num_key_value_heads=8,
-                                         max_position_embeddings=PROBE_SEQ)).eval()
+    model = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=256,
+            hidden_size=PROBE_HIDDEN,
+            intermediate_size=PROBE_FFN,
+            num_hidden_layers=layers,
+            num_attention_heads=8,
+            num_key_value_heads=8,
+            max_position_embeddings=PROBE_SEQ,
+        )
+    ).eval()
     calib = [{"input_ids": torch.randint(0, 256, (8, PROBE_SEQ))} for _ in range(PROBE_WINDOWS // 8)]
     before = _rss_mb()
     peak = [before]
@@ -100,18 +113,29 @@ def memory_probe(layers: int) -> dict:
         while not done.is_set():
             peak[0] = max(peak[0], _rss_mb())
             time.sleep(0.005)
+
     sampler = threading.Thread(target=sample)
     sampler.start()
     try:
-        qc.compile(model, {"input_ids": calib[0]["input_ids"][:2, :16], "use_cache": False}, recipe="gptq-w4g128",
-                   calibration=calib, progress=False)
+        qc.compile(
+            model,
+            {"input_ids": calib[0]["input_ids"][:2, :16], "use_cache": False},
+            recipe="gptq-w4g128",
+            calibration=calib,
+            progress=False,
+        )
     finally:
         done.set()
         sampler.join()
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
-    return {"blocks": layers, "weight_mb": weights / 2**20, "rss_before_mb": before, "peak_rss_mb": peak[0],
-            "growth_mb": peak[0] - before,
-            "one_block_input_cache_mb": PROBE_WINDOWS * PROBE_SEQ * PROBE_HIDDEN * 4 / 2**20}
+    return {
+        "blocks": layers,
+        "weight_mb": weights / 2**20,
+        "rss_before_mb": before,
+        "peak_rss_mb": peak[0],
+        "growth_mb": peak[0] - before,
+        "one_block_input_cache_mb": PROBE_WINDOWS * PROBE_SEQ * PROBE_HIDDEN * 4 / 2**20,
+    }
 
 
 def _rss_mb() -> float:
@@ -124,8 +148,11 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--memory-probe", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--out", type=Path, help="default: results/gptq_speed.json (results/quick/ with --quick)")
-    ap.add_argument("--layer-only", metavar="DEVICE",
-                    help="only the one-layer timing, on DEVICE (e.g. cuda); prints JSON, writes nothing")
+    ap.add_argument(
+        "--layer-only",
+        metavar="DEVICE",
+        help="only the one-layer timing, on DEVICE (e.g. cuda); prints JSON, writes nothing",
+    )
     args = ap.parse_args()
     args.out = args.out or results_file("gptq_speed", args.quick)
     if args.memory_probe:
@@ -136,17 +163,40 @@ def main() -> None:
         return
     layer = layer_speed(1024 if args.quick else 4096)
     model = model_speed()
-    memory = [json.loads(subprocess.run([sys.executable, __file__, "--memory-probe", str(n)], check=True,
-                                        capture_output=True, text=True).stdout.strip().splitlines()[-1])
-              for n in (2, 8)]
-    write_atomically(args.out, json.dumps({"layer": layer, "tinylm": model, "memory": memory,
-                                           "torch": torch.__version__, "threads": torch.get_num_threads(),
-                                           "date": time.strftime("%Y-%m-%d")}, indent=2) + "\n")
+    memory = [
+        json.loads(
+            subprocess.run(
+                [sys.executable, __file__, "--memory-probe", str(n)], check=True, capture_output=True, text=True
+            )
+            .stdout.strip()
+            .splitlines()[-1]
+        )
+        for n in (2, 8)
+    ]
+    write_atomically(
+        args.out,
+        json.dumps(
+            {
+                "layer": layer,
+                "tinylm": model,
+                "memory": memory,
+                "torch": torch.__version__,
+                "threads": torch.get_num_threads(),
+                "date": time.strftime("%Y-%m-%d"),
+            },
+            indent=2,
+        )
+        + "\n",
+    )
     print("| what | lazy (s) | straightforward (s) | speed-up |\n|---|---|---|---|")
-    print(f"| GPTQ one {layer['shape']} layer, w4g128 | {layer['lazy_seconds']:.2f} | {layer['reference_seconds']:.2f} | "
-          f"{layer['speedup']:.1f}x |")
-    print(f"| tinylm end to end (GPTQ w4g128, 32x256 calibration) | {model['lazy_seconds']:.1f} | "
-          f"{model['reference_seconds']:.1f} | {model['reference_seconds'] / model['lazy_seconds']:.1f}x |")
+    print(
+        f"| GPTQ one {layer['shape']} layer, w4g128 | {layer['lazy_seconds']:.2f} | {layer['reference_seconds']:.2f} | "
+        f"{layer['speedup']:.1f}x |"
+    )
+    print(
+        f"| tinylm end to end (GPTQ w4g128, 32x256 calibration) | {model['lazy_seconds']:.1f} | "
+        f"{model['reference_seconds']:.1f} | {model['reference_seconds'] / model['lazy_seconds']:.1f}x |"
+    )
     print("\n| blocks | weights MB | RSS growth during GPTQ, MB | one block's input cache MB |\n|---|---|---|---|")
     for m in memory:
         print(f"| {m['blocks']} | {m['weight_mb']:.0f} | {m['growth_mb']:.0f} | {m['one_block_input_cache_mb']:.0f} |")

@@ -10,6 +10,7 @@ products in int16 (vpmaddubsw) and saturates. ``u8u8`` shifts the weights to uin
 exact product (numpy int64); timings are medians of interleaved pairs (ratio u8u8 / u8s8 per
 repeat). Writes benchmarks/results/int8_matmul_forms.json.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -35,10 +36,13 @@ def form(k: int, n: int, weights: np.ndarray, unsigned_weights: bool) -> onnx.Mo
     zp = numpy_helper.from_array(np.array(128, np.uint8), "zp")
     w = (weights.astype(np.int16) + 128).astype(np.uint8) if unsigned_weights else weights
     inputs = ["X", "W", "zp", "zp"] if unsigned_weights else ["X", "W", "zp"]
-    graph = helper.make_graph([helper.make_node("MatMulInteger", inputs, ["Y"])], "mm",
-                              [helper.make_tensor_value_info("X", TensorProto.UINT8, ["M", k])],
-                              [helper.make_tensor_value_info("Y", TensorProto.INT32, ["M", n])],
-                              [numpy_helper.from_array(w, "W"), zp])
+    graph = helper.make_graph(
+        [helper.make_node("MatMulInteger", inputs, ["Y"])],
+        "mm",
+        [helper.make_tensor_value_info("X", TensorProto.UINT8, ["M", k])],
+        [helper.make_tensor_value_info("Y", TensorProto.INT32, ["M", n])],
+        [numpy_helper.from_array(w, "W"), zp],
+    )
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
 
 
@@ -68,8 +72,10 @@ def main() -> None:
                 x = (codes + 128).astype(np.uint8)
                 exact = codes @ weights.astype(np.int64)
                 feeds = {"X": x}
-                errors = {name: int(np.abs(s.run(None, feeds)[0].astype(np.int64) - exact).max())
-                          for name, s in (("u8s8", s8), ("u8u8", u8))}
+                errors = {
+                    name: int(np.abs(s.run(None, feeds)[0].astype(np.int64) - exact).max())
+                    for name, s in (("u8s8", s8), ("u8u8", u8))
+                }
                 times = {"u8s8": [], "u8u8": []}
                 for _ in range(repeats):  # interleaved pairs
                     for name, s in (("u8s8", s8), ("u8u8", u8)):
@@ -77,26 +83,50 @@ def main() -> None:
                         s.run(None, feeds)
                         times[name].append(time.perf_counter() - start)
                 ratios = [b / a for a, b in zip(times["u8s8"], times["u8u8"])]
-                row = dict(layer=f"{k}x{n}", M=m, threads=threads,
-                           u8s8_ms=1e3 * statistics.median(times["u8s8"]), u8u8_ms=1e3 * statistics.median(times["u8u8"]),
-                           ratio_median=statistics.median(ratios), ratio_min=min(ratios), ratio_max=max(ratios),
-                           u8s8_max_int32_error=errors["u8s8"], u8u8_max_int32_error=errors["u8u8"])
+                row = dict(
+                    layer=f"{k}x{n}",
+                    M=m,
+                    threads=threads,
+                    u8s8_ms=1e3 * statistics.median(times["u8s8"]),
+                    u8u8_ms=1e3 * statistics.median(times["u8u8"]),
+                    ratio_median=statistics.median(ratios),
+                    ratio_min=min(ratios),
+                    ratio_max=max(ratios),
+                    u8s8_max_int32_error=errors["u8s8"],
+                    u8u8_max_int32_error=errors["u8u8"],
+                )
                 rows.append(row)
-                print(f"{k}x{n} M={m:4d} t={threads} u8s8 {row['u8s8_ms']:8.2f} ms (max int32 error "
-                      f"{errors['u8s8']}) u8u8 {row['u8u8_ms']:8.2f} ms (error {errors['u8u8']}) "
-                      f"ratio {row['ratio_median']:.2f}", file=sys.stderr, flush=True)
+                print(
+                    f"{k}x{n} M={m:4d} t={threads} u8s8 {row['u8s8_ms']:8.2f} ms (max int32 error "
+                    f"{errors['u8s8']}) u8u8 {row['u8u8_ms']:8.2f} ms (error {errors['u8u8']}) "
+                    f"ratio {row['ratio_median']:.2f}",
+                    file=sys.stderr,
+                    flush=True,
+                )
     cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), "?")
     flags = next((line.split(":", 1)[1].split() for line in open("/proc/cpuinfo") if line.startswith("flags")), [])
-    meta = dict(onnxruntime=ort.__version__, date=time.strftime("%Y-%m-%d"), cpu=cpu, repeats=repeats,
-                vnni=any(f in flags for f in ("avx512_vnni", "avx_vnni")), avx512=any(f.startswith("avx512") for f in flags))
-    write_atomically(results_file("int8_matmul_forms", args.quick), json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
+    meta = dict(
+        onnxruntime=ort.__version__,
+        date=time.strftime("%Y-%m-%d"),
+        cpu=cpu,
+        repeats=repeats,
+        vnni=any(f in flags for f in ("avx512_vnni", "avx_vnni")),
+        avx512=any(f.startswith("avx512") for f in flags),
+    )
+    write_atomically(
+        results_file("int8_matmul_forms", args.quick), json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n"
+    )
     print(f"{cpu}, VNNI: {meta['vnni']}, onnxruntime {ort.__version__}")
-    print("| layer | M | threads | u8s8 ms | u8s8 max int32 error | u8u8 ms | u8u8 max int32 error | u8u8 / u8s8 (min-max) |")
+    print(
+        "| layer | M | threads | u8s8 ms | u8s8 max int32 error | u8u8 ms | u8u8 max int32 error | u8u8 / u8s8 (min-max) |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['layer']} | {r['M']} | {r['threads']} | {r['u8s8_ms']:.2f} | {r['u8s8_max_int32_error']} | "
-              f"{r['u8u8_ms']:.2f} | {r['u8u8_max_int32_error']} | {r['ratio_median']:.2f} "
-              f"({r['ratio_min']:.2f}-{r['ratio_max']:.2f}) |")
+        print(
+            f"| {r['layer']} | {r['M']} | {r['threads']} | {r['u8s8_ms']:.2f} | {r['u8s8_max_int32_error']} | "
+            f"{r['u8u8_ms']:.2f} | {r['u8u8_max_int32_error']} | {r['ratio_median']:.2f} "
+            f"({r['ratio_min']:.2f}-{r['ratio_max']:.2f}) |"
+        )
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ kernel must read once (weights at their stored size, activations, output); TFLOP
 Before timing, each kernel's output is compared with its plain-torch reference on the GPU.
 Writes benchmarks/results/kernels.json. Without a GPU it says so and writes that instead.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -25,17 +26,18 @@ from pathlib import Path
 import torch
 
 RESULTS = Path(__file__).resolve().parent / "results" / "kernels.json"
-SHAPES = [(4096, 4096), (4096, 11008), (11008, 4096)]   # (in_features, out_features)
+SHAPES = [(4096, 4096), (4096, 11008), (11008, 4096)]  # (in_features, out_features)
 ROWS = [1, 16, 512]
 PEAKS = {"H200": (4.8e12, 989e12), "H100": (3.35e12, 989e12), "A100": (2.0e12, 312e12)}  # HBM B/s, fp16 FLOP/s
 
 
 def gptq_case(k, n, bits, act_order, gen):
-    from qcompiler.ops import pack_gptq
+    from qcompiler.ir.ops import pack_gptq
+
     groups = k // 128
-    codes = torch.randint(0, 2 ** bits, (n, k), generator=gen)
+    codes = torch.randint(0, 2**bits, (n, k), generator=gen)
     scales = torch.rand(groups, n, generator=gen) * 0.01 + 0.001
-    zeros = torch.randint(0, 2 ** bits, (groups, n), generator=gen).float()
+    zeros = torch.randint(0, 2**bits, (groups, n), generator=gen).float()
     g_idx = (torch.arange(k) // 128).int()
     if act_order:
         g_idx = g_idx[torch.randperm(k, generator=gen)]
@@ -44,16 +46,24 @@ def gptq_case(k, n, bits, act_order, gen):
 
 
 def spqr_case(k, n, gen, outlier_fraction=0.01):
-    from qcompiler.ops import to_csr
     from qcompiler.algorithms.packing import pack_cols, pack_rows
+    from qcompiler.ir.ops import to_csr
+
     groups = k // 16
+
     def stats():
-        return torch.stack([torch.rand(groups, n // 16, generator=gen) * 1e-3,
-                            torch.rand(groups, n // 16, generator=gen) * 1e-3], -1).half()
-    dense = (pack_rows(torch.randint(0, 8, (k, n), generator=gen), 3),
-             pack_cols(torch.randint(0, 8, (groups, n), generator=gen), 3),
-             pack_cols(torch.randint(0, 8, (groups, n), generator=gen), 3), stats(), stats(),
-             torch.randperm(k, generator=gen).int())
+        return torch.stack(
+            [torch.rand(groups, n // 16, generator=gen) * 1e-3, torch.rand(groups, n // 16, generator=gen) * 1e-3], -1
+        ).half()
+
+    dense = (
+        pack_rows(torch.randint(0, 8, (k, n), generator=gen), 3),
+        pack_cols(torch.randint(0, 8, (groups, n), generator=gen), 3),
+        pack_cols(torch.randint(0, 8, (groups, n), generator=gen), 3),
+        stats(),
+        stats(),
+        torch.randperm(k, generator=gen).int(),
+    )
     mask = torch.rand(n, k, generator=gen) < outlier_fraction
     return dense, to_csr(torch.randn(n, k, generator=gen), mask)
 
@@ -69,15 +79,21 @@ def bench(fn, smoke: bool) -> float:
         fn()
         return (time.perf_counter() - start) * 1e3
     import triton.testing
+
     return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
 
 
 def run(shapes, rows, device, smoke: bool, partial=lambda rows: None) -> list[dict]:
     """Every (shape, M) row; ``partial(rows_so_far)`` after each (a time limit keeps what was measured)."""
-    from qcompiler import kernels, ops
+    from qcompiler import kernels
+    from qcompiler.ir import ops
+
     gen = torch.Generator().manual_seed(0)
-    peak_bw, peak_flops = next((v for k, v in PEAKS.items() if k in torch.cuda.get_device_name()), (None, None)) \
-        if device.type == "cuda" else (None, None)
+    peak_bw, peak_flops = (
+        next((v for k, v in PEAKS.items() if k in torch.cuda.get_device_name()), (None, None))
+        if device.type == "cuda"
+        else (None, None)
+    )
     results = []
     for k, n in shapes:
         w16 = (torch.randn(n, k, generator=gen) * 0.02).half().to(device)
@@ -85,19 +101,28 @@ def run(shapes, rows, device, smoke: bool, partial=lambda rows: None) -> list[di
         for label, bits, act in (("w4a16-g128", 4, False), ("w4a16-g128-act", 4, True), ("w3a16-g128", 3, False)):
             packed, (b, g) = gptq_case(k, n, bits, act, gen)
             packed = tuple(t.to(device) for t in packed)
-            cases[label] = (lambda x, p=packed, b=b, g=g: kernels.gptq_linear(x, *p, None, b, g),
-                            lambda x, p=packed, b=b, g=g: ops.quant_linear(x.float(), *p, None, b, g), packed)
+            cases[label] = (
+                lambda x, p=packed, b=b, g=g: kernels.gptq_linear(x, *p, None, b, g),
+                lambda x, p=packed, b=b, g=g: ops.quant_linear(x.float(), *p, None, b, g),
+                packed,
+            )
         wq = torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8).to(device)
         ws = (torch.rand(n, generator=gen) * 1e-3).to(device)
-        cases["w8a8"] = (lambda x: kernels.int8_linear(x, wq, ws, None, None, None),
-                         lambda x: ops.int8_linear(x.float(), wq, ws, None, None, None), (wq, ws))
+        cases["w8a8"] = (
+            lambda x: kernels.int8_linear(x, wq, ws, None, None, None),
+            lambda x: ops.int8_linear(x.float(), wq, ws, None, None, None),
+            (wq, ws),
+        )
         dense, sparse = spqr_case(k, n, gen)
         dense, sparse = tuple(t.to(device) for t in dense), tuple(t.to(device) for t in sparse)
+
         def spqr(x, d=dense, s=sparse):
             return kernels.csr_linear(x, *s, n, out=kernels.spqr_dense_linear(x, *d, None, 3, 16, 3, 16))
+
         def spqr_ref(x, d=dense, s=sparse):
             x = x.float()
             return ops.spqr_dense_linear(x, *d, None, 3, 16, 3, 16) + ops.sparse_outlier_linear(x, *s, n)
+
         cases["spqr-w3g16-1%"] = (spqr, spqr_ref, dense + sparse)
         for m in rows:
             x = torch.randn(m, k, generator=gen).half().to(device)
@@ -113,17 +138,28 @@ def run(shapes, rows, device, smoke: bool, partial=lambda rows: None) -> list[di
                 err = ((got - want).abs().max() / want.abs().max().clamp(min=1e-12)).item()
                 ms = bench(lambda: kernel(x), smoke)
                 moved = stored_bytes(stored) + x.numel() * 2 + m * n * 2
-                entry = {"ms": ms, "speedup_vs_fp16": base_ms / ms, "max_rel_err_vs_reference": err,
-                         "GB_per_s": moved / ms / 1e6, "TFLOP_per_s": 2 * m * k * n / ms / 1e9}
+                entry = {
+                    "ms": ms,
+                    "speedup_vs_fp16": base_ms / ms,
+                    "max_rel_err_vs_reference": err,
+                    "GB_per_s": moved / ms / 1e6,
+                    "TFLOP_per_s": 2 * m * k * n / ms / 1e9,
+                }
                 if peak_bw:
                     entry["bandwidth_fraction_of_peak"] = moved / ms * 1e3 / peak_bw
                     entry["flops_fraction_of_fp16_peak"] = 2 * m * k * n / ms * 1e3 / peak_flops
                 row[label] = entry
             results.append(row)
             partial(results)
-            print(f"{k:>6}x{n:<6} M={m:<4} fp16 {base_ms:8.4f} ms | " + " | ".join(
-                f"{label} {row[label]['speedup_vs_fp16']:.2f}x (err {row[label]['max_rel_err_vs_reference']:.1e})"
-                for label in cases if "error" not in row[label]), flush=True)
+            print(
+                f"{k:>6}x{n:<6} M={m:<4} fp16 {base_ms:8.4f} ms | "
+                + " | ".join(
+                    f"{label} {row[label]['speedup_vs_fp16']:.2f}x (err {row[label]['max_rel_err_vs_reference']:.1e})"
+                    for label in cases
+                    if "error" not in row[label]
+                ),
+                flush=True,
+            )
     return results
 
 
@@ -132,7 +168,8 @@ def main(argv=None) -> int:
     ap.add_argument("--smoke", action="store_true", help="tiny shapes under TRITON_INTERPRET=1 (no GPU needed)")
     ap.add_argument("--out", type=Path, default=RESULTS)
     args = ap.parse_args(argv)
-    from qcompiler.atomic import write_text_atomically
+    from qcompiler.store.atomic import write_text_atomically
+
     if args.smoke:
         gpu = torch.cuda.is_available()
         if not gpu:
@@ -140,17 +177,26 @@ def main(argv=None) -> int:
         rows = run([(256, 128)], [1, 32], torch.device("cuda" if gpu else "cpu"), smoke=True)
         record = {"mode": "smoke: tiny shapes, timings are meaningless", "rows": rows}
     elif not torch.cuda.is_available():
-        message = ("no CUDA GPU is present: the kernel benchmark needs one (GPU figures pending). "
-                   "Kernel correctness on CPU is covered by tests/test_triton_kernels.py under TRITON_INTERPRET=1.")
+        message = (
+            "no CUDA GPU is present: the kernel benchmark needs one (GPU figures pending). "
+            "Kernel correctness on CPU is covered by tests/test_triton_kernels.py under TRITON_INTERPRET=1."
+        )
         print(message)
         record = {"gpu": None, "message": message}
     else:
         name = torch.cuda.get_device_name()
         print(f"device: {name}, torch {torch.__version__}")
+
         def record_of(rows):
             return {"gpu": name, "date": date.today().isoformat(), "torch": torch.__version__, "rows": rows}
-        rows = run(SHAPES, ROWS, torch.device("cuda"), smoke=False,
-                   partial=lambda rows: write_text_atomically(args.out, json.dumps(record_of(rows), indent=1)))
+
+        rows = run(
+            SHAPES,
+            ROWS,
+            torch.device("cuda"),
+            smoke=False,
+            partial=lambda rows: write_text_atomically(args.out, json.dumps(record_of(rows), indent=1)),
+        )
         record = record_of(rows)
     write_text_atomically(args.out, json.dumps(record, indent=1))
     print(f"wrote {args.out}")

@@ -11,6 +11,7 @@ everything quantized, the mean Hessian-weighted relative output error over the e
 figure GPTQ and SpQR minimise), and the logits' relative error against the FP model. Writes
 benchmarks/results/moe_experts.json.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -20,27 +21,41 @@ from pathlib import Path
 
 import torch
 import transformers as T
-
-import qcompiler as qc
-from qcompiler.atomic import write_text_atomically
-from qcompiler.data import calibration_windows, stdlib_tokens
-from qcompiler.eval import bits_per_parameter
 from results_file import results_file
 
-SIZES = {"default": dict(hidden=512, inter=1024, experts=8, windows=16, seqlen=256),
-         "quick": dict(hidden=64, inter=128, experts=4, windows=4, seqlen=32)}
+import qcompiler as qc
+from qcompiler.data import calibration_windows, stdlib_tokens
+from qcompiler.evaluation.eval import bits_per_parameter
+from qcompiler.store.atomic import write_text_atomically
+
+SIZES = {
+    "default": dict(hidden=512, inter=1024, experts=8, windows=16, seqlen=256),
+    "quick": dict(hidden=64, inter=128, experts=4, windows=4, seqlen=32),
+}
 
 
 def build(arch: str, size: dict) -> torch.nn.Module:
-    common = dict(vocab_size=256, hidden_size=size["hidden"], num_hidden_layers=2, num_attention_heads=8,
-                  num_key_value_heads=4, max_position_embeddings=1024)
+    common = dict(
+        vocab_size=256,
+        hidden_size=size["hidden"],
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        max_position_embeddings=1024,
+    )
     if arch == "mixtral":
-        config = T.MixtralConfig(**common, intermediate_size=size["inter"], num_local_experts=size["experts"],
-                                 num_experts_per_tok=2)
+        config = T.MixtralConfig(
+            **common, intermediate_size=size["inter"], num_local_experts=size["experts"], num_experts_per_tok=2
+        )
     else:
-        config = T.Qwen2MoeConfig(**common, intermediate_size=size["inter"], num_experts=size["experts"],
-                                  num_experts_per_tok=2, moe_intermediate_size=size["inter"] // 2,
-                                  shared_expert_intermediate_size=size["inter"] // 2)
+        config = T.Qwen2MoeConfig(
+            **common,
+            intermediate_size=size["inter"],
+            num_experts=size["experts"],
+            num_experts_per_tok=2,
+            moe_intermediate_size=size["inter"] // 2,
+            shared_expert_intermediate_size=size["inter"] // 2,
+        )
     torch.manual_seed(0)
     return T.AutoModelForCausalLM.from_config(config).eval()
 
@@ -52,7 +67,7 @@ def main() -> None:
     args = parser.parse_args()
     args.out = args.out or results_file("moe_experts", args.quick)
     size = SIZES["quick" if args.quick else "default"]
-    windows = calibration_windows(size["windows"], size["seqlen"])    # the bundled LM's training split
+    windows = calibration_windows(size["windows"], size["seqlen"])  # the bundled LM's training split
     calibration = [{"input_ids": windows}]
     tokens = stdlib_tokens("heldout")
     probe = tokens[:64].reshape(1, 64)
@@ -66,15 +81,24 @@ def main() -> None:
                 cm = qc.compile(model, {"input_ids": probe}, recipe=recipe, calibration=calibration, progress=False)
                 experts = [r for r in cm.report.layer_table() if ".experts." in r["layer"]]
                 logits = cm(input_ids=probe).logits
-                rows.append(dict(model=arch, recipe=recipe, expert_matrices=len(experts),
-                                 fallbacks=sum("fallback" in r for r in experts),
-                                 bits_per_parameter=bits_per_parameter(cm.graph_module),
-                                 mean_expert_error=sum(r.get("rel_error", 0.0) for r in experts) / len(experts),
-                                 logit_error=((logits - fp).norm() / fp.norm()).item()))
+                rows.append(
+                    dict(
+                        model=arch,
+                        recipe=recipe,
+                        expert_matrices=len(experts),
+                        fallbacks=sum("fallback" in r for r in experts),
+                        bits_per_parameter=bits_per_parameter(cm.graph_module),
+                        mean_expert_error=sum(r.get("rel_error", 0.0) for r in experts) / len(experts),
+                        logit_error=((logits - fp).norm() / fp.norm()).item(),
+                    )
+                )
                 r = rows[-1]
-                print(f"{arch:10s} {recipe:12s} experts {r['expert_matrices']:3d}  fallbacks {r['fallbacks']}  "
-                      f"bits/param {r['bits_per_parameter']:.3f}  "
-                      f"mean expert error {r['mean_expert_error']:.4f}  logit error {r['logit_error']:.4f}", flush=True)
+                print(
+                    f"{arch:10s} {recipe:12s} experts {r['expert_matrices']:3d}  fallbacks {r['fallbacks']}  "
+                    f"bits/param {r['bits_per_parameter']:.3f}  "
+                    f"mean expert error {r['mean_expert_error']:.4f}  logit error {r['logit_error']:.4f}",
+                    flush=True,
+                )
     record = {"size": size, "torch": torch.__version__, "rows": rows}
     write_text_atomically(args.out, json.dumps(record, indent=2) + "\n")
     print(f"wrote {args.out}")

@@ -7,6 +7,7 @@ fractional-zero correction alone ((block sums of x) @ C); the whole SpQR layer w
 branch at 1 % random outliers. Medians of paired repeats (every variant once per repeat).
 Writes benchmarks/results/onnx_spqr_parts.json.
 """
+
 from __future__ import annotations
 
 import json
@@ -22,18 +23,23 @@ from onnx import helper
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from onnx_speed import fp32_layer, model, nbits_nodes, session, spqr_layer, t  # noqa: E402
 
-from qcompiler.atomic import write_text_atomically  # noqa: E402
+from qcompiler.store.atomic import write_text_atomically  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results" / "onnx_spqr_parts.json"
 
 
 def correction_layer(k, n, rng):
     groups = k // 16
-    inits = [t("C", (rng.standard_normal((groups, n)) * 1e-3).astype(np.float32)),
-             t("gshape", np.array([0, groups, 16], np.int64)), t("ax1", np.array([-1], np.int64))]
-    nodes = [helper.make_node("Reshape", ["X", "gshape"], ["xg16"]),
-             helper.make_node("ReduceSum", ["xg16", "ax1"], ["gs"], keepdims=0),
-             helper.make_node("MatMul", ["gs", "C"], ["Y"])]
+    inits = [
+        t("C", (rng.standard_normal((groups, n)) * 1e-3).astype(np.float32)),
+        t("gshape", np.array([0, groups, 16], np.int64)),
+        t("ax1", np.array([-1], np.int64)),
+    ]
+    nodes = [
+        helper.make_node("Reshape", ["X", "gshape"], ["xg16"]),
+        helper.make_node("ReduceSum", ["xg16", "ax1"], ["gs"], keepdims=0),
+        helper.make_node("MatMul", ["gs", "C"], ["Y"]),
+    ]
     return model(nodes, inits, n)
 
 

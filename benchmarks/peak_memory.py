@@ -1,4 +1,5 @@
 """Peak resident memory of this process, for benchmarks that run each case in a fresh child."""
+
 from __future__ import annotations
 
 import re

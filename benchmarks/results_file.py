@@ -4,6 +4,7 @@ A full run writes ``results/NAME.json``, the file docs/results.md quotes and git
 run (a check that the script works, on toy shapes) writes ``results/quick/NAME.json``, which git
 ignores, so checking a script never overwrites the committed figures.
 """
+
 from __future__ import annotations
 
 from pathlib import Path

@@ -5,12 +5,23 @@ implements, so ``backends/triton.py`` can swap one for the other node by node. O
 kernels are compiled and autotuned; on CPU they run under ``TRITON_INTERPRET=1`` (set before this
 package is imported), which is slow but exact enough to prove them correct in CI.
 """
-from .tuning import INTERPRET, UnsupportedKernel, runtime_problem
-from .act_quant import quantize_rows
-from .int8_gemm import int8_linear
-from .gptq_gemm import gptq_experts_linear, gptq_linear
-from .spqr_gemm import spqr_dense_linear, spqr_experts_linear
-from .csr_spmm import csr_linear
 
-__all__ = ["INTERPRET", "UnsupportedKernel", "runtime_problem", "quantize_rows", "int8_linear", "gptq_linear",
-           "gptq_experts_linear", "spqr_dense_linear", "spqr_experts_linear", "csr_linear"]
+from qcompiler.kernels.act_quant import quantize_rows
+from qcompiler.kernels.csr_spmm import csr_linear
+from qcompiler.kernels.gptq_gemm import gptq_experts_linear, gptq_linear
+from qcompiler.kernels.int8_gemm import int8_linear
+from qcompiler.kernels.spqr_gemm import spqr_dense_linear, spqr_experts_linear
+from qcompiler.kernels.tuning import INTERPRET, UnsupportedKernel, runtime_problem
+
+__all__ = [
+    "INTERPRET",
+    "UnsupportedKernel",
+    "runtime_problem",
+    "quantize_rows",
+    "int8_linear",
+    "gptq_linear",
+    "gptq_experts_linear",
+    "spqr_dense_linear",
+    "spqr_experts_linear",
+    "csr_linear",
+]

@@ -3,6 +3,7 @@
 Matches ``qcompiler.algorithms.int8.quantize_per_token`` bit for bit: correctly rounded divisions
 (``div_rn``) and round-half-to-even, as ``torch.round`` does.
 """
+
 from __future__ import annotations
 
 from typing import Optional
@@ -11,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .tuning import Tunable, check_activation
+from qcompiler.kernels.tuning import Tunable, check_activation
 
 __all__ = ["quantize_rows"]
 
@@ -23,8 +24,18 @@ def _round_half_even(v):
 
 
 @triton.jit
-def _quantize_rows_kernel(x_ptr, smooth_ptr, static_scale_ptr, q_ptr, scale_ptr, K, stride_xm,
-                          HAS_SMOOTH: tl.constexpr, STATIC: tl.constexpr, BLOCK_K: tl.constexpr):
+def _quantize_rows_kernel(
+    x_ptr,
+    smooth_ptr,
+    static_scale_ptr,
+    q_ptr,
+    scale_ptr,
+    K,
+    stride_xm,
+    HAS_SMOOTH: tl.constexpr,
+    STATIC: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
     row = tl.program_id(0)
     x_row = x_ptr + row * stride_xm
     if STATIC:
@@ -48,13 +59,17 @@ def _quantize_rows_kernel(x_ptr, smooth_ptr, static_scale_ptr, q_ptr, scale_ptr,
         tl.store(q_ptr + row * K + rk, q.to(tl.int8), mask=rk < K)
 
 
-_QUANT = Tunable(_quantize_rows_kernel, [triton.Config({"BLOCK_K": bk}, num_warps=w)
-                                         for bk, w in ((512, 4), (1024, 4), (2048, 8))],
-                 key=["K"], interpret_config={"BLOCK_K": 256})
+_QUANT = Tunable(
+    _quantize_rows_kernel,
+    [triton.Config({"BLOCK_K": bk}, num_warps=w) for bk, w in ((512, 4), (1024, 4), (2048, 8))],
+    key=["K"],
+    interpret_config={"BLOCK_K": 256},
+)
 
 
-def quantize_rows(x: torch.Tensor, smooth_inv: Optional[torch.Tensor] = None,
-                  static_scale: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_rows(
+    x: torch.Tensor, smooth_inv: Optional[torch.Tensor] = None, static_scale: Optional[torch.Tensor] = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """int8 codes ``[M, K]`` of ``x`` (flattened to rows) and their fp32 scales (``[M, 1]``, or the static one)."""
     check_activation("quantize_rows", x)
     K = x.shape[-1]
@@ -63,7 +78,15 @@ def quantize_rows(x: torch.Tensor, smooth_inv: Optional[torch.Tensor] = None,
     q = torch.empty((M, K), dtype=torch.int8, device=x.device)
     scales = torch.empty((M, 1), dtype=torch.float32, device=x.device)
     static = static_scale is not None
-    _QUANT[lambda meta: (M,)](x2, smooth_inv if smooth_inv is not None else x2,
-                              static_scale if static else scales, q, scales, K, x2.stride(0),
-                              HAS_SMOOTH=smooth_inv is not None, STATIC=static)
+    _QUANT[lambda meta: (M,)](
+        x2,
+        smooth_inv if smooth_inv is not None else x2,
+        static_scale if static else scales,
+        q,
+        scales,
+        K,
+        x2.stride(0),
+        HAS_SMOOTH=smooth_inv is not None,
+        STATIC=static,
+    )
     return q, (static_scale.float().reshape(1) if static else scales)

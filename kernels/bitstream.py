@@ -1,4 +1,5 @@
 """Reading ``BITS``-bit codes out of the GPTQ bit stream (``qcompiler.algorithms.packing``) inside a kernel."""
+
 import triton
 import triton.language as tl
 

@@ -1,4 +1,5 @@
 """Pieces shared by the dequantizing GEMM kernels: the split-K range, the dot, the epilogue."""
+
 import triton
 import triton.language as tl
 

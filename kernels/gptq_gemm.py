@@ -10,6 +10,7 @@ Two variants, chosen by the number of rows ``M``:
   their partial sums atomically into an fp32 buffer, so a GEMV still fills the GPU;
 * prefill: an ordinary tiled GEMM.
 """
+
 from __future__ import annotations
 
 import weakref
@@ -19,12 +20,11 @@ import torch
 import triton
 import triton.language as tl
 
-from qcompiler.ops import per_expert
 from qcompiler.algorithms.packing import SUPPORTED_BITS
-
-from .bitstream import bits_at
-from .gemm_parts import dot_accumulate, split_k_range, store_output
-from .tuning import Tunable, UnsupportedKernel, check_activation, dot_upcast
+from qcompiler.ir.ops import per_expert
+from qcompiler.kernels.bitstream import bits_at
+from qcompiler.kernels.gemm_parts import dot_accumulate, split_k_range, store_output
+from qcompiler.kernels.tuning import Tunable, UnsupportedKernel, check_activation, dot_upcast
 
 __all__ = ["gptq_linear", "tunable_pair", "launch_lowbit_gemm", "DECODE_MAX_M"]
 
@@ -51,16 +51,34 @@ def _grouped_size(g_idx: torch.Tensor, group_size: int, K: int):
 
 
 @triton.jit
-def _gptq_gemm_kernel(x_ptr, qweight_ptr, qzeros_ptr, scales_ptr, g_idx_ptr, bias_ptr, out_ptr,
-                      M, N, K, stride_xm, group_size,
-                      BITS: tl.constexpr, GROUPED: tl.constexpr, HAS_BIAS: tl.constexpr, IEEE: tl.constexpr,
-                      UPCAST: tl.constexpr,
-                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr):
+def _gptq_gemm_kernel(
+    x_ptr,
+    qweight_ptr,
+    qzeros_ptr,
+    scales_ptr,
+    g_idx_ptr,
+    bias_ptr,
+    out_ptr,
+    M,
+    N,
+    K,
+    stride_xm,
+    group_size,
+    BITS: tl.constexpr,
+    GROUPED: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    IEEE: tl.constexpr,
+    UPCAST: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+):
     pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_m, mask_n = rm < M, rn < N
-    zero_word_n = (rn * BITS) // 32          # where output column n's zero point sits in a qzeros row
+    zero_word_n = (rn * BITS) // 32  # where output column n's zero point sits in a qzeros row
     zero_shift_n = (rn * BITS) % 32
     zero_row_words = (N * BITS) // 32
     k_lo, k_hi = split_k_range(pid_k, K, BLOCK_K, SPLIT_K)
@@ -70,16 +88,23 @@ def _gptq_gemm_kernel(x_ptr, qweight_ptr, qzeros_ptr, scales_ptr, g_idx_ptr, bia
         mask_k = rk < k_hi
         x = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0)
         tile_mask = mask_k[:, None] & mask_n[None, :]
-        codes = bits_at(qweight_ptr, ((rk * BITS) // 32)[:, None] * N + rn[None, :], N,
-                        ((rk * BITS) % 32)[:, None], tile_mask, BITS)
+        codes = bits_at(
+            qweight_ptr, ((rk * BITS) // 32)[:, None] * N + rn[None, :], N, ((rk * BITS) % 32)[:, None], tile_mask, BITS
+        )
         if GROUPED:  # the tile lies in one group: its zeros and scales are one row, read once
             g = k0 // group_size
             zeros = bits_at(qzeros_ptr, g * zero_row_words + zero_word_n, 1, zero_shift_n, mask_n, BITS)[None, :]
             scales = tl.load(scales_ptr + g * N + rn, mask=mask_n, other=0.0).to(tl.float32)[None, :]
         else:  # act-order: each row's group through g_idx
             g = tl.load(g_idx_ptr + rk, mask=mask_k, other=0)
-            zeros = bits_at(qzeros_ptr, g[:, None] * zero_row_words + zero_word_n[None, :], 1,
-                            zero_shift_n[None, :], tile_mask, BITS)
+            zeros = bits_at(
+                qzeros_ptr,
+                g[:, None] * zero_row_words + zero_word_n[None, :],
+                1,
+                zero_shift_n[None, :],
+                tile_mask,
+                BITS,
+            )
             scales = tl.load(scales_ptr + g[:, None] * N + rn[None, :], mask=tile_mask, other=0.0).to(tl.float32)
         w = ((codes - zeros).to(tl.float32) * scales).to(x.dtype)
         acc = dot_accumulate(acc, x, w, IEEE, UPCAST)
@@ -87,58 +112,112 @@ def _gptq_gemm_kernel(x_ptr, qweight_ptr, qzeros_ptr, scales_ptr, g_idx_ptr, bia
 
 
 def _decode_configs():
-    return [triton.Config({"BLOCK_M": 16, "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": sk}, num_warps=4, num_stages=3)
-            for bn in (64, 128) for bk in (64, MAX_BLOCK_K) for sk in (1, 4, 8)]
+    return [
+        triton.Config({"BLOCK_M": 16, "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": sk}, num_warps=4, num_stages=3)
+        for bn in (64, 128)
+        for bk in (64, MAX_BLOCK_K)
+        for sk in (1, 4, 8)
+    ]
 
 
 def _prefill_configs():
     shapes = [(64, 64, 32, 4, 4), (128, 64, 32, 4, 4), (64, 128, 32, 4, 4), (128, 128, 32, 8, 3), (64, 64, 64, 4, 3)]
-    return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": 1}, num_warps=w, num_stages=s)
-            for bm, bn, bk, w, s in shapes]
+    return [
+        triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": 1}, num_warps=w, num_stages=s)
+        for bm, bn, bk, w, s in shapes
+    ]
 
 
 def tunable_pair(kernel) -> tuple[Tunable, Tunable]:
     """The (decode, prefill) launchers of a dequantizing GEMM kernel with this file's signature."""
-    return (Tunable(kernel, _decode_configs(), key=["N", "K"], reset_to_zero=["out_ptr"],
-                    interpret_config={"BLOCK_M": 16, "BLOCK_N": 128, "BLOCK_K": 128, "SPLIT_K": 2}),
-            Tunable(kernel, _prefill_configs(), key=["N", "K"],
-                    interpret_config={"BLOCK_M": 32, "BLOCK_N": 128, "BLOCK_K": 128, "SPLIT_K": 1}))
+    return (
+        Tunable(
+            kernel,
+            _decode_configs(),
+            key=["N", "K"],
+            reset_to_zero=["out_ptr"],
+            interpret_config={"BLOCK_M": 16, "BLOCK_N": 128, "BLOCK_K": 128, "SPLIT_K": 2},
+        ),
+        Tunable(
+            kernel,
+            _prefill_configs(),
+            key=["N", "K"],
+            interpret_config={"BLOCK_M": 32, "BLOCK_N": 128, "BLOCK_K": 128, "SPLIT_K": 1},
+        ),
+    )
 
 
-def launch_lowbit_gemm(pair, x: torch.Tensor, K: int, N: int, weights: tuple, bias, extra: tuple,
-                       **meta) -> torch.Tensor:
+def launch_lowbit_gemm(
+    pair, x: torch.Tensor, K: int, N: int, weights: tuple, bias, extra: tuple, **meta
+) -> torch.Tensor:
     """Run ``kernel(x, *weights, bias, out, M, N, K, stride_xm, *extra, **meta)``: the decode variant
     (split-K into a zeroed fp32 buffer) for up to DECODE_MAX_M rows, else the prefill one."""
     x2 = x.reshape(-1, K).contiguous()
     M = x2.shape[0]
     decode = M <= DECODE_MAX_M
-    out = torch.zeros((M, N), dtype=torch.float32, device=x.device) if decode else \
-        torch.empty((M, N), dtype=x.dtype, device=x.device)
+    out = (
+        torch.zeros((M, N), dtype=torch.float32, device=x.device)
+        if decode
+        else torch.empty((M, N), dtype=x.dtype, device=x.device)
+    )
     grid = lambda meta: (triton.cdiv(M, meta["BLOCK_M"]), triton.cdiv(N, meta["BLOCK_N"]), meta["SPLIT_K"])  # noqa: E731
-    pair[0 if decode else 1][grid](x2, *weights, bias if bias is not None else weights[-1], out, M, N, K,
-                                   x2.stride(0), *extra, HAS_BIAS=bias is not None,
-                                   IEEE=x.dtype == torch.float32, UPCAST=dot_upcast(x.dtype), **meta)
+    pair[0 if decode else 1][grid](
+        x2,
+        *weights,
+        bias if bias is not None else weights[-1],
+        out,
+        M,
+        N,
+        K,
+        x2.stride(0),
+        *extra,
+        HAS_BIAS=bias is not None,
+        IEEE=x.dtype == torch.float32,
+        UPCAST=dot_upcast(x.dtype),
+        **meta,
+    )
     return out.to(x.dtype).reshape(*x.shape[:-1], N)
 
 
 _GEMM = tunable_pair(_gptq_gemm_kernel)
 
 
-def gptq_linear(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
-                g_idx: torch.Tensor, bias: Optional[torch.Tensor], bits: int, group_size: int) -> torch.Tensor:
+def gptq_linear(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    qzeros: torch.Tensor,
+    scales: torch.Tensor,
+    g_idx: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    bits: int,
+    group_size: int,
+) -> torch.Tensor:
     """``qc.quant_linear`` as one kernel launch (same arguments, same result within fp rounding)."""
     check_activation("gptq_gemm", x)
     if bits not in SUPPORTED_BITS:
         raise UnsupportedKernel(f"gptq_gemm: {bits}-bit weights are not supported (supported: {SUPPORTED_BITS})")
     K, N = g_idx.numel(), scales.shape[1]
     grouped = _grouped_size(g_idx, group_size, K)
-    return launch_lowbit_gemm(_GEMM, x, K, N, (qweight, qzeros, scales, g_idx), bias, (grouped or 0,),
-                              BITS=bits, GROUPED=grouped is not None)
+    return launch_lowbit_gemm(
+        _GEMM, x, K, N, (qweight, qzeros, scales, g_idx), bias, (grouped or 0,), BITS=bits, GROUPED=grouped is not None
+    )
 
 
-def gptq_experts_linear(x: torch.Tensor, offsets: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor,
-                        scales: torch.Tensor, g_idx: torch.Tensor, bits: int, group_size: int) -> torch.Tensor:
+def gptq_experts_linear(
+    x: torch.Tensor,
+    offsets: torch.Tensor,
+    qweight: torch.Tensor,
+    qzeros: torch.Tensor,
+    scales: torch.Tensor,
+    g_idx: torch.Tensor,
+    bits: int,
+    group_size: int,
+) -> torch.Tensor:
     """``qc.quant_experts_linear``: one ``gptq_gemm`` launch per expert that received rows (the rows
     arrive sorted by expert; ``offsets`` are the cumulative counts)."""
-    return per_expert(x, offsets, scales.shape[-1], lambda rows, e: gptq_linear(
-        rows, qweight[e], qzeros[e], scales[e], g_idx[e], None, bits, group_size))
+    return per_expert(
+        x,
+        offsets,
+        scales.shape[-1],
+        lambda rows, e: gptq_linear(rows, qweight[e], qzeros[e], scales[e], g_idx[e], None, bits, group_size),
+    )

@@ -4,6 +4,7 @@ Activations are first quantized per token (or with a static per-tensor scale) by
 ``act_quant.quantize_rows``; the GEMM's epilogue applies ``acc · s_x[m] · s_w[n] + bias`` in fp32 in
 the same order as the reference, so results match it exactly up to the final cast.
 """
+
 from __future__ import annotations
 
 from typing import Optional
@@ -12,16 +13,29 @@ import torch
 import triton
 import triton.language as tl
 
-from .act_quant import quantize_rows
-from .tuning import Tunable, check_activation
+from qcompiler.kernels.act_quant import quantize_rows
+from qcompiler.kernels.tuning import Tunable, check_activation
 
 __all__ = ["int8_linear", "int8_gemm"]
 
 
 @triton.jit
-def _int8_gemm_kernel(xq_ptr, wq_ptr, x_scale_ptr, w_scale_ptr, bias_ptr, out_ptr, M, N, K,
-                      PER_TOKEN: tl.constexpr, HAS_BIAS: tl.constexpr,
-                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _int8_gemm_kernel(
+    xq_ptr,
+    wq_ptr,
+    x_scale_ptr,
+    w_scale_ptr,
+    bias_ptr,
+    out_ptr,
+    M,
+    N,
+    K,
+    PER_TOKEN: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -40,32 +54,68 @@ def _int8_gemm_kernel(xq_ptr, wq_ptr, x_scale_ptr, w_scale_ptr, bias_ptr, out_pt
     y = acc.to(tl.float32) * sx * tl.load(w_scale_ptr + rn, mask=mask_n, other=0.0).to(tl.float32)[None, :]
     if HAS_BIAS:
         y = y + tl.load(bias_ptr + rn, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-    tl.store(out_ptr + rm[:, None] * N + rn[None, :], y.to(out_ptr.dtype.element_ty),
-             mask=mask_m[:, None] & mask_n[None, :])
+    tl.store(
+        out_ptr + rm[:, None] * N + rn[None, :], y.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :]
+    )
 
 
-_GEMM = Tunable(_int8_gemm_kernel,
-                [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=s)
-                 for bm, bn, bk, w, s in ((16, 64, 128, 4, 4), (64, 64, 64, 4, 4), (128, 128, 64, 8, 3),
-                                          (128, 256, 64, 8, 3), (256, 128, 64, 8, 3), (64, 128, 128, 4, 4))],
-                key=["M", "N", "K"], interpret_config={"BLOCK_M": 32, "BLOCK_N": 128, "BLOCK_K": 128})
+_GEMM = Tunable(
+    _int8_gemm_kernel,
+    [
+        triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=s)
+        for bm, bn, bk, w, s in (
+            (16, 64, 128, 4, 4),
+            (64, 64, 64, 4, 4),
+            (128, 128, 64, 8, 3),
+            (128, 256, 64, 8, 3),
+            (256, 128, 64, 8, 3),
+            (64, 128, 128, 4, 4),
+        )
+    ],
+    key=["M", "N", "K"],
+    interpret_config={"BLOCK_M": 32, "BLOCK_N": 128, "BLOCK_K": 128},
+)
 
 
-def int8_gemm(xq: torch.Tensor, wq: torch.Tensor, x_scale: torch.Tensor, w_scale: torch.Tensor,
-              bias: Optional[torch.Tensor], out_dtype: torch.dtype, per_token: bool = True) -> torch.Tensor:
+def int8_gemm(
+    xq: torch.Tensor,
+    wq: torch.Tensor,
+    x_scale: torch.Tensor,
+    w_scale: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    out_dtype: torch.dtype,
+    per_token: bool = True,
+) -> torch.Tensor:
     """``(xq @ wqᵀ) · x_scale · w_scale + bias`` with int32 accumulation; ``xq`` [M, K], ``wq`` [N, K];
     ``x_scale`` one per row (``per_token``) or a single static one."""
     M, K = xq.shape
     N = wq.shape[0]
     out = torch.empty((M, N), dtype=out_dtype, device=xq.device)
     grid = lambda meta: (triton.cdiv(M, meta["BLOCK_M"]), triton.cdiv(N, meta["BLOCK_N"]))  # noqa: E731
-    _GEMM[grid](xq, wq, x_scale, w_scale, bias if bias is not None else w_scale, out, M, N, K,
-                PER_TOKEN=per_token, HAS_BIAS=bias is not None)
+    _GEMM[grid](
+        xq,
+        wq,
+        x_scale,
+        w_scale,
+        bias if bias is not None else w_scale,
+        out,
+        M,
+        N,
+        K,
+        PER_TOKEN=per_token,
+        HAS_BIAS=bias is not None,
+    )
     return out
 
 
-def int8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: Optional[torch.Tensor],
-                act_scale: Optional[torch.Tensor], smooth_inv: Optional[torch.Tensor]) -> torch.Tensor:
+def int8_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    act_scale: Optional[torch.Tensor],
+    smooth_inv: Optional[torch.Tensor],
+) -> torch.Tensor:
     """``qc.int8_linear``: quantize the activations (kernel), then the int8 GEMM (kernel)."""
     check_activation("int8_gemm", x)
     xq, sx = quantize_rows(x, smooth_inv, act_scale)

@@ -1,4 +1,5 @@
 """Launch plumbing shared by the kernels: autotuning on a GPU, one fixed config under the interpreter."""
+
 from __future__ import annotations
 
 import os
@@ -31,16 +32,19 @@ def runtime_problem(device: torch.device) -> Optional[str]:
     if device.type == "cpu" and INTERPRET:
         return None
     if device.type == "cpu":
-        return ("Triton kernels need a CUDA GPU; on CPU set TRITON_INTERPRET=1 before importing "
-                "qcompiler.kernels (slow, for correctness checks)")
+        return (
+            "Triton kernels need a CUDA GPU; on CPU set TRITON_INTERPRET=1 before importing "
+            "qcompiler.kernels (slow, for correctness checks)"
+        )
     return f"Triton kernels do not run on {device.type} tensors"
 
 
 def check_activation(kernel: str, x: torch.Tensor) -> None:
     """Raise UnsupportedKernel when ``x``'s dtype or device is one ``kernel`` cannot take."""
     if x.dtype not in ACTIVATION_DTYPES:
-        raise UnsupportedKernel(f"{kernel}: {x.dtype} activations are not supported "
-                                f"(supported: float16, bfloat16, float32)")
+        raise UnsupportedKernel(
+            f"{kernel}: {x.dtype} activations are not supported (supported: float16, bfloat16, float32)"
+        )
     problem = runtime_problem(x.device)
     if problem:
         raise UnsupportedKernel(f"{kernel}: {problem}")
@@ -56,8 +60,9 @@ class Tunable:
     def __init__(self, kernel, configs: list, key: list[str], interpret_config: dict, **autotune_options):
         self.kernel = kernel
         self.interpret_config = interpret_config
-        self.tuned = None if INTERPRET or not AUTOTUNE else \
-            triton.autotune(configs=configs, key=key, **autotune_options)(kernel)
+        self.tuned = (
+            None if INTERPRET or not AUTOTUNE else triton.autotune(configs=configs, key=key, **autotune_options)(kernel)
+        )
 
     def __getitem__(self, grid: Callable[[dict], tuple]):
         if self.tuned is not None:

@@ -1,9 +1,10 @@
 """Built-in passes, one per file. Each is a ``qc.Pass`` like any user-written pass."""
-from .gptq import GPTQ
-from .gptq_checkpoint import LoadGPTQCheckpoint
-from .lower_int8 import LowerInt8
-from .rtn import RTN
-from .smoothquant import SmoothQuant
-from .spqr import SpQR
+
+from qcompiler.passes.gptq import GPTQ
+from qcompiler.passes.gptq_checkpoint import LoadGPTQCheckpoint
+from qcompiler.passes.lower_int8 import LowerInt8
+from qcompiler.passes.rtn import RTN
+from qcompiler.passes.smoothquant import SmoothQuant
+from qcompiler.passes.spqr import SpQR
 
 __all__ = ["GPTQ", "RTN", "SmoothQuant", "LowerInt8", "SpQR", "LoadGPTQCheckpoint"]

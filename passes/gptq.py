@@ -4,6 +4,7 @@ Per linear, choose ``Q`` minimising ``‖WX − QX‖²`` with ``H = 2/n Σ x x�
 that already pass through the quantized earlier blocks. The algorithm is the pure function
 ``qcompiler.algorithms.gptq.gptq_quantize``; this pass only walks the blocks and rewrites nodes.
 """
+
 from __future__ import annotations
 
 import weakref
@@ -12,10 +13,10 @@ from typing import ClassVar
 
 import torch
 
-from qcompiler.errors import QuantizationError
 from qcompiler.algorithms.gptq import check_spec, gptq_quantize, hessian_factor
-from qcompiler.weight_only import gptq_experts, gptq_layer_quant, rtn_layer_quant
-from qcompiler.weight_quantizer import WeightQuantizer
+from qcompiler.errors import QuantizationError
+from qcompiler.pipeline.weight_only import gptq_experts, gptq_layer_quant, rtn_layer_quant
+from qcompiler.pipeline.weight_quantizer import WeightQuantizer
 
 __all__ = ["GPTQ"]
 
@@ -42,12 +43,12 @@ class GPTQ(WeightQuantizer):
     bits: int = 4
     group_size: int = 128
     sym: bool = False
-    act_order: bool = False       # process columns by decreasing diag(H)
-    static_groups: bool = False   # with act_order: grids fixed up front, groups contiguous
-    damp: float = 0.01            # λ = damp · mean(diag H), raised ×10 while H is not PD
-    block_size: int = 128         # lazy-batch width
+    act_order: bool = False  # process columns by decreasing diag(H)
+    static_groups: bool = False  # with act_order: grids fixed up front, groups contiguous
+    damp: float = 0.01  # λ = damp · mean(diag H), raised ×10 while H is not PD
+    block_size: int = 128  # lazy-batch width
     true_sequential: bool = False  # True: q/k/v, then o, then gate/up, then down, re-running inputs between
-    lm_head: bool = False         # also the output head, by RTN on the same grid (it has no block Hessian)
+    lm_head: bool = False  # also the output head, by RTN on the same grid (it has no block Hessian)
     ignore: tuple[str, ...] = ()  # module paths kept in full precision: globs, or 're:' + a regex
 
     requires = frozenset()
@@ -65,9 +66,18 @@ class GPTQ(WeightQuantizer):
 
     def quantize_layer(self, layer, W, H):
         """GPTQ on one layer, with the factor of its (shared) Hessian computed once."""
-        res = gptq_quantize(W, H, bits=self.bits, group_size=self.group_size, sym=self.sym,
-                            act_order=self.act_order, static_groups=self.static_groups, damp=self.damp,
-                            block_size=self.block_size, factor=_factor(H, self.damp, self.act_order))
+        res = gptq_quantize(
+            W,
+            H,
+            bits=self.bits,
+            group_size=self.group_size,
+            sym=self.sym,
+            act_order=self.act_order,
+            static_groups=self.static_groups,
+            damp=self.damp,
+            block_size=self.block_size,
+            factor=_factor(H, self.damp, self.act_order),
+        )
         return gptq_layer_quant(layer, W, res, self.bits, self.group_size)
 
     def _rtn(self, layer, W, H):

@@ -5,6 +5,7 @@ bit for bit (v1 zero points converted). Running it on the normal compile pipelin
 model what a compiled one has: the KV-cache graphs and ``generate``, every backend, ``save``.
 The other weights are the model's own: load them from the checkpoint first (``import_gptq`` does).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -13,10 +14,10 @@ from typing import ClassVar
 from torch.fx import GraphModule
 
 from qcompiler.errors import QuantizationError
-from qcompiler.folding import replace_linear
-from qcompiler.graph import find_linears
 from qcompiler.interop.gptq_format import read_gptq_checkpoint
-from qcompiler.pass_base import GraphProperty, Pass, PassContext
+from qcompiler.ir.graph import find_linears
+from qcompiler.pipeline.folding import replace_linear
+from qcompiler.pipeline.pass_base import GraphProperty, Pass, PassContext
 
 __all__ = ["LoadGPTQCheckpoint"]
 
@@ -41,15 +42,25 @@ class LoadGPTQCheckpoint(Pass):
         layers = {layer.path: layer for layer in find_linears(gm)}
         unknown = sorted(set(ckpt.layers) - set(layers))
         if unknown:
-            raise QuantizationError(f"checkpoint layer {unknown[0]} is not a linear layer of this graph "
-                                    f"({len(unknown)} such; the graph's linears: {', '.join(sorted(layers)[:4])}, ...)")
-        ctx.log(f"{self.name}: {len(ckpt.layers)} layers, {ckpt.bits}-bit, group {ckpt.group_size}, "
-                f"{'v1' if ckpt.v1 else 'v2'} zero points")
+            raise QuantizationError(
+                f"checkpoint layer {unknown[0]} is not a linear layer of this graph "
+                f"({len(unknown)} such; the graph's linears: {', '.join(sorted(layers)[:4])}, ...)"
+            )
+        ctx.log(
+            f"{self.name}: {len(ckpt.layers)} layers, {ckpt.bits}-bit, group {ckpt.group_size}, "
+            f"{'v1' if ckpt.v1 else 'v2'} zero points"
+        )
         for path in sorted(ckpt.layers):
             layer = layers[path]
-            replace_linear(gm, layer, "quant_linear", ckpt.packed(path),
-                           lambda x, a, layer=layer: dict(x=x, **a, bias=layer.bias_node, bits=ckpt.bits,
-                                                           group_size=ckpt.group_size))
+            replace_linear(
+                gm,
+                layer,
+                "quant_linear",
+                ckpt.packed(path),
+                lambda x, a, layer=layer: dict(
+                    x=x, **a, bias=layer.bias_node, bits=ckpt.bits, group_size=ckpt.group_size
+                ),
+            )
             ctx.record.layers[path] = {"bits": ckpt.bits}
         ctx.record.notes.append(f"packed tensors from {self.folder} ({ckpt.quant.get('checkpoint_format', 'gptq')})")
         return True

@@ -5,6 +5,7 @@
 paper's O1) or with one scale fixed from calibration (``static_per_tensor``, O3). An explicit
 SmoothQuant multiply in front of a linear is fused into the op's activation quantizer.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -13,13 +14,13 @@ from typing import ClassVar
 import torch
 from torch.fx import GraphModule
 
-from qcompiler.calibration import CalibrationEngine
-from qcompiler.errors import QuantizationError
-from qcompiler.graph import LinearLayer, block_of, find_linears
-from qcompiler.layer_filter import check_patterns, ignore_reason, report_unmatched
-from qcompiler.pass_base import GraphProperty, Pass, PassContext
 from qcompiler.algorithms.int8 import quantize_weight_per_channel
-from qcompiler.folding import SMOOTH_META, replace_linear
+from qcompiler.calib.calibration import CalibrationEngine
+from qcompiler.errors import QuantizationError
+from qcompiler.ir.graph import LinearLayer, block_of, find_linears
+from qcompiler.pipeline.folding import SMOOTH_META, replace_linear
+from qcompiler.pipeline.layer_filter import check_patterns, ignore_reason, report_unmatched
+from qcompiler.pipeline.pass_base import GraphProperty, Pass, PassContext
 
 __all__ = ["LowerInt8"]
 
@@ -81,6 +82,17 @@ class LowerInt8(Pass):
         x, smooth = layer.input, None
         if SMOOTH_META in x.meta:  # fuse SmoothQuant's explicit 1/s into the quantizer
             x, smooth = x.args[0], x.args[1]
-        replace_linear(gm, layer, "int8_linear", tensors,
-                       lambda _x, a: dict(x=x, weight=a["weight_int8"], weight_scale=a["weight_scale"],
-                                          bias=layer.bias_node, act_scale=a.get("act_scale"), smooth_inv=smooth))
+        replace_linear(
+            gm,
+            layer,
+            "int8_linear",
+            tensors,
+            lambda _x, a: dict(
+                x=x,
+                weight=a["weight_int8"],
+                weight_scale=a["weight_scale"],
+                bias=layer.bias_node,
+                act_scale=a.get("act_scale"),
+                smooth_inv=smooth,
+            ),
+        )

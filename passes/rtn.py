@@ -3,13 +3,14 @@
 Each weight group is put on its min-max grid (``qcompiler.algorithms.quant_grid``) independently, with no
 error feedback. Same grid, groups and storage as GPTQ, so the two differ only in the rounding.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from qcompiler.algorithms.gptq import check_spec
-from qcompiler.weight_only import gptq_experts, rtn_layer_quant
-from qcompiler.weight_quantizer import WeightQuantizer
+from qcompiler.pipeline.weight_only import gptq_experts, rtn_layer_quant
+from qcompiler.pipeline.weight_quantizer import WeightQuantizer
 
 __all__ = ["RTN"]
 
@@ -21,7 +22,7 @@ class RTN(WeightQuantizer):
     bits: int = 4
     group_size: int = 128
     sym: bool = False
-    lm_head: bool = False         # also the output head (RTN), as onnxruntime-genai's int4 builder does
+    lm_head: bool = False  # also the output head (RTN), as onnxruntime-genai's int4 builder does
     ignore: tuple[str, ...] = ()  # module paths kept in full precision: globs, or 're:' + a regex
 
     requires = frozenset()

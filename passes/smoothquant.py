@@ -5,8 +5,9 @@ calibration maxima and the group's weights; ``diag(s)`` is folded into every con
 columns and ``diag(s)^-1`` into the producer (norm weight/bias, or a linear's output rows), or,
 where the producer cannot absorb it, into an explicit per-channel multiply that int8 lowering
 fuses into activation quantization. The FP model's outputs do not change. See
-``qcompiler.smoothing_plan`` for which form each group gets.
+``qcompiler.pipeline.smoothing_plan`` for which form each group gets.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -15,23 +16,25 @@ from typing import ClassVar, Union
 import torch
 from torch.fx import GraphModule
 
-from qcompiler.calibration import CalibrationEngine
-from qcompiler.errors import QuantizationError
-from qcompiler.graph import LinearLayer, find_linears, get_tensor
-from qcompiler.layer_filter import check_patterns, ignore_reason, report_unmatched
-from qcompiler.pass_base import GraphProperty, Pass, PassContext
 from qcompiler.algorithms.smoothquant import ALPHA_GRID, search_alpha, smoothing_scales
-from qcompiler.folding import insert_smoothing_multiply, replace_tensor, scale_input_columns, scale_output_rows
-from qcompiler.smoothing_plan import SmoothingPlan, plan_smoothing
+from qcompiler.calib.calibration import CalibrationEngine
+from qcompiler.errors import QuantizationError
+from qcompiler.ir.graph import LinearLayer, find_linears
+from qcompiler.ir.tensors import get_tensor
+from qcompiler.pipeline.folding import insert_smoothing_multiply, replace_tensor, scale_input_columns, scale_output_rows
+from qcompiler.pipeline.layer_filter import check_patterns, ignore_reason, report_unmatched
+from qcompiler.pipeline.pass_base import GraphProperty, Pass, PassContext
+from qcompiler.pipeline.smoothing_plan import SmoothingPlan, plan_smoothing
 
 __all__ = ["SmoothQuant"]
+
 
 @dataclass(frozen=True)
 class SmoothQuant(Pass):
     """Folds per-channel smoothing scales into producers and consumer linears (outputs unchanged)."""
 
-    alpha: Union[float, str] = 0.5   # migration strength in [0, 1], or "auto" (per-group search)
-    sample_rows: int = 512           # calibration rows kept per group for the "auto" search
+    alpha: Union[float, str] = 0.5  # migration strength in [0, 1], or "auto" (per-group search)
+    sample_rows: int = 512  # calibration rows kept per group for the "auto" search
     ignore: tuple[str, ...] = ()  # module paths kept in full precision: globs, or 're:' + a regex
 
     requires: ClassVar = frozenset()
@@ -57,8 +60,11 @@ class SmoothQuant(Pass):
                 continue
             plans = [(group, self._plan(group, all_layers)) for group in groups]
             active = [layer for group, plan in plans if plan.form != "none" for layer in group]
-            stats = engine.collect(seg, active, hessian=False,
-                                   keep_rows=self.sample_rows if self.alpha == "auto" else 0) if active else {}
+            stats = (
+                engine.collect(seg, active, hessian=False, keep_rows=self.sample_rows if self.alpha == "auto" else 0)
+                if active
+                else {}
+            )
             for group, plan in plans:
                 if plan.form == "none":
                     record.notes.append(f"not smoothed: {', '.join(layer.path for layer in group)}: {plan.reason}")
@@ -107,8 +113,14 @@ class SmoothQuant(Pass):
         if plan.form != "explicit":
             for layer in group:
                 scale_input_columns(gm, layer, s)
-        figures = {"form": plan.form, "consumers": ",".join(layer.path.rsplit(".", 1)[-1] for layer in group),
-                   "alpha": alpha, "act_absmax": float(act.max()), "s_min": float(s.min()), "s_max": float(s.max())}
+        figures = {
+            "form": plan.form,
+            "consumers": ",".join(layer.path.rsplit(".", 1)[-1] for layer in group),
+            "alpha": alpha,
+            "act_absmax": float(act.max()),
+            "s_min": float(s.min()),
+            "s_max": float(s.max()),
+        }
         if err is not None:
             figures["int8_error"] = err
         # per channel, for `qcompiler report`'s before/after plot (lists stay out of the text report)

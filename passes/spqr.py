@@ -6,6 +6,7 @@ visible to later passes and backends. A mixture-of-experts parameter becomes one
 algorithm is ``qcompiler.algorithms.spqr.spqr_quantize``; with an ``outlier_fraction`` budget the
 relative threshold is bisected per layer (log scale) to the smallest τ whose outliers fit the budget.
 """
+
 from __future__ import annotations
 
 import math
@@ -15,16 +16,17 @@ from typing import ClassVar, Optional
 import torch
 from torch.fx import GraphModule
 
-from qcompiler.errors import QuantizationError
-from qcompiler.graph import LinearLayer, aten, set_tensor
-from qcompiler.op_registry import args_of, call_op
-from qcompiler.ops import SPQR_DENSE_TENSORS, to_csr
 from qcompiler.algorithms.packing import pack_cols, pack_rows
-from qcompiler.pass_base import GraphProperty
 from qcompiler.algorithms.spqr import SpQRResult, check_spqr_spec, spqr_quantize
-from qcompiler.folding import replace_linear
-from qcompiler.weight_only import ExpertsFormat, LayerQuant, check_packable
-from qcompiler.weight_quantizer import WeightQuantizer
+from qcompiler.errors import QuantizationError
+from qcompiler.ir.graph import LinearLayer, aten
+from qcompiler.ir.op_registry import args_of, call_op
+from qcompiler.ir.ops import SPQR_DENSE_TENSORS, to_csr
+from qcompiler.ir.tensors import set_tensor
+from qcompiler.pipeline.folding import replace_linear
+from qcompiler.pipeline.pass_base import GraphProperty
+from qcompiler.pipeline.weight_only import ExpertsFormat, LayerQuant, check_packable
+from qcompiler.pipeline.weight_quantizer import WeightQuantizer
 
 __all__ = ["SpQR", "pack_spqr"]
 
@@ -32,10 +34,17 @@ __all__ = ["SpQR", "pack_spqr"]
 def pack_spqr(res: SpQRResult, bits: int, stat_bits: int) -> dict[str, torch.Tensor]:
     """The stored tensors of one SpQR layer (layout in docs/methods/spqr.md)."""
     row_ptr, col_idx, values = to_csr(res.outlier_values, res.outliers)
-    return {"codes": pack_rows(res.codes.t().contiguous(), bits),
-            "scale_codes": pack_cols(res.scale_codes, stat_bits), "zero_codes": pack_cols(res.zero_codes, stat_bits),
-            "scale_stats": res.scale_stats.contiguous(), "zero_stats": res.zero_stats.contiguous(),
-            "perm": res.perm.to(torch.int32), "row_ptr": row_ptr, "col_idx": col_idx, "values": values}
+    return {
+        "codes": pack_rows(res.codes.t().contiguous(), bits),
+        "scale_codes": pack_cols(res.scale_codes, stat_bits),
+        "zero_codes": pack_cols(res.zero_codes, stat_bits),
+        "scale_stats": res.scale_stats.contiguous(),
+        "zero_stats": res.zero_stats.contiguous(),
+        "perm": res.perm.to(torch.int32),
+        "row_ptr": row_ptr,
+        "col_idx": col_idx,
+        "values": values,
+    }
 
 
 def stored_bits(tensors: dict[str, torch.Tensor]) -> int:
@@ -60,8 +69,8 @@ class SpQR(WeightQuantizer):
     group_size: int = 16
     stat_bits: int = 3
     stat_group_size: int = 16
-    outlier_threshold: float = 1.0             # relative τ (ignored when outlier_fraction is set)
-    outlier_fraction: Optional[float] = None   # target fraction of weights kept in fp16, per layer
+    outlier_threshold: float = 1.0  # relative τ (ignored when outlier_fraction is set)
+    outlier_fraction: Optional[float] = None  # target fraction of weights kept in fp16, per layer
     act_order: bool = True
     damp: float = 0.01
     block_size: int = 128
@@ -76,20 +85,33 @@ class SpQR(WeightQuantizer):
     def __post_init__(self):
         super().__post_init__()
         if self.stat_bits is None:  # the algorithm allows fp16 statistics; the stored layout does not
-            raise QuantizationError("SpQR(stat_bits=None): the SpQR pass stores quantized group statistics; "
-                                    "choose stat_bits 2, 3, 4 or 8 (fp16 statistics exist only in "
-                                    "qcompiler.algorithms.spqr.spqr_quantize)")
+            raise QuantizationError(
+                "SpQR(stat_bits=None): the SpQR pass stores quantized group statistics; "
+                "choose stat_bits 2, 3, 4 or 8 (fp16 statistics exist only in "
+                "qcompiler.algorithms.spqr.spqr_quantize)"
+            )
         check_spqr_spec(self.bits, self.group_size, self.stat_bits, self.stat_group_size)
         if self.outlier_fraction is not None and not 0 <= self.outlier_fraction < 1:
             raise QuantizationError(f"outlier_fraction must be in [0, 1), got {self.outlier_fraction}")
         if self.outlier_fraction is None and not self.outlier_threshold > 0:
-            raise QuantizationError(f"outlier_threshold={self.outlier_threshold} selects every weight as an "
-                                    f"outlier; use a positive relative threshold (0.1-1.0 is typical)")
+            raise QuantizationError(
+                f"outlier_threshold={self.outlier_threshold} selects every weight as an "
+                f"outlier; use a positive relative threshold (0.1-1.0 is typical)"
+            )
 
     def _quantize(self, W: torch.Tensor, H: torch.Tensor, tau: float) -> SpQRResult:
-        return spqr_quantize(W, H, bits=self.bits, group_size=self.group_size, stat_bits=self.stat_bits,
-                             stat_group_size=self.stat_group_size, outlier_threshold=tau,
-                             act_order=self.act_order, damp=self.damp, block_size=self.block_size)
+        return spqr_quantize(
+            W,
+            H,
+            bits=self.bits,
+            group_size=self.group_size,
+            stat_bits=self.stat_bits,
+            stat_group_size=self.stat_group_size,
+            outlier_threshold=tau,
+            act_order=self.act_order,
+            damp=self.damp,
+            block_size=self.block_size,
+        )
 
     def _within_budget(self, W: torch.Tensor, H: torch.Tensor) -> tuple[SpQRResult, float]:
         """Bisect log τ in [1e-2, 1e3] for the smallest τ whose outlier fraction fits the budget."""
@@ -110,20 +132,28 @@ class SpQR(WeightQuantizer):
         """SpQR on one layer: dense low-bit codes with bi-level statistics plus fp16 outliers."""
         check_packable(layer, W, self.bits)
         if W.shape[1] < self.group_size or W.shape[0] < self.stat_group_size:
-            raise QuantizationError(f"layer {layer.path} ({W.shape[0]}x{W.shape[1]}) is narrower than one "
-                                    f"group ({self.group_size} columns, {self.stat_group_size} rows)")
+            raise QuantizationError(
+                f"layer {layer.path} ({W.shape[0]}x{W.shape[1]}) is narrower than one "
+                f"group ({self.group_size} columns, {self.stat_group_size} rows)"
+            )
         if self.outlier_fraction is None:
             res, tau = self._quantize(W, H, self.outlier_threshold), self.outlier_threshold
         else:
             res, tau = self._within_budget(W, H)
         tensors = pack_spqr(res, self.bits, self.stat_bits)
-        figures = {"bits": self.bits, "bits_per_weight": stored_bits(tensors) / W.numel(),
-                   "outlier_fraction": res.outliers.float().mean().item(), "tau": tau,
-                   "top_outlier_columns": _top_columns(res.outliers), "damp": res.damp,
-                   "damp_steps": res.damp_steps}
+        figures = {
+            "bits": self.bits,
+            "bits_per_weight": stored_bits(tensors) / W.numel(),
+            "outlier_fraction": res.outliers.float().mean().item(),
+            "tau": tau,
+            "top_outlier_columns": _top_columns(res.outliers),
+            "damp": res.damp,
+            "damp_steps": res.damp_steps,
+        }
         out_features = W.shape[0]
-        return LayerQuant(res.dequantized, figures, tensors,
-                          lambda gm, layer, stored: self._rewrite(gm, layer, stored, out_features))
+        return LayerQuant(
+            res.dequantized, figures, tensors, lambda gm, layer, stored: self._rewrite(gm, layer, stored, out_features)
+        )
 
     def _no_tokens(self, layer: LinearLayer, W: torch.Tensor, H: None) -> LayerQuant:
         return self.quantize_layer(layer, W, torch.eye(W.shape[1], device=W.device))
@@ -142,14 +172,33 @@ class SpQR(WeightQuantizer):
         tensors["row_ptr"] = torch.stack(row_ptr).to(torch.int32)
         tensors["col_idx"] = torch.cat([t["col_idx"] for t in parts])
         tensors["values"] = torch.cat([t["values"] for t in parts])
-        return "spqr_experts_linear", tensors, dict(bits=self.bits, group_size=self.group_size,
-                                                    stat_bits=self.stat_bits, stat_group_size=self.stat_group_size)
+        return (
+            "spqr_experts_linear",
+            tensors,
+            dict(
+                bits=self.bits,
+                group_size=self.group_size,
+                stat_bits=self.stat_bits,
+                stat_group_size=self.stat_group_size,
+            ),
+        )
 
     def _rewrite(self, gm: GraphModule, layer: LinearLayer, tensors: dict, out_features: int) -> None:
         dense = replace_linear(
-            gm, layer, "spqr_dense_linear", {n: tensors[n] for n in SPQR_DENSE_TENSORS},
-            lambda x, a: dict(x=x, **a, bias=layer.bias_node, bits=self.bits, group_size=self.group_size,
-                              stat_bits=self.stat_bits, stat_group_size=self.stat_group_size))
+            gm,
+            layer,
+            "spqr_dense_linear",
+            {n: tensors[n] for n in SPQR_DENSE_TENSORS},
+            lambda x, a: dict(
+                x=x,
+                **a,
+                bias=layer.bias_node,
+                bits=self.bits,
+                group_size=self.group_size,
+                stat_bits=self.stat_bits,
+                stat_group_size=self.stat_group_size,
+            ),
+        )
         graph = gm.graph
         base = layer.path
         for n in ("row_ptr", "col_idx", "values"):

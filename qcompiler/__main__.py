@@ -5,6 +5,7 @@
 ``tinylm`` is judged by held-out perplexity on CPython standard-library modules it never saw;
 ``minilm`` by the mean cosine between its sentence embeddings and the FP32 model's.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -15,9 +16,9 @@ import torch
 
 import qcompiler as qc
 from qcompiler import models
-from qcompiler.eval import bits_per_parameter
+from qcompiler.evaluation.eval import bits_per_parameter
+from qcompiler.evaluation.quality import QualityJudge
 from qcompiler.generation import timed_generation
-from qcompiler.quality import QualityJudge
 
 
 def main(argv=None) -> int:
@@ -39,8 +40,9 @@ def main(argv=None) -> int:
     judge = QualityJudge(loaded, max_windows=256)
     before = judge.score(loaded.model)
     start = time.perf_counter()
-    cm = qc.compile(loaded.model, loaded.example_inputs(), recipe=args.recipe,
-                    calibration=loaded.calibration(args.calib))
+    cm = qc.compile(
+        loaded.model, loaded.example_inputs(), recipe=args.recipe, calibration=loaded.calibration(args.calib)
+    )
     seconds = time.perf_counter() - start
     after = judge.score(cm)
     print(cm.report)
@@ -65,8 +67,10 @@ def _show_generation(loaded, cm, prompt: str, new_tokens: int) -> None:
     fp = qc.compile(loaded.model, loaded.example_inputs(), recipe="none", backend=backend, progress=False)
     quantized = cm.with_backend(backend)
     ids = loaded.encode(prompt)
-    print(f"\ngreedy continuation of {prompt!r} ({new_tokens} tokens, KV cache, {backend} backend, "
-          f"{torch.get_num_threads()} threads):")
+    print(
+        f"\ngreedy continuation of {prompt!r} ({new_tokens} tokens, KV cache, {backend} backend, "
+        f"{torch.get_num_threads()} threads):"
+    )
     for label, model in (("FP32", fp), (cm.recipe.name, quantized)):
         run = timed_generation(model, ids, new_tokens)
         speed = run["decode_tokens_per_second"]

@@ -10,6 +10,7 @@
 Errors are one line on stderr (exit 2: bad arguments or inputs; 1: system or internal error;
 130: interrupted); ``--debug`` shows the traceback.
 """
+
 from __future__ import annotations
 
 import json
@@ -48,13 +49,14 @@ def _options(debug: bool = typer.Option(False, "--debug", help="show tracebacks"
 def _calibration(loaded, calib: str, count: int, seqlen: int, seed: int, packing: str, field: str):
     if calib == "bundled":
         return loaded.calibration(count, seed=seed)
-    from qcompiler.calibration_data import calibration_batches
+    from qcompiler.calib.calibration_data import calibration_batches
+
     return calibration_batches(loaded, calib, nsamples=count, seqlen=seqlen, seed=seed, packing=packing, field=field)
 
 
 def _artifact_source(target: str, needed_for: str) -> tuple[bool, str]:
     """``(is_artifact, model source)``: an artifact names the model it was made from."""
-    from qcompiler.artifact import MANIFEST, read_manifest
+    from qcompiler.store.artifact import MANIFEST, read_manifest
 
     path = Path(target)
     if not (path / MANIFEST).is_file():
@@ -68,8 +70,11 @@ def _artifact_source(target: str, needed_for: str) -> tuple[bool, str]:
 def _layer_table(report, title: str) -> Table:
     table = Table(title=title)
     rows = report.layer_table()
-    keys = [k for k in ("bits", "bits_per_weight", "rel_error", "outlier_fraction", "kernel", "seconds")
-            if any(k in r for r in rows)]
+    keys = [
+        k
+        for k in ("bits", "bits_per_weight", "rel_error", "outlier_fraction", "kernel", "seconds")
+        if any(k in r for r in rows)
+    ]
     for column in ["pass", "layer", *keys]:
         table.add_column(column)
     for r in rows:
@@ -82,50 +87,79 @@ def _fmt(value) -> str:
 
 
 @app.command()
-def quantize(model: str = typer.Argument(..., help="bundled:tinylm, bundled:minilm or a Hugging Face model folder"),
-             recipe: str = typer.Option("gptq-w4g128", help="built-in recipe name or a .yaml/.toml recipe file"),
-             calib: str = typer.Option("bundled", help="'bundled' (the bundled text through the model's tokenizer), "
-                                       "a text file, a folder of text files, .jsonl, .parquet or a saved dataset"),
-             samples: int = typer.Option(32, "--samples", "--nsamples", help="calibration windows / documents / "
-                                         "sentences (the GPTQ paper: 128)"),
-             seqlen: int = typer.Option(2048, help="tokens per window, capped by the model's context (bundled: 128)"),
-             seed: int = typer.Option(0, help="seed of the random windows"),
-             packing: str = typer.Option("windows", help="windows (random windows of the joined text) | none (one "
-                                         "padded sample per document)"),
-             calib_field: str = typer.Option("text", help="JSONL / Parquet / dataset field holding the text"),
-             out_dir: Path = typer.Option(..., "--out", help="artifact folder to write (replaced atomically)"),
-             overwrite: bool = typer.Option(False, help="replace --out even if it holds other files"),
-             device: str = typer.Option("auto", help="where calibration and GPTQ/SpQR run, one block at a time: "
-                                        "auto (cuda when available) | cpu | cuda | cuda:N"),
-             offload: bool = typer.Option(False, help="keep cached calibration activations on the CPU"),
-             stream: bool = typer.Option(True, help="read each block's weights from the safetensors files when it is "
-                                         "calibrated, in the checkpoint's dtype (--no-stream: load the whole model "
-                                         "in float32 first)"),
-             trust_remote_code: bool = typer.Option(False, help="run the model folder's own Python code (auto_map); "
-                                                    "off by default: only for folders you trust")):
+def quantize(
+    model: str = typer.Argument(..., help="bundled:tinylm, bundled:minilm or a Hugging Face model folder"),
+    recipe: str = typer.Option("gptq-w4g128", help="built-in recipe name or a .yaml/.toml recipe file"),
+    calib: str = typer.Option(
+        "bundled",
+        help="'bundled' (the bundled text through the model's tokenizer), "
+        "a text file, a folder of text files, .jsonl, .parquet or a saved dataset",
+    ),
+    samples: int = typer.Option(
+        32, "--samples", "--nsamples", help="calibration windows / documents / sentences (the GPTQ paper: 128)"
+    ),
+    seqlen: int = typer.Option(2048, help="tokens per window, capped by the model's context (bundled: 128)"),
+    seed: int = typer.Option(0, help="seed of the random windows"),
+    packing: str = typer.Option(
+        "windows", help="windows (random windows of the joined text) | none (one padded sample per document)"
+    ),
+    calib_field: str = typer.Option("text", help="JSONL / Parquet / dataset field holding the text"),
+    out_dir: Path = typer.Option(..., "--out", help="artifact folder to write (replaced atomically)"),
+    overwrite: bool = typer.Option(False, help="replace --out even if it holds other files"),
+    device: str = typer.Option(
+        "auto",
+        help="where calibration and GPTQ/SpQR run, one block at a time: "
+        "auto (cuda when available) | cpu | cuda | cuda:N",
+    ),
+    offload: bool = typer.Option(False, help="keep cached calibration activations on the CPU"),
+    stream: bool = typer.Option(
+        True,
+        help="read each block's weights from the safetensors files when it is "
+        "calibrated, in the checkpoint's dtype (--no-stream: load the whole model "
+        "in float32 first)",
+    ),
+    trust_remote_code: bool = typer.Option(
+        False, help="run the model folder's own Python code (auto_map); off by default: only for folders you trust"
+    ),
+):
     """Quantize MODEL with RECIPE and save the result to --out."""
     import qcompiler as qc
-    from qcompiler.eval import bits_per_parameter
+    from qcompiler.calib.host_memory import bound_kernel_cache
+    from qcompiler.compiler import resolve_device
+    from qcompiler.evaluation.eval import bits_per_parameter
     from qcompiler.models import load
-
-    from qcompiler.atomic import check_output_folder
-    from qcompiler.host_memory import bound_kernel_cache
+    from qcompiler.pipeline.recipe_files import resolve_recipe
+    from qcompiler.store.atomic import check_output_folder
 
     bound_kernel_cache()  # before the first matmul of this process
-    resolved = qc.recipe_files.resolve_recipe(recipe)  # a bad recipe, device or output path fails before any loading
-    compute = qc.compiler.resolve_device(device)
+    resolved = resolve_recipe(recipe)  # a bad recipe, device or output path fails before any loading
+    compute = resolve_device(device)
     protect = [model] if Path(model).is_dir() else []
     check_output_folder(out_dir, "artifact", overwrite=overwrite, protect=protect)
     loaded = load(model, stream=stream, trust_remote_code=trust_remote_code)
-    calibration = _calibration(loaded, calib, samples, seqlen, seed, packing, calib_field) \
-        if any(p.needs_calibration for p in resolved.passes) else None
+    calibration = (
+        _calibration(loaded, calib, samples, seqlen, seed, packing, calib_field)
+        if any(p.needs_calibration for p in resolved.passes)
+        else None
+    )
     start = time.perf_counter()
-    cm = qc.compile(loaded.model, loaded.example_inputs(), recipe=resolved, calibration=calibration,
-                    device=compute, offload=offload)
+    cm = qc.compile(
+        loaded.model, loaded.example_inputs(), recipe=resolved, calibration=calibration, device=compute, offload=offload
+    )
     seconds = time.perf_counter() - start
-    cm.save(out_dir, metadata={"source": model, "calibration": calib, "samples": samples, "seqlen": seqlen,
-                               "seed": seed, "packing": packing}, overwrite=overwrite,
-            protect=protect)
+    cm.save(
+        out_dir,
+        metadata={
+            "source": model,
+            "calibration": calib,
+            "samples": samples,
+            "seqlen": seqlen,
+            "seed": seed,
+            "packing": packing,
+        },
+        overwrite=overwrite,
+        protect=protect,
+    )
     out.print(_layer_table(cm.report, f"{model} · {resolved.name}"))
     try:
         bits = f"{bits_per_parameter(cm.graph_module):.3f} bits per quantized weight"
@@ -139,20 +173,23 @@ def _triton_runtime() -> None:
     import os
 
     import torch
+
     if not torch.cuda.is_available() and "TRITON_INTERPRET" not in os.environ:
         os.environ["TRITON_INTERPRET"] = "1"
         err.print("no CUDA GPU: running the Triton kernels under TRITON_INTERPRET=1 (slow; for correctness)")
 
 
 @app.command(name="eval")
-def evaluate(target: str = typer.Argument(..., help="an artifact folder, or a model (bundled:NAME / folder)"),
-             backend: Backend = typer.Option("eager", help="backend to run the quantized model on"),
-             windows: int = typer.Option(64, help="held-out windows (causal LMs) / sentences (encoders)"),
-             json_out: Optional[Path] = typer.Option(None, "--json", help="also write the figures as JSON")):
+def evaluate(
+    target: str = typer.Argument(..., help="an artifact folder, or a model (bundled:NAME / folder)"),
+    backend: Backend = typer.Option("eager", help="backend to run the quantized model on"),
+    windows: int = typer.Option(64, help="held-out windows (causal LMs) / sentences (encoders)"),
+    json_out: Optional[Path] = typer.Option(None, "--json", help="also write the figures as JSON"),
+):
     """Perplexity (causal LMs) or embedding cosine vs FP32 (encoders), FP32 beside quantized."""
     import qcompiler as qc
+    from qcompiler.evaluation.quality import QualityJudge
     from qcompiler.models import load
-    from qcompiler.quality import QualityJudge
 
     if backend.value == "triton":
         _triton_runtime()
@@ -170,46 +207,64 @@ def evaluate(target: str = typer.Argument(..., help="an artifact folder, or a mo
         line += f" -> quantized {figures['quantized']:.4f} ({backend.value}, {figures['recipe']})"
     out.print(line)
     if json_out:
-        from qcompiler.atomic import write_text_atomically
+        from qcompiler.store.atomic import write_text_atomically
+
         write_text_atomically(json_out, json.dumps(figures, indent=1))
 
 
 @app.command()
-def export(artifact: Path = typer.Argument(..., help="artifact folder written by 'quantize'"),
-           format: ExportFormat = typer.Option(..., "--format", help="; ".join(
-               f"{name}: {export_format(name).description}" for name in export_format_names())),
-           dest: Path = typer.Option(..., "--out", help="file (onnx) or folder (onnx-genai, gptq, compressed-tensors)"),
-           zero_format: str = typer.Option("auto", help="gptq only: auto | v1 | v2 zero points"),
-           max_shard_gb: float = typer.Option(5.0, help="gptq, compressed-tensors: safetensors shard size (GiB)"),
-           accuracy_level: Optional[int] = typer.Option(None, help="onnx, onnx-genai: MatMulNBits accuracy_level "
-                                                        "(default 4: int8 activations, fastest on CPU; 0: exact)"),
-           plain_attention: bool = typer.Option(False, help="onnx, onnx-genai: attention as standard ONNX ops "
-                                                "instead of ORT's GroupQueryAttention"),
-           overwrite: bool = typer.Option(False, help="replace --out even if qcompiler did not write it")):
+def export(
+    artifact: Path = typer.Argument(..., help="artifact folder written by 'quantize'"),
+    format: ExportFormat = typer.Option(
+        ..., "--format", help="; ".join(f"{name}: {export_format(name).description}" for name in export_format_names())
+    ),
+    dest: Path = typer.Option(..., "--out", help="file (onnx) or folder (onnx-genai, gptq, compressed-tensors)"),
+    zero_format: str = typer.Option("auto", help="gptq only: auto | v1 | v2 zero points"),
+    max_shard_gb: float = typer.Option(5.0, help="gptq, compressed-tensors: safetensors shard size (GiB)"),
+    accuracy_level: Optional[int] = typer.Option(
+        None,
+        help="onnx, onnx-genai: MatMulNBits accuracy_level (default 4: int8 activations, fastest on CPU; 0: exact)",
+    ),
+    plain_attention: bool = typer.Option(
+        False, help="onnx, onnx-genai: attention as standard ONNX ops instead of ORT's GroupQueryAttention"
+    ),
+    overwrite: bool = typer.Option(False, help="replace --out even if qcompiler did not write it"),
+):
     """Export a saved artifact to ONNX, an onnxruntime-genai folder, a GPTQ or a compressed-tensors checkpoint."""
     import qcompiler as qc
-    from qcompiler.atomic import check_output_folder
+    from qcompiler.store.atomic import check_output_folder
 
     fmt = export_format(format.value)
     if fmt.writes == "folder":  # refuse a bad target before the work
         check_output_folder(dest, fmt.name, overwrite=overwrite, protect=[artifact])
     cm = qc.load(artifact)
-    fmt.write(cm, dest, ExportOptions(overwrite=overwrite, accuracy_level=accuracy_level,
-                                      fused_attention=not plain_attention, zero_format=zero_format,
-                                      max_shard_bytes=int(max_shard_gb * 1024 ** 3), progress=out.print))
+    fmt.write(
+        cm,
+        dest,
+        ExportOptions(
+            overwrite=overwrite,
+            accuracy_level=accuracy_level,
+            fused_attention=not plain_attention,
+            zero_format=zero_format,
+            max_shard_bytes=int(max_shard_gb * 1024**3),
+            progress=out.print,
+        ),
+    )
     out.print(f"wrote {dest}")
 
 
 @app.command()
-def generate(target: str = typer.Argument(..., help="an artifact folder, or a model (bundled:NAME / folder) in FP"),
-             prompt: list[str] = typer.Option(..., "--prompt", help="text to continue; repeat for a batch"),
-             max_new_tokens: int = typer.Option(32, "--max-new-tokens", help="tokens to generate per prompt"),
-             backend: Backend = typer.Option("eager", help="backend to run the model on"),
-             do_sample: bool = typer.Option(False, "--sample", help="sample instead of greedy decoding"),
-             temperature: float = typer.Option(1.0, help="sampling temperature"),
-             top_k: int = typer.Option(0, "--top-k", help="sample among the k most likely tokens (0: all)"),
-             top_p: float = typer.Option(1.0, "--top-p", help="nucleus sampling mass (1.0: all)"),
-             seed: Optional[int] = typer.Option(None, help="random seed for sampling")):
+def generate(
+    target: str = typer.Argument(..., help="an artifact folder, or a model (bundled:NAME / folder) in FP"),
+    prompt: list[str] = typer.Option(..., "--prompt", help="text to continue; repeat for a batch"),
+    max_new_tokens: int = typer.Option(32, "--max-new-tokens", help="tokens to generate per prompt"),
+    backend: Backend = typer.Option("eager", help="backend to run the model on"),
+    do_sample: bool = typer.Option(False, "--sample", help="sample instead of greedy decoding"),
+    temperature: float = typer.Option(1.0, help="sampling temperature"),
+    top_k: int = typer.Option(0, "--top-k", help="sample among the k most likely tokens (0: all)"),
+    top_p: float = typer.Option(1.0, "--top-p", help="nucleus sampling mass (1.0: all)"),
+    seed: Optional[int] = typer.Option(None, help="random seed for sampling"),
+):
     """Continue each --prompt with the KV cache; one prompt streams its tokens as they are made."""
     import torch
 
@@ -235,45 +290,52 @@ def generate(target: str = typer.Argument(..., help="an artifact folder, or a mo
     width = max(map(len, encoded))
     ids = torch.tensor([[0] * (width - len(e)) + e for e in encoded])  # left padding
     mask = torch.tensor([[0] * (width - len(e)) + [1] * len(e) for e in encoded])
-    options = dict(do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
-                   attention_mask=mask)
+    options = dict(
+        do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, attention_mask=mask
+    )
     if len(prompt) == 1:
         made, shown = [], ""
 
         def write(text: str) -> None:  # plain stdout: no wrapping or markup, flushed token by token
             sys.stdout.write(text)
             sys.stdout.flush()
+
         for token in cm.stream(ids, max_new_tokens, **options):  # bad values raise before the first token
             if not made:
                 write(prompt[0])
             made.append(int(token[0]))
             text = tokenizer.decode(made)
-            write(text[len(shown):])
+            write(text[len(shown) :])
             shown = text
         write(("" if made else prompt[0]) + "\n")
         return
     result = cm.generate(ids, max_new_tokens, **options)
     for p, row in zip(prompt, result[:, width:]):
-        out.print(f"{p!r} -> {tokenizer.decode([int(t) for t in row])!r}", markup=False, highlight=False,
-                  soft_wrap=True)
+        out.print(
+            f"{p!r} -> {tokenizer.decode([int(t) for t in row])!r}", markup=False, highlight=False, soft_wrap=True
+        )
 
 
 @app.command()
 def inspect(artifact: Path = typer.Argument(..., help="artifact folder")):
     """Passes applied with their settings, per-layer figures and a graph summary."""
-    from qcompiler.artifact import read_manifest, report_from_manifest
+    from qcompiler.store.artifact import read_manifest, report_from_manifest
 
     manifest = read_manifest(artifact)
     recipe = manifest["recipe"]
-    out.print(f"[bold]{artifact}[/bold]: {manifest['capture']['model_class']} from "
-              f"{manifest['metadata'].get('source', '?')}, recipe {recipe['name']} "
-              f"(qcompiler {manifest['versions']['qcompiler']}, torch {manifest['versions']['torch']})")
+    out.print(
+        f"[bold]{artifact}[/bold]: {manifest['capture']['model_class']} from "
+        f"{manifest['metadata'].get('source', '?')}, recipe {recipe['name']} "
+        f"(qcompiler {manifest['versions']['qcompiler']}, torch {manifest['versions']['torch']})"
+    )
     for p in recipe["passes"]:
         settings = ", ".join(f"{k}={v}" for k, v in p.items() if k not in ("pass", "config_version"))
         out.print(f"  {p['pass']}({settings}) [config version {p.get('config_version', 1)}]")
     graph = manifest["graph"]
-    out.print(f"graph: {graph['nodes']} nodes, {graph['tensors']} stored tensors, qc ops: "
-              + ", ".join(f"{k} x{v}" for k, v in graph["qc_ops"].items()))
+    out.print(
+        f"graph: {graph['nodes']} nodes, {graph['tensors']} stored tensors, qc ops: "
+        + ", ".join(f"{k} x{v}" for k, v in graph["qc_ops"].items())
+    )
     out.print(_layer_table(report_from_manifest(manifest), "per-layer report"))
 
 
@@ -292,11 +354,13 @@ def recipes():
 
 
 @app.command()
-def report(artifact: Path = typer.Argument(..., help="artifact folder"),
-           dest: Path = typer.Option(..., "--out", help="folder for report.md and its PNG plots"),
-           overwrite: bool = typer.Option(False, help="replace --out even if it holds other files")):
+def report(
+    artifact: Path = typer.Argument(..., help="artifact folder"),
+    dest: Path = typer.Option(..., "--out", help="folder for report.md and its PNG plots"),
+    overwrite: bool = typer.Option(False, help="replace --out even if it holds other files"),
+):
     """A markdown page with plots: per-layer error, bits per layer, SpQR outliers, SmoothQuant scales."""
-    from qcompiler.report_page import write_report
+    from qcompiler.evaluation.report_page import write_report
 
     page = write_report(artifact, dest, overwrite=overwrite)
     out.print(f"wrote {page}")

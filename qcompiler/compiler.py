@@ -1,4 +1,5 @@
 """``qc.compile()``: capture → passes → backend, returning a model called like the original."""
+
 from __future__ import annotations
 
 from typing import Any, Callable, Iterable, Iterator, Optional
@@ -6,16 +7,17 @@ from typing import Any, Callable, Iterable, Iterator, Optional
 import torch
 from torch.fx import GraphModule
 
-from .capture import CaptureInfo, capture, fill_optional_inputs, normalize_inputs
-from .causal_lm import CacheLayout, example_graph_inputs, graph_inputs, wrap_output
-from . import artifact, lazy_weights
-from .errors import CalibrationError
-from .generation import SamplingConfig, generate_tokens
-from .pass_base import PassContext
-from .pass_manager import PassManager
-from .recipe_files import resolve_recipe
-from .recipes import Recipe
-from .report import Report
+from qcompiler.errors import CalibrationError
+from qcompiler.frontend import lazy_weights
+from qcompiler.frontend.capture import CaptureInfo, capture, fill_optional_inputs, normalize_inputs
+from qcompiler.frontend.causal_lm import CacheLayout, example_graph_inputs, graph_inputs, wrap_output
+from qcompiler.generation import SamplingConfig, generate_tokens
+from qcompiler.pipeline.pass_base import PassContext
+from qcompiler.pipeline.pass_manager import PassManager
+from qcompiler.pipeline.recipe_files import resolve_recipe
+from qcompiler.pipeline.recipes import Recipe
+from qcompiler.pipeline.report import Report
+from qcompiler.store import artifact
 
 __all__ = ["compile", "load", "CompiledModel", "normalize_calibration"]
 
@@ -23,8 +25,15 @@ __all__ = ["compile", "load", "CompiledModel", "normalize_calibration"]
 class CompiledModel:
     """A quantized model: call it like the original; inspect ``graph_module`` and ``report``."""
 
-    def __init__(self, graph_module: GraphModule, recipe: Recipe, report: Report, backend: str, runner,
-                 example_inputs: tuple[tuple, dict]):
+    def __init__(
+        self,
+        graph_module: GraphModule,
+        recipe: Recipe,
+        report: Report,
+        backend: str,
+        runner,
+        example_inputs: tuple[tuple, dict],
+    ):
         self.graph_module = graph_module
         self.recipe = recipe
         self.report = report
@@ -80,40 +89,79 @@ class CompiledModel:
         kwargs.pop("use_cache", None)
         unknown = set(kwargs) - {"input_ids", "attention_mask", "position_ids", "past_key_values"}
         if unknown:
-            raise ValueError(f"{self.capture_info.model_class} takes input_ids, attention_mask, position_ids and "
-                             f"past_key_values; got also {sorted(unknown)}")
+            raise ValueError(
+                f"{self.capture_info.model_class} takes input_ids, attention_mask, position_ids and "
+                f"past_key_values; got also {sorted(unknown)}"
+            )
         if "input_ids" not in kwargs:
             raise ValueError("input_ids is required")
-        return graph_inputs(layout, kwargs["input_ids"], kwargs.get("attention_mask"), kwargs.get("position_ids"),
-                            kwargs.get("past_key_values"))
+        return graph_inputs(
+            layout,
+            kwargs["input_ids"],
+            kwargs.get("attention_mask"),
+            kwargs.get("position_ids"),
+            kwargs.get("past_key_values"),
+        )
 
-    def generate(self, input_ids: torch.Tensor, max_new_tokens: int = 32, *, do_sample: bool = False,
-                 temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, eos_token_id=None,
-                 pad_token_id: Optional[int] = None, attention_mask: Optional[torch.Tensor] = None,
-                 streamer: Optional[Callable[[torch.Tensor], None]] = None, seed: Optional[int] = None) -> torch.Tensor:
+    def generate(
+        self,
+        input_ids: torch.Tensor,
+        max_new_tokens: int = 32,
+        *,
+        do_sample: bool = False,
+        temperature: float = 1.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        eos_token_id=None,
+        pad_token_id: Optional[int] = None,
+        attention_mask: Optional[torch.Tensor] = None,
+        streamer: Optional[Callable[[torch.Tensor], None]] = None,
+        seed: Optional[int] = None,
+    ) -> torch.Tensor:
         """Prompt plus up to ``max_new_tokens`` new tokens ``[B, S + T]``, decoding with the KV cache.
 
         Batches of prompts are left-padded (``attention_mask`` zeros on the left). ``streamer`` is
         called with each step's tokens ``[B]`` as they are made; :meth:`stream` yields them instead.
         """
         tokens = []
-        for token in self.stream(input_ids, max_new_tokens, do_sample=do_sample, temperature=temperature,
-                                 top_k=top_k, top_p=top_p, eos_token_id=eos_token_id, pad_token_id=pad_token_id,
-                                 attention_mask=attention_mask, seed=seed):
+        for token in self.stream(
+            input_ids,
+            max_new_tokens,
+            do_sample=do_sample,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            eos_token_id=eos_token_id,
+            pad_token_id=pad_token_id,
+            attention_mask=attention_mask,
+            seed=seed,
+        ):
             tokens.append(token[:, None])
             if streamer is not None:
                 streamer(token)
         return torch.cat([input_ids, *tokens], 1)
 
-    def stream(self, input_ids: torch.Tensor, max_new_tokens: int = 32, *, do_sample: bool = False,
-               temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, eos_token_id=None,
-               pad_token_id: Optional[int] = None, attention_mask: Optional[torch.Tensor] = None,
-               seed: Optional[int] = None) -> Iterator[torch.Tensor]:
+    def stream(
+        self,
+        input_ids: torch.Tensor,
+        max_new_tokens: int = 32,
+        *,
+        do_sample: bool = False,
+        temperature: float = 1.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        eos_token_id=None,
+        pad_token_id: Optional[int] = None,
+        attention_mask: Optional[torch.Tensor] = None,
+        seed: Optional[int] = None,
+    ) -> Iterator[torch.Tensor]:
         """Yield each step's new tokens ``[B]`` (see :meth:`generate`)."""
         layout = self.cache_layout
         if layout is None:
-            raise ValueError(f"generate needs a causal LM captured with its KV cache; this graph of "
-                             f"{self.capture_info.model_class} has none (an encoder, or captured with use_cache=False)")
+            raise ValueError(
+                f"generate needs a causal LM captured with its KV cache; this graph of "
+                f"{self.capture_info.model_class} has none (an encoder, or captured with use_cache=False)"
+            )
         if isinstance(input_ids, torch.Tensor) and input_ids.numel():
             self._check_token_ids(input_ids)
         config = self.capture_info.model_config or {}
@@ -124,44 +172,78 @@ class CompiledModel:
         def step(inputs):
             with torch.no_grad():
                 return self._runner(**inputs)
-        yield from generate_tokens(step, layout, config.get("vocab_size"), input_ids, max_new_tokens=max_new_tokens,
-                                   attention_mask=attention_mask, sampling=sampling, eos_token_id=eos_token_id,
-                                   pad_token_id=config.get("pad_token_id") if pad_token_id is None else pad_token_id,
-                                   seed=seed)
+
+        yield from generate_tokens(
+            step,
+            layout,
+            config.get("vocab_size"),
+            input_ids,
+            max_new_tokens=max_new_tokens,
+            attention_mask=attention_mask,
+            sampling=sampling,
+            eos_token_id=eos_token_id,
+            pad_token_id=config.get("pad_token_id") if pad_token_id is None else pad_token_id,
+            seed=seed,
+        )
 
     def with_backend(self, backend: str, **options) -> "CompiledModel":
         """The same quantized graph on another backend: no recapture, no calibration, weights shared."""
         report = Report([p for p in self.report.passes if not p.name.startswith("backend:")])
         return on_backend(self.graph_module, self.recipe, report, backend, self.example_inputs, options)
 
-    def export_onnx(self, path, *, accuracy_level: Optional[int] = None, overwrite: bool = False,
-                    fused_attention: bool = True):
+    def export_onnx(
+        self, path, *, accuracy_level: Optional[int] = None, overwrite: bool = False, fused_attention: bool = True
+    ):
         """Write the graph as an ONNX model that ONNX Runtime runs (see docs/backends/onnx.md)."""
-        from .backends.onnx_export import export_onnx
-        return export_onnx(self.graph_module, path, self.example_inputs, recipe=self.recipe.name,
-                           accuracy_level=accuracy_level, overwrite=overwrite, fused_attention=fused_attention)
+        from qcompiler.backends.onnx_export import export_onnx
 
-    def save(self, path, *, metadata: Optional[dict] = None, overwrite: bool = False, protect=(),
-             max_shard_bytes: int = artifact.DEFAULT_SHARD_BYTES):
+        return export_onnx(
+            self.graph_module,
+            path,
+            self.example_inputs,
+            recipe=self.recipe.name,
+            accuracy_level=accuracy_level,
+            overwrite=overwrite,
+            fused_attention=fused_attention,
+        )
+
+    def save(
+        self,
+        path,
+        *,
+        metadata: Optional[dict] = None,
+        overwrite: bool = False,
+        protect=(),
+        max_shard_bytes: int = artifact.DEFAULT_SHARD_BYTES,
+    ):
         """Write the quantized model to folder ``path`` (atomic; reload with ``qc.load(path)``).
 
         An existing folder is replaced only if it is empty or an earlier artifact, unless
         ``overwrite``; the model's own source folder and ``protect`` paths never are. Tensors past
         ``max_shard_bytes`` (5 GiB) go to several files."""
-        return artifact.save(self, path, metadata=metadata, overwrite=overwrite, protect=protect,
-                             max_shard_bytes=max_shard_bytes)
+        return artifact.save(
+            self, path, metadata=metadata, overwrite=overwrite, protect=protect, max_shard_bytes=max_shard_bytes
+        )
 
     def __repr__(self) -> str:
         passes = ", ".join(repr(p) for p in self.recipe.passes) or "none"
-        return (f"CompiledModel({self.capture_info.model_class}, recipe={self.recipe.name!r}, "
-                f"backend={self.backend!r}, passes=[{passes}])")
+        return (
+            f"CompiledModel({self.capture_info.model_class}, recipe={self.recipe.name!r}, "
+            f"backend={self.backend!r}, passes=[{passes}])"
+        )
 
 
-def on_backend(gm: GraphModule, recipe: Recipe, report: Report, backend: str, example_inputs: tuple[tuple, dict],
-               options: Optional[dict] = None) -> CompiledModel:
+def on_backend(
+    gm: GraphModule,
+    recipe: Recipe,
+    report: Report,
+    backend: str,
+    example_inputs: tuple[tuple, dict],
+    options: Optional[dict] = None,
+) -> CompiledModel:
     """Prepare ``backend`` for ``gm``; its plan (kernels, fallbacks), if it records one, joins ``report``.
     Shared by ``compile``, ``qc.load`` and ``with_backend``."""
-    from .backends import get_backend  # qcompiler.backends imports this module's package
+    from qcompiler.backends import get_backend  # qcompiler.backends imports this module's package
 
     gm.meta["qcompiler_recipe"] = recipe.name  # what made this graph: exports record it (ONNX metadata)
     runner = get_backend(backend)(gm, example_inputs, **dict(options or {}))
@@ -196,8 +278,9 @@ def normalize_calibration(calibration: Optional[Iterable], info: CaptureInfo) ->
 def load(path, backend: str = "eager", *, backend_options: Optional[dict] = None) -> CompiledModel:
     """A CompiledModel from a folder written by ``cm.save``; no calibration, no original model code."""
     stored = artifact.read(path)
-    return on_backend(stored.graph_module, stored.recipe, stored.report, backend, stored.example_inputs,
-                      backend_options)
+    return on_backend(
+        stored.graph_module, stored.recipe, stored.report, backend, stored.example_inputs, backend_options
+    )
 
 
 def resolve_device(device) -> Optional[torch.device]:
@@ -211,14 +294,24 @@ def resolve_device(device) -> Optional[torch.device]:
     except (RuntimeError, TypeError) as exc:
         raise ValueError(f"device={device!r} is not a torch device name (cpu, cuda, cuda:1, auto)") from exc
     if resolved.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device={device!r}: no CUDA GPU is available to this torch "
-                         f"({torch.__version__}); use device='cpu'")
+        raise ValueError(
+            f"device={device!r}: no CUDA GPU is available to this torch ({torch.__version__}); use device='cpu'"
+        )
     return resolved
 
 
-def compile(model: torch.nn.Module, example_inputs, recipe="none", calibration: Optional[Iterable] = None,
-            backend: str = "eager", *, backend_options: Optional[dict] = None, progress: bool = True,
-            device="auto", offload: bool = False) -> CompiledModel:
+def compile(
+    model: torch.nn.Module,
+    example_inputs,
+    recipe="none",
+    calibration: Optional[Iterable] = None,
+    backend: str = "eager",
+    *,
+    backend_options: Optional[dict] = None,
+    progress: bool = True,
+    device="auto",
+    offload: bool = False,
+) -> CompiledModel:
     """Capture ``model``, apply ``recipe``'s passes in order, and prepare ``backend`` to run it.
 
     ``recipe``: a built-in name (see ``qc.list_recipes()``), a ``qc.Recipe``, or a list of passes.
@@ -230,7 +323,7 @@ def compile(model: torch.nn.Module, example_inputs, recipe="none", calibration: 
     there is one); the model's weights stay where they are. ``offload``: keep the cached block inputs
     on the CPU (for calibration sets larger than the device's memory).
     """
-    from .backends import get_backend  # qcompiler.backends imports this module's package
+    from qcompiler.backends import get_backend  # qcompiler.backends imports this module's package
 
     resolved = resolve_recipe(recipe)
     get_backend(backend)  # an unknown backend fails before any work
@@ -243,11 +336,17 @@ def compile(model: torch.nn.Module, example_inputs, recipe="none", calibration: 
     fill_optional_inputs(info, examples[1])  # the graph takes them; backends see them
     if info.cache:  # backends and exports see the graph's own inputs
         user = examples[1]
-        examples = ((), example_graph_inputs(CacheLayout.from_dict(info.cache), user["input_ids"],
-                                             user.get("attention_mask")))
-    ctx = PassContext(example_inputs=examples,
-                      calibration=normalize_calibration(calibration, info), progress=progress,
-                      device=compute, offload=offload)
+        examples = (
+            (),
+            example_graph_inputs(CacheLayout.from_dict(info.cache), user["input_ids"], user.get("attention_mask")),
+        )
+    ctx = PassContext(
+        example_inputs=examples,
+        calibration=normalize_calibration(calibration, info),
+        progress=progress,
+        device=compute,
+        offload=offload,
+    )
     gm, report = manager.run(gm, ctx)
     lazy_weights.materialize_all(gm, ctx.log)  # streamed weights no pass replaced
     return on_backend(gm, resolved, report, backend, ctx.example_inputs, backend_options)

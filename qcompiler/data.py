@@ -4,6 +4,7 @@ The bundled causal LM is trained on the ``train`` split and evaluated on ``heldo
 of modules that training never sees. Tokens are bytes (vocabulary 256), so no tokenizer file is
 needed and any text round-trips exactly; exports write one for other runtimes.
 """
+
 from __future__ import annotations
 
 import sysconfig
@@ -11,15 +12,34 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["HELDOUT_MODULES", "ByteTokenizer", "stdlib_files", "stdlib_text", "stdlib_tokens",
-           "calibration_windows", "stdlib_sentences"]
+__all__ = [
+    "HELDOUT_MODULES",
+    "ByteTokenizer",
+    "stdlib_files",
+    "stdlib_text",
+    "stdlib_tokens",
+    "calibration_windows",
+    "stdlib_sentences",
+]
 
 # Whole modules kept out of training, used only for evaluation. Chosen to span styles
 # (parsing, numerics, text, data structures, I/O) and together about 0.6 MB.
 HELDOUT_MODULES = (
-    "argparse.py", "difflib.py", "textwrap.py", "statistics.py", "fractions.py", "heapq.py",
-    "calendar.py", "csv.py", "shlex.py", "string.py", "bisect.py", "glob.py", "json/encoder.py",
-    "json/decoder.py", "email/_header_value_parser.py",
+    "argparse.py",
+    "difflib.py",
+    "textwrap.py",
+    "statistics.py",
+    "fractions.py",
+    "heapq.py",
+    "calendar.py",
+    "csv.py",
+    "shlex.py",
+    "string.py",
+    "bisect.py",
+    "glob.py",
+    "json/encoder.py",
+    "json/decoder.py",
+    "email/_header_value_parser.py",
 )
 _EXCLUDED_DIRS = ("test", "tests", "idle_test", "site-packages", "__pycache__", "lib2to3", "ensurepip")
 
@@ -54,9 +74,18 @@ class ByteTokenizer:
         tok.decoder = decoders.ByteLevel()
         folder = Path(folder)
         tok.save(str(folder / "tokenizer.json"))
-        (folder / "tokenizer_config.json").write_text(json.dumps(
-            {"tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": False,
-             "model_max_length": 1 << 30, "pad_token": alphabet[0]}, indent=2) + "\n")  # NUL pads, as in generate()
+        (folder / "tokenizer_config.json").write_text(
+            json.dumps(
+                {
+                    "tokenizer_class": "PreTrainedTokenizerFast",
+                    "clean_up_tokenization_spaces": False,
+                    "model_max_length": 1 << 30,
+                    "pad_token": alphabet[0],
+                },
+                indent=2,
+            )
+            + "\n"
+        )  # NUL pads, as in generate()
         return ["tokenizer.json", "tokenizer_config.json"]
 
 
@@ -97,8 +126,9 @@ def stdlib_tokens(split: str) -> torch.Tensor:
     return ByteTokenizer().encode(stdlib_text(split))
 
 
-def calibration_windows(count: int = 128, length: int = 256, *, seed: int = 0,
-                        split: str = "train", max_length: int | None = None) -> torch.Tensor:
+def calibration_windows(
+    count: int = 128, length: int = 256, *, seed: int = 0, split: str = "train", max_length: int | None = None
+) -> torch.Tensor:
     """``count`` token windows of ``length`` bytes at reproducible random offsets: ``[count, length]``.
 
     ``max_length`` is the model's context; a longer window is refused rather than silently cut.
@@ -110,14 +140,15 @@ def calibration_windows(count: int = 128, length: int = 256, *, seed: int = 0,
     return random_windows(stdlib_tokens(split), count, length, seed=seed, split=split)
 
 
-def random_windows(tokens: torch.Tensor, count: int, length: int, *, seed: int = 0,
-                   split: str = "train") -> torch.Tensor:
+def random_windows(
+    tokens: torch.Tensor, count: int, length: int, *, seed: int = 0, split: str = "train"
+) -> torch.Tensor:
     """``count`` windows of ``length`` tokens at reproducible random offsets (the GPTQ paper's recipe)."""
     if length >= tokens.numel():
         raise ValueError(f"window length {length} exceeds the {split} split ({tokens.numel()} tokens)")
     gen = torch.Generator().manual_seed(seed)
     starts = torch.randint(0, tokens.numel() - length, (count,), generator=gen)
-    return torch.stack([tokens[s:s + length] for s in starts.tolist()])
+    return torch.stack([tokens[s : s + length] for s in starts.tolist()])
 
 
 def stdlib_sentences(split: str, count: int = 256, *, min_words: int = 6, max_words: int = 40) -> list[str]:

@@ -1,8 +1,19 @@
 """Typed errors: each names what went wrong and where (pass, node, layer, value)."""
+
 from __future__ import annotations
 
-__all__ = ["QCompilerError", "CaptureError", "PipelineError", "PassError", "GraphLintError",
-           "RecipeError", "BackendError", "CalibrationError", "QuantizationError", "ArtifactError"]
+__all__ = [
+    "QCompilerError",
+    "CaptureError",
+    "PipelineError",
+    "PassError",
+    "GraphLintError",
+    "RecipeError",
+    "BackendError",
+    "CalibrationError",
+    "QuantizationError",
+    "ArtifactError",
+]
 
 
 class QCompilerError(Exception):

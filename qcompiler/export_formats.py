@@ -4,13 +4,14 @@ Each format is registered once with the options it reads (``ExportOptions``); th
 builds its ``--format`` choices from this registry, and ``register_export_format`` adds one of your
 own. The built-in writers are imported on first use (they pull in onnx and the interop code).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
-from .sharding import DEFAULT_SHARD_BYTES
+from qcompiler.store.sharding import DEFAULT_SHARD_BYTES
 
 __all__ = ["ExportFormat", "ExportOptions", "register_export_format", "export_format", "export_format_names"]
 
@@ -20,9 +21,9 @@ class ExportOptions:
     """Every setting an export may read; a format ignores the ones that are not its own."""
 
     overwrite: bool = False
-    accuracy_level: Optional[int] = None   # onnx, onnx-genai: MatMulNBits accuracy_level
-    fused_attention: bool = True           # onnx, onnx-genai: ORT's GroupQueryAttention
-    zero_format: str = "auto"              # gptq: auto | v1 | v2 zero points
+    accuracy_level: Optional[int] = None  # onnx, onnx-genai: MatMulNBits accuracy_level
+    fused_attention: bool = True  # onnx, onnx-genai: ORT's GroupQueryAttention
+    zero_format: str = "auto"  # gptq: auto | v1 | v2 zero points
     max_shard_bytes: int = DEFAULT_SHARD_BYTES
     progress: Callable[[str], None] = print
 
@@ -61,31 +62,51 @@ def export_format(name: str) -> ExportFormat:
 
 
 def _onnx(cm, dest, o: ExportOptions):
-    return cm.export_onnx(dest, accuracy_level=o.accuracy_level, overwrite=o.overwrite,
-                          fused_attention=o.fused_attention)
+    return cm.export_onnx(
+        dest, accuracy_level=o.accuracy_level, overwrite=o.overwrite, fused_attention=o.fused_attention
+    )
 
 
 def _onnx_genai(cm, dest, o: ExportOptions):
-    from .interop import export_onnx_genai
-    return export_onnx_genai(cm, dest, accuracy_level=o.accuracy_level, overwrite=o.overwrite, progress=o.progress,
-                             fused_attention=o.fused_attention)
+    from qcompiler.interop import export_onnx_genai
+
+    return export_onnx_genai(
+        cm,
+        dest,
+        accuracy_level=o.accuracy_level,
+        overwrite=o.overwrite,
+        progress=o.progress,
+        fused_attention=o.fused_attention,
+    )
 
 
 def _gptq(cm, dest, o: ExportOptions):
-    from .interop import export_gptq
-    return export_gptq(cm, dest, zero_format=o.zero_format, progress=o.progress, overwrite=o.overwrite,
-                       max_shard_bytes=o.max_shard_bytes)
+    from qcompiler.interop import export_gptq
+
+    return export_gptq(
+        cm,
+        dest,
+        zero_format=o.zero_format,
+        progress=o.progress,
+        overwrite=o.overwrite,
+        max_shard_bytes=o.max_shard_bytes,
+    )
 
 
 def _compressed_tensors(cm, dest, o: ExportOptions):
-    from .interop import export_compressed_tensors
-    return export_compressed_tensors(cm, dest, progress=o.progress, overwrite=o.overwrite,
-                                     max_shard_bytes=o.max_shard_bytes)
+    from qcompiler.interop import export_compressed_tensors
+
+    return export_compressed_tensors(
+        cm, dest, progress=o.progress, overwrite=o.overwrite, max_shard_bytes=o.max_shard_bytes
+    )
 
 
-for _fmt in (ExportFormat("onnx", "file", _onnx, "one ONNX model file for ONNX Runtime"),
-             ExportFormat("onnx-genai", "folder", _onnx_genai, "an onnxruntime-genai model folder"),
-             ExportFormat("gptq", "folder", _gptq, "a GPTQ checkpoint (transformers, GPTQModel, vLLM)"),
-             ExportFormat("compressed-tensors", "folder", _compressed_tensors,
-                          "a compressed-tensors checkpoint (transformers, vLLM)")):
+for _fmt in (
+    ExportFormat("onnx", "file", _onnx, "one ONNX model file for ONNX Runtime"),
+    ExportFormat("onnx-genai", "folder", _onnx_genai, "an onnxruntime-genai model folder"),
+    ExportFormat("gptq", "folder", _gptq, "a GPTQ checkpoint (transformers, GPTQModel, vLLM)"),
+    ExportFormat(
+        "compressed-tensors", "folder", _compressed_tensors, "a compressed-tensors checkpoint (transformers, vLLM)"
+    ),
+):
     register_export_format(_fmt)

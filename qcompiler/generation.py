@@ -4,6 +4,7 @@ Works with any runner that calls the cache graph (eager, triton, onnxruntime): `
 takes the graph's keyword inputs and returns ``(logits, present)``. Batches of prompts are
 left-padded (``attention_mask`` zeros on the left), as transformers does for decoder-only models.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -11,7 +12,7 @@ from typing import Callable, Iterator, Optional, Sequence, Union
 
 import torch
 
-from .causal_lm import CacheLayout, graph_inputs
+from qcompiler.frontend.causal_lm import CacheLayout, graph_inputs
 
 __all__ = ["SamplingConfig", "generate_tokens", "sample_next", "timed_generation"]
 
@@ -19,10 +20,11 @@ __all__ = ["SamplingConfig", "generate_tokens", "sample_next", "timed_generation
 @dataclass(frozen=True)
 class SamplingConfig:
     """How the next token is chosen: greedy, or sampled with temperature / top-k / top-p (checked here)."""
+
     do_sample: bool = False
     temperature: float = 1.0
-    top_k: int = 0          # 0: no top-k cut
-    top_p: float = 1.0      # 1.0: no nucleus cut
+    top_k: int = 0  # 0: no top-k cut
+    top_p: float = 1.0  # 1.0: no nucleus cut
 
     def __post_init__(self):
         if self.temperature <= 0 or self.temperature != self.temperature:
@@ -45,7 +47,7 @@ def sample_next(logits: torch.Tensor, config: SamplingConfig, generator: Optiona
     if config.top_p < 1:
         ordered, order = scores.sort(-1, descending=True)
         cumulative = ordered.softmax(-1).cumsum(-1)
-        drop = cumulative - ordered.softmax(-1) >= config.top_p   # keep the token that crosses top_p
+        drop = cumulative - ordered.softmax(-1) >= config.top_p  # keep the token that crosses top_p
         scores = scores.scatter(-1, order, ordered.masked_fill(drop, float("-inf")))
     return torch.multinomial(scores.softmax(-1), 1, generator=generator).squeeze(-1)
 
@@ -57,10 +59,19 @@ def _eos_set(eos_token_id: Union[None, int, Sequence[int]]) -> Optional[torch.Te
     return torch.tensor(ids, dtype=torch.long)
 
 
-def generate_tokens(step: Callable[[dict], tuple], layout: CacheLayout, vocab_size: Optional[int],
-                    input_ids: torch.Tensor, *, max_new_tokens: int, attention_mask: Optional[torch.Tensor] = None,
-                    sampling: SamplingConfig = SamplingConfig(), eos_token_id=None, pad_token_id: Optional[int] = None,
-                    seed: Optional[int] = None) -> Iterator[torch.Tensor]:
+def generate_tokens(
+    step: Callable[[dict], tuple],
+    layout: CacheLayout,
+    vocab_size: Optional[int],
+    input_ids: torch.Tensor,
+    *,
+    max_new_tokens: int,
+    attention_mask: Optional[torch.Tensor] = None,
+    sampling: SamplingConfig = SamplingConfig(),
+    eos_token_id=None,
+    pad_token_id: Optional[int] = None,
+    seed: Optional[int] = None,
+) -> Iterator[torch.Tensor]:
     """Yield the next token of every row ``[B]`` per step; a finished row (EOS) yields ``pad_token_id``."""
     if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
@@ -69,8 +80,10 @@ def generate_tokens(step: Callable[[dict], tuple], layout: CacheLayout, vocab_si
         raise ValueError(f"the prompt is empty or not a [batch, tokens] tensor (got {shape}); give at least one token")
     total = input_ids.shape[1] + max_new_tokens
     if total > layout.max_length:
-        raise ValueError(f"prompt of {input_ids.shape[1]} tokens + max_new_tokens={max_new_tokens} = {total} exceeds "
-                         f"the model's context of {layout.max_length} positions")
+        raise ValueError(
+            f"prompt of {input_ids.shape[1]} tokens + max_new_tokens={max_new_tokens} = {total} exceeds "
+            f"the model's context of {layout.max_length} positions"
+        )
     eos = _eos_set(eos_token_id)
     pad = pad_token_id if pad_token_id is not None else (int(eos[0]) if eos is not None else 0)
     generator = torch.Generator().manual_seed(seed) if seed is not None else None
@@ -100,6 +113,8 @@ def timed_generation(cm, input_ids: torch.Tensor, max_new_tokens: int, **kwargs)
         stamps.append(time.perf_counter())
     decode_steps = len(tokens) - 1
     decode_seconds = stamps[-1] - stamps[1] if decode_steps > 0 else 0.0
-    return {"tokens": torch.stack(tokens, 1) if tokens else input_ids[:, :0],
-            "prefill_seconds": stamps[1] - stamps[0] if tokens else 0.0,
-            "decode_tokens_per_second": decode_steps * input_ids.shape[0] / decode_seconds if decode_seconds else None}
+    return {
+        "tokens": torch.stack(tokens, 1) if tokens else input_ids[:, :0],
+        "prefill_seconds": stamps[1] - stamps[0] if tokens else 0.0,
+        "decode_tokens_per_second": decode_steps * input_ids.shape[0] / decode_seconds if decode_seconds else None,
+    }

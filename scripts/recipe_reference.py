@@ -4,6 +4,7 @@
 
 tests/test_artifacts_and_interop.py checks the committed page is current.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -17,30 +18,61 @@ def _type_name(t) -> str:
 
 
 def page() -> str:
-    lines = ["# Recipe reference", "",
-             "A recipe is an ordered list of passes. Use a built-in name (`recipe=\"gptq-w4g128\"`, "
-             "`--recipe gptq-w4g128`),", "a YAML/TOML file, or a Python list of pass instances.", "",
-             "## Built-in recipes", "", "| name | what it does | passes |", "|---|---|---|"]
+    lines = [
+        "# Recipe reference",
+        "",
+        'A recipe is an ordered list of passes. Use a built-in name (`recipe="gptq-w4g128"`, `--recipe gptq-w4g128`),',
+        "a YAML/TOML file, or a Python list of pass instances.",
+        "",
+        "## Built-in recipes",
+        "",
+        "| name | what it does | passes |",
+        "|---|---|---|",
+    ]
     for r in qc.list_recipes():
         passes = ", ".join(f"`{p!r}`" for p in r.passes) or "-"
         lines.append(f"| `{r.name}` | {r.description} | {passes} |")
-    lines += ["", "## Recipe files", "", "```yaml", "name: w4-act", "description: GPTQ 4-bit with act-order",
-              "passes:", "  - pass: GPTQ", "    bits: 4", "    group_size: 128", "    act_order: true", "```", "",
-              "TOML: the same keys, one `[[passes]]` table per pass. Unknown keys and passes are errors naming the",
-              "entry and suggesting the nearest valid name; values are type-checked and then validated by the pass.",
-              "", "Every pass takes `ignore`: module paths it leaves in full precision, as fnmatch globs over the whole",
-              "path or, as llm-compressor writes them, `re:` and a regular expression searched in the path, e.g.",
-              "`ignore: [\"*.down_proj\", \"re:layers\\.0\\.\"]` (Python: `GPTQ(ignore=(\"*.down_proj\",))`). Each ignored layer",
-              "is noted in the report; a pattern that matches no layer is a warning (usually a typo). SmoothQuant",
-              "leaves alone every producer group with an ignored layer.",
-              "", "## Pass settings", ""]
+    lines += [
+        "",
+        "## Recipe files",
+        "",
+        "```yaml",
+        "name: w4-act",
+        "description: GPTQ 4-bit with act-order",
+        "passes:",
+        "  - pass: GPTQ",
+        "    bits: 4",
+        "    group_size: 128",
+        "    act_order: true",
+        "```",
+        "",
+        "TOML: the same keys, one `[[passes]]` table per pass. Unknown keys and passes are errors naming the",
+        "entry and suggesting the nearest valid name; values are type-checked and then validated by the pass.",
+        "",
+        "Every pass takes `ignore`: module paths it leaves in full precision, as fnmatch globs over the whole",
+        "path or, as llm-compressor writes them, `re:` and a regular expression searched in the path, e.g.",
+        '`ignore: ["*.down_proj", "re:layers\\.0\\."]` (Python: `GPTQ(ignore=("*.down_proj",))`). Each ignored layer',
+        "is noted in the report; a pattern that matches no layer is a warning (usually a typo). SmoothQuant",
+        "leaves alone every producer group with an ignored layer.",
+        "",
+        "## Pass settings",
+        "",
+    ]
     for name in qc.passes.__all__:
         cls = getattr(qc.passes, name)
         hints = typing.get_type_hints(cls)
-        lines += [f"### `{name}`", "", (cls.__doc__ or "").strip().splitlines()[0], "",
-                  "| key | type | default |", "|---|---|---|"]
-        lines += [f"| `{f.name}` | {_type_name(hints.get(f.name, f.type))} | `{f.default!r}` |"
-                  for f in dataclasses.fields(cls)]
+        lines += [
+            f"### `{name}`",
+            "",
+            (cls.__doc__ or "").strip().splitlines()[0],
+            "",
+            "| key | type | default |",
+            "|---|---|---|",
+        ]
+        lines += [
+            f"| `{f.name}` | {_type_name(hints.get(f.name, f.type))} | `{f.default!r}` |"
+            for f in dataclasses.fields(cls)
+        ]
         lines.append("")
     lines.append("This page is generated from the code: `python scripts/recipe_reference.py > docs/recipes.md`.")
     return "\n".join(lines) + "\n"

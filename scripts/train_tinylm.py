@@ -9,6 +9,7 @@ Byte-level LLaMA (transformers ``LlamaForCausalLM``), 4 layers, hidden 256, MLP 
 dimensions are multiples of 128 so every built-in group size applies. Writes ``config.json``,
 ``model.safetensors`` and ``training.json`` (recipe, held-out perplexity, seconds).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -21,15 +22,24 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from qcompiler.data import ByteTokenizer, stdlib_tokens
-from qcompiler.eval import perplexity
+from qcompiler.evaluation.eval import perplexity
 
 
 def make_config() -> LlamaConfig:
-    return LlamaConfig(vocab_size=ByteTokenizer.vocab_size, hidden_size=256, intermediate_size=512,
-                       num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4,
-                       max_position_embeddings=512, rms_norm_eps=1e-5, tie_word_embeddings=False,
-                       bos_token_id=None, eos_token_id=None,
-                       pad_token_id=0)  # the NUL byte: never in source text; what generate() pads with
+    return LlamaConfig(
+        vocab_size=ByteTokenizer.vocab_size,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=0,
+    )  # the NUL byte: never in source text; what generate() pads with
 
 
 def main() -> None:
@@ -51,8 +61,11 @@ def main() -> None:
     n_params = sum(p.numel() for p in model.parameters())
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
-                             {"params": no_decay, "weight_decay": 0.0}], lr=args.lr, betas=(0.9, 0.95))
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=args.lr,
+        betas=(0.9, 0.95),
+    )
     warmup = max(1, args.steps // 30)
 
     def lr_at(step: int) -> float:
@@ -66,7 +79,7 @@ def main() -> None:
     model.train()
     for step in range(args.steps):
         starts = torch.randint(0, train.numel() - args.seq - 1, (args.batch,), generator=gen)
-        x = torch.stack([train[s:s + args.seq] for s in starts.tolist()])
+        x = torch.stack([train[s : s + args.seq] for s in starts.tolist()])
         for group in opt.param_groups:
             group["lr"] = lr_at(step)
         loss = model(input_ids=x, labels=x).loss
@@ -75,8 +88,10 @@ def main() -> None:
         opt.step()
         opt.zero_grad(set_to_none=True)
         if step % 50 == 0 or step == args.steps - 1:
-            print(f"step {step:5d}/{args.steps}  loss {loss.item():.4f}  lr {lr_at(step):.2e}  "
-                  f"{time.time() - t0:7.0f}s", flush=True)
+            print(
+                f"step {step:5d}/{args.steps}  loss {loss.item():.4f}  lr {lr_at(step):.2e}  {time.time() - t0:7.0f}s",
+                flush=True,
+            )
     train_seconds = time.time() - t0
     model.eval()
     ppl = perplexity(model, heldout, window=256)
@@ -85,10 +100,14 @@ def main() -> None:
     record = {
         "command": "python scripts/train_tinylm.py --out qcompiler/models/tinylm",
         "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-        "parameters": n_params, "train_tokens_seen": args.steps * args.batch * args.seq,
-        "train_split_tokens": train.numel(), "heldout_tokens": heldout.numel(),
-        "heldout_perplexity": ppl, "uniform_byte_perplexity": 256.0,
-        "train_seconds": round(train_seconds), "torch": torch.__version__,
+        "parameters": n_params,
+        "train_tokens_seen": args.steps * args.batch * args.seq,
+        "train_split_tokens": train.numel(),
+        "heldout_tokens": heldout.numel(),
+        "heldout_perplexity": ppl,
+        "uniform_byte_perplexity": 256.0,
+        "train_seconds": round(train_seconds),
+        "torch": torch.__version__,
     }
     (args.out / "training.json").write_text(json.dumps(record, indent=2) + "\n")
     print(json.dumps(record, indent=2))

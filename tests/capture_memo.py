@@ -9,6 +9,7 @@ the graph computes with that model's weights exactly as a fresh capture would. M
 Hugging Face models (their forward may depend on constructor options no key sees) and streamed
 skeletons always export afresh. ``QC_TEST_CAPTURE_MEMO=0`` turns it off.
 """
+
 from __future__ import annotations
 
 import copy
@@ -18,9 +19,9 @@ import os
 import torch
 from torch.utils._pytree import tree_flatten
 
-from qcompiler import lazy_weights
+from qcompiler.frontend import lazy_weights
 
-capture_module = importlib.import_module("qcompiler.capture")  # the package re-exports a function of that name
+capture_module = importlib.import_module("qcompiler.frontend.capture")  # the package re-exports a function of that name
 
 _programs: dict = {}
 
@@ -37,9 +38,15 @@ def _key(model: torch.nn.Module, args: tuple, kwargs: dict, shapes):
         return None
     tensors = [(name, tuple(t.shape), t.dtype) for name, t in model.state_dict(keep_vars=True).items()]
     tensors += [(name, tuple(t.shape), t.dtype) for name, t in model.named_buffers(remove_duplicate=False)]
-    return (type(model), "forward" in vars(model), config.to_json_string(use_diff=False),
-            getattr(config, "_attn_implementation", None), tuple(tensors),
-            tuple(_spec(v) for v in tree_flatten((args, kwargs))[0]), repr(shapes))
+    return (
+        type(model),
+        "forward" in vars(model),
+        config.to_json_string(use_diff=False),
+        getattr(config, "_attn_implementation", None),
+        tuple(tensors),
+        tuple(_spec(v) for v in tree_flatten((args, kwargs))[0]),
+        repr(shapes),
+    )
 
 
 def _rebound(program: torch.export.ExportedProgram, model: torch.nn.Module) -> torch.export.ExportedProgram:

@@ -1,25 +1,58 @@
 """Small random-weight causal LMs of 13 transformers architectures, built from configs with their
 default settings (``use_cache=True``), for the KV-cache capture and generation tests."""
+
 from __future__ import annotations
 
 import torch
 import transformers as T
 
-_COMMON = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-               num_key_value_heads=2, max_position_embeddings=128, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+_COMMON = dict(
+    vocab_size=128,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=128,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
+)
 _IDS = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)
 
-ARCHITECTURES = ["llama", "mistral", "qwen2", "qwen3", "gemma2", "phi3", "gpt2", "opt", "gpt_neox", "falcon",
-                 "bloom", "mixtral", "qwen2_moe"]
+ARCHITECTURES = [
+    "llama",
+    "mistral",
+    "qwen2",
+    "qwen3",
+    "gemma2",
+    "phi3",
+    "gpt2",
+    "opt",
+    "gpt_neox",
+    "falcon",
+    "bloom",
+    "mixtral",
+    "qwen2_moe",
+]
 
 
 def config(name: str):
     if name == "gpt2":
-        return T.GPT2Config(vocab_size=128, n_embd=64, n_layer=2, n_head=4, n_positions=128, bos_token_id=1,
-                            eos_token_id=2)
+        return T.GPT2Config(
+            vocab_size=128, n_embd=64, n_layer=2, n_head=4, n_positions=128, bos_token_id=1, eos_token_id=2
+        )
     if name == "opt":
-        return T.OPTConfig(vocab_size=128, hidden_size=64, ffn_dim=128, num_hidden_layers=2, num_attention_heads=4,
-                           max_position_embeddings=128, word_embed_proj_dim=64, **_IDS)
+        return T.OPTConfig(
+            vocab_size=128,
+            hidden_size=64,
+            ffn_dim=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            max_position_embeddings=128,
+            word_embed_proj_dim=64,
+            **_IDS,
+        )
     if name == "gpt_neox":
         return T.GPTNeoXConfig(**{**_COMMON, "num_key_value_heads": None})
     if name == "falcon":
@@ -29,10 +62,21 @@ def config(name: str):
     if name == "mixtral":
         return T.MixtralConfig(**_COMMON, num_local_experts=4, num_experts_per_tok=2)
     if name == "qwen2_moe":
-        return T.Qwen2MoeConfig(**_COMMON, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
-                                shared_expert_intermediate_size=64)
-    cls = {"llama": T.LlamaConfig, "mistral": T.MistralConfig, "qwen2": T.Qwen2Config, "qwen3": T.Qwen3Config,
-           "gemma2": T.Gemma2Config, "phi3": T.Phi3Config}[name]
+        return T.Qwen2MoeConfig(
+            **_COMMON,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=64,
+            shared_expert_intermediate_size=64,
+        )
+    cls = {
+        "llama": T.LlamaConfig,
+        "mistral": T.MistralConfig,
+        "qwen2": T.Qwen2Config,
+        "qwen3": T.Qwen3Config,
+        "gemma2": T.Gemma2Config,
+        "phi3": T.Phi3Config,
+    }[name]
     return cls(**_COMMON, **({"head_dim": 16} if name in ("qwen3", "gemma2") else {}))
 
 

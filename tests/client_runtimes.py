@@ -1,6 +1,7 @@
 """What the tests that run our exports in other runtimes (GPTQModel, vLLM, onnxruntime-genai) share:
 the quantized bundled LM, running a client script in the runtime's own venv, greedy decoding in
 onnxruntime-genai, and judging a client's greedy tokens."""
+
 from __future__ import annotations
 
 import json
@@ -16,8 +17,13 @@ from qcompiler.models import load
 def quantized_tinylm():
     """The bundled LM and its gptq-w4g128 compile (8 x 128 calibration tokens)."""
     tinylm = load("tinylm")
-    cm = qc.compile(tinylm.model, tinylm.example_inputs(), recipe="gptq-w4g128",
-                    calibration=tinylm.calibration(8, 128), progress=False)
+    cm = qc.compile(
+        tinylm.model,
+        tinylm.example_inputs(),
+        recipe="gptq-w4g128",
+        calibration=tinylm.calibration(8, 128),
+        progress=False,
+    )
     return tinylm, cm
 
 
@@ -25,6 +31,7 @@ def genai_tokens(folder, prompt: list[int], new: int) -> list[int]:
     """Greedy tokens onnxruntime-genai generates from the exported ``folder`` after ``prompt``."""
     import numpy as np
     import onnxruntime_genai as og
+
     model = og.Model(str(folder))
     params = og.GeneratorParams(model)
     params.set_search_options(max_length=len(prompt) + new, do_sample=False)
@@ -42,8 +49,9 @@ def run_client(python: str, script: str, folder: Path, *args: str, timeout: int)
     runtime's ``python``; returns the JSON it printed after ``RESULT``."""
     path = folder.parent / "client.py"
     path.write_text(script)
-    done = subprocess.run([python, str(path), str(folder), *args], capture_output=True, text=True,
-                          timeout=timeout, cwd=folder.parent)
+    done = subprocess.run(
+        [python, str(path), str(folder), *args], capture_output=True, text=True, timeout=timeout, cwd=folder.parent
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.split("RESULT", 1)[1].splitlines()[0])
 
@@ -51,5 +59,5 @@ def run_client(python: str, script: str, folder: Path, *args: str, timeout: int)
 def greedy_gaps(cm, prompt: list[int], tokens: list[int]) -> torch.Tensor:
     """For each token the runtime chose after ``prompt``: our fp32 model's top logit minus that
     token's logit, with the runtime's own tokens fed back (0 where it is our argmax)."""
-    logits = cm(input_ids=torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1:-1]
+    logits = cm(input_ids=torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1 : -1]
     return logits.max(-1).values - logits.gather(1, torch.tensor(tokens)[:, None])[:, 0]

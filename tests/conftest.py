@@ -1,4 +1,5 @@
 """Shared fixtures (helpers live in tiny_models.py, importable via pytest's pythonpath)."""
+
 import os
 
 import pytest
@@ -25,6 +26,7 @@ capture_memo.install()
 @pytest.fixture(scope="session")
 def minilm():
     from qcompiler.models import load
+
     return load("minilm")
 
 
@@ -40,11 +42,20 @@ def kernel_device():
 SLOW_VARIANTS = (
     "test_triton_backend.py::test_triton_backend_matches_eager_on_bundled_models[tinylm-",
     "test_onnx_genai.py::test_cli_export_onnx_genai_from_an_artifact",
-    *(f"test_onnx_backend.py::test_onnxruntime_matches_eager[{v}]" for v in (
-        "llama-rtn-8bit-channel", "llama-w8a8", "llama-gptq-act", "llama-w8a8-static", "llama-rtn-2bit",
-        "llama-gptq-w4g128",  # 4-bit MatMulNBits exactness: test_partial_groups, test_causal_lm (ORT tokens)
-        "llama-gptq-w3g128",  # 3-bit MatMulNBits: llama-spqr-w3g16 (default run) exports 3-bit codes too
-        "bert-spqr-w3g16", "bert-gptq-w3g128")),
+    *(
+        f"test_onnx_backend.py::test_onnxruntime_matches_eager[{v}]"
+        for v in (
+            "llama-rtn-8bit-channel",
+            "llama-w8a8",
+            "llama-gptq-act",
+            "llama-w8a8-static",
+            "llama-rtn-2bit",
+            "llama-gptq-w4g128",  # 4-bit MatMulNBits exactness: test_partial_groups, test_causal_lm (ORT tokens)
+            "llama-gptq-w3g128",  # 3-bit MatMulNBits: llama-spqr-w3g16 (default run) exports 3-bit codes too
+            "bert-spqr-w3g16",
+            "bert-gptq-w3g128",
+        )
+    ),
     "test_onnx_backend.py::test_large_models_go_to_external_data",
     # metadata, checker and atomic write: test_partial_groups' export asserts them (at level 0)
     "test_onnx_backend.py::test_export_records_metadata_and_passes_checker",
@@ -70,8 +81,15 @@ SLOW_VARIANTS = (
 # The longest files first (measured), whole files so module fixtures are built once per worker:
 # xdist's work stealing then balances the short tests at the end instead of one worker waiting
 # on a 30 s test the other started last.
-LONGEST_FILES = ("test_cli.py", "test_onnx_backend.py", "test_causal_lm.py", "test_moe_experts.py",
-                 "test_streaming.py", "test_artifacts_and_interop.py", "test_bundled_models.py")
+LONGEST_FILES = (
+    "test_cli.py",
+    "test_onnx_backend.py",
+    "test_causal_lm.py",
+    "test_moe_experts.py",
+    "test_streaming.py",
+    "test_artifacts_and_interop.py",
+    "test_bundled_models.py",
+)
 
 
 def _file_rank(item) -> int:

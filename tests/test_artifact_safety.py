@@ -4,6 +4,7 @@ Each attack rewrites the file *and* its checksum in the manifest (an attacker ca
 what stops it is the loader's validation, not the checksum. Every payload tries to create a
 marker file; the tests assert it never appears, at load or at the first call.
 """
+
 import hashlib
 import json
 import shutil
@@ -12,10 +13,10 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from tiny_models import example_inputs, main_output, make_model
 
 import qcompiler as qc
-from qcompiler.graph_format import ArtifactError, _OPERATORS
-from tiny_models import example_inputs, main_output, make_model
+from qcompiler.store.graph_format import _OPERATORS, ArtifactError
 
 
 @pytest.fixture(scope="module")
@@ -35,8 +36,11 @@ def _copy(saved, tmp_path):
 
 def _resign(path):
     manifest = json.loads((path / "manifest.json").read_text())
-    manifest["sha256"] = {name: hashlib.sha256((path / name).read_bytes()).hexdigest()
-                          for name in manifest["files"].values() if (path / name).is_file()}
+    manifest["sha256"] = {
+        name: hashlib.sha256((path / name).read_bytes()).hexdigest()
+        for name in manifest["files"].values()
+        if (path / name).is_file()
+    }
     (path / "manifest.json").write_text(json.dumps(manifest))
 
 
@@ -72,14 +76,18 @@ ROUTES = {
     "operator.attrgetter": lambda g, p: _first(g, "call_function").update(target="operator.attrgetter"),
     "operator.methodcaller": lambda g, p: _first(g, "call_function").update(target="operator.methodcaller"),
     # a tensor name becomes getattr(self, "<part>") in source when a part is not an identifier
-    "get_attr target": lambda g, p: (_first(g, "get_attr").update(target=f'w"); {p}; ("'),
-                                     g["tensor_kinds"].update({f'w"); {p}; ("': "parameter"})),
+    "get_attr target": lambda g, p: (
+        _first(g, "get_attr").update(target=f'w"); {p}; ("'),
+        g["tensor_kinds"].update({f'w"); {p}; ("': "parameter"}),
+    ),
     "node name": lambda g, p: _first(g, "call_function").update(name=f"x = {p}; y"),
     # keys of the input spec's dict are quoted into the generated source
     "in_spec key": lambda g, p: g["pytree"].update(
-        in_spec=g["pytree"]["in_spec"].replace('\\"use_cache\\"', json.dumps(json.dumps(f"u'+{p}+'"))[2:-2])),
+        in_spec=g["pytree"]["in_spec"].replace('\\"use_cache\\"', json.dumps(json.dumps(f"u'+{p}+'"))[2:-2])
+    ),
     "output type import": lambda g, p: g["pytree"].update(
-        out_spec=g["pytree"]["out_spec"].replace("transformers.modeling_outputs", "os.path")),
+        out_spec=g["pytree"]["out_spec"].replace("transformers.modeling_outputs", "os.path")
+    ),
     "foreign call target": lambda g, p: _first(g, "call_function").update(target="os.system"),
     "file-system aten op": lambda g, p: _first(g, "call_function").update(target="torch.ops.aten.from_file.default"),
 }
@@ -88,7 +96,7 @@ ROUTES = {
 def test_the_untampered_copy_loads_and_runs(saved, tmp_path):
     """The control for every attack below: only the tampering makes loading fail."""
     path = _copy(saved, tmp_path)
-    _tamper_graph(path, lambda g: None)                       # rewritten and re-signed, unchanged
+    _tamper_graph(path, lambda g: None)  # rewritten and re-signed, unchanged
     _load_and_call(path)
 
 
@@ -127,7 +135,7 @@ def test_manifest_file_names_stay_inside_the_artifact(saved, tmp_path):
 def test_a_corrupted_tensor_is_detected_by_its_checksum(saved, tmp_path):
     path = _copy(saved, tmp_path)
     data = bytearray((path / "tensors.safetensors").read_bytes())
-    data[-3] ^= 0x40                      # still a valid safetensors file, one weight changed
+    data[-3] ^= 0x40  # still a valid safetensors file, one weight changed
     (path / "tensors.safetensors").write_bytes(bytes(data))
     with pytest.raises(ArtifactError, match="tensors.safetensors does not match its SHA-256"):
         qc.load(path)
@@ -160,8 +168,12 @@ def _replace(doc, path, is_key, text):
 ALLOWED_TARGETS = set(_OPERATORS.values())
 
 
-@settings(max_examples=60, deadline=None, derandomize=True,
-          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@settings(
+    max_examples=60,
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
 @given(data=st.data())
 def test_fuzzed_graph_files_fail_cleanly_or_load_only_allowed_targets(data, saved, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("fuzz")
@@ -170,10 +182,26 @@ def test_fuzzed_graph_files_fail_cleanly_or_load_only_allowed_targets(data, save
     slots = list(_string_slots(graph))
     for _ in range(data.draw(st.integers(1, 3))):
         slot, is_key = data.draw(st.sampled_from(slots))
-        text = data.draw(st.sampled_from([
-            _payload(marker), f"x={_payload(marker)}", f'a"); {_payload(marker)}; ("', f"'+{_payload(marker)}+'",
-            "operator.attrgetter", "operator.call", "builtins.exec", "torch.ops.aten.from_file.default",
-            "", "0", "__class__", "a.b..c", "../x"]) | st.text(max_size=12))
+        text = data.draw(
+            st.sampled_from(
+                [
+                    _payload(marker),
+                    f"x={_payload(marker)}",
+                    f'a"); {_payload(marker)}; ("',
+                    f"'+{_payload(marker)}+'",
+                    "operator.attrgetter",
+                    "operator.call",
+                    "builtins.exec",
+                    "torch.ops.aten.from_file.default",
+                    "",
+                    "0",
+                    "__class__",
+                    "a.b..c",
+                    "../x",
+                ]
+            )
+            | st.text(max_size=12)
+        )
         try:
             _replace(graph, slot, is_key, text)
         except (KeyError, TypeError):

@@ -1,18 +1,21 @@
 """Saving/loading artifacts, recipe files, and the GPTQ / compressed-tensors checkpoint formats."""
+
 import json
 
 import pytest
 import torch
+from tiny_models import example_inputs, main_output, make_model
 
 import qcompiler as qc
-from qcompiler.errors import RecipeError
-from qcompiler.graph import get_tensor, module_path
-from qcompiler.interop import ExportError, export_compressed_tensors, export_gptq, import_gptq
-from qcompiler.interop.gptq_format import zeros_from_v1, zeros_to_v1
-from qcompiler.ops import dequantize_gptq
+from qcompiler import import_gptq
 from qcompiler.algorithms.packing import pack_cols, unpack_rows
-from qcompiler.recipe_files import load_recipe_file, recipe_from_dict, recipe_to_dict
-from tiny_models import example_inputs, main_output, make_model
+from qcompiler.errors import RecipeError
+from qcompiler.interop import ExportError, export_compressed_tensors, export_gptq
+from qcompiler.interop.gptq_format import zeros_from_v1, zeros_to_v1
+from qcompiler.ir.graph import module_path
+from qcompiler.ir.ops import dequantize_gptq
+from qcompiler.ir.tensors import get_tensor
+from qcompiler.pipeline.recipe_files import load_recipe_file, recipe_from_dict, recipe_to_dict
 
 
 def _compile(recipe, arch="llama"):
@@ -39,8 +42,9 @@ def test_save_then_load_gives_identical_outputs_without_calibration(recipe, tmp_
 def test_a_sharded_artifact_reloads_identical_and_each_shard_is_checked(tmp_path):
     """Past ``max_shard_bytes`` the tensors go to several files (manifest version 3): the reload,
     the report page and the checksums see all of them; an unsharded save stays version 2."""
-    from qcompiler.artifact import read_manifest
-    from qcompiler.report_page import write_report
+    from qcompiler.evaluation.report_page import write_report
+    from qcompiler.store.artifact import read_manifest
+
     cm = _compile("spqr-w3g16")
     cm.save(tmp_path / "one")
     assert read_manifest(tmp_path / "one")["version"] == 2
@@ -49,6 +53,7 @@ def test_a_sharded_artifact_reloads_identical_and_each_shard_is_checked(tmp_path
     shards = manifest["files"]["tensors"]
     assert manifest["version"] == 3 and len(shards) > 2
     from safetensors.torch import load_file
+
     whole, parts = load_file(tmp_path / "one" / "tensors.safetensors"), [load_file(tmp_path / "a" / n) for n in shards]
     for part in parts:  # at most the bound, unless one tensor alone is bigger
         assert len(part) == 1 or sum(t.numel() * t.element_size() for t in part.values()) <= 16 * 1024
@@ -61,7 +66,8 @@ def test_a_sharded_artifact_reloads_identical_and_each_shard_is_checked(tmp_path
     data = bytearray(last.read_bytes())
     data[-1] ^= 0xFF
     last.write_bytes(bytes(data))
-    from qcompiler.graph_format import ArtifactError
+    from qcompiler.store.graph_format import ArtifactError
+
     with pytest.raises(ArtifactError, match=f"{shards[-1]} does not match its SHA-256"):
         qc.load(tmp_path / "a")
 
@@ -69,7 +75,8 @@ def test_a_sharded_artifact_reloads_identical_and_each_shard_is_checked(tmp_path
 def test_interrupted_save_leaves_the_previous_artifact(tmp_path, monkeypatch):
     first, second = _compile("rtn-w4g128"), _compile("rtn-w3g128")
     first.save(tmp_path / "a")
-    import qcompiler.artifact as artifact
+    import qcompiler.store.artifact as artifact
+
     real = artifact.save_file
     calls = []
 
@@ -82,12 +89,13 @@ def test_interrupted_save_leaves_the_previous_artifact(tmp_path, monkeypatch):
     monkeypatch.setattr(artifact, "save_file", failing)
     with pytest.raises(KeyboardInterrupt):
         second.save(tmp_path / "a")
-    assert [p.name for p in tmp_path.iterdir()] == ["a"]          # no temporary folder left behind
+    assert [p.name for p in tmp_path.iterdir()] == ["a"]  # no temporary folder left behind
     import os
     import stat
+
     mask = os.umask(0)
     os.umask(mask)
-    for entry in [tmp_path / "a", *(tmp_path / "a").iterdir()]:   # not the private modes of mkdtemp/mkstemp
+    for entry in [tmp_path / "a", *(tmp_path / "a").iterdir()]:  # not the private modes of mkdtemp/mkstemp
         expected = (0o777 if entry.is_dir() else 0o666) & ~mask
         assert stat.S_IMODE(entry.stat().st_mode) == expected, entry
     reloaded = qc.load(tmp_path / "a")
@@ -95,7 +103,9 @@ def test_interrupted_save_leaves_the_previous_artifact(tmp_path, monkeypatch):
 
 
 def test_recipe_files_parse_to_the_typed_passes(tmp_path):
-    (tmp_path / "r.yaml").write_text("name: mine\npasses:\n  - pass: SmoothQuant\n    alpha: 0.8\n  - pass: LowerInt8\n")
+    (tmp_path / "r.yaml").write_text(
+        "name: mine\npasses:\n  - pass: SmoothQuant\n    alpha: 0.8\n  - pass: LowerInt8\n"
+    )
     r = load_recipe_file(tmp_path / "r.yaml")
     assert r.passes == (qc.passes.SmoothQuant(alpha=0.8), qc.passes.LowerInt8())
     (tmp_path / "r.toml").write_text('[[passes]]\npass = "GPTQ"\nbits = 3\ngroup_size = -1\nact_order = true\n')
@@ -107,20 +117,33 @@ def test_recipe_files_parse_to_the_typed_passes(tmp_path):
         recipe_from_dict({"passes": [{"pass": "SpQR", "outlier_treshold": 0.5}]})
     with pytest.raises(RecipeError, match="bits='4' must be int"):
         recipe_from_dict({"passes": [{"pass": "RTN", "bits": "4"}]})
-    assert qc.compile(make_model("llama"), example_inputs("llama"), recipe=str(tmp_path / "r.yaml"),
-                      calibration=[example_inputs("llama")], progress=False).recipe.name == "mine"
+    assert (
+        qc.compile(
+            make_model("llama"),
+            example_inputs("llama"),
+            recipe=str(tmp_path / "r.yaml"),
+            calibration=[example_inputs("llama")],
+            progress=False,
+        ).recipe.name
+        == "mine"
+    )
 
 
 @pytest.mark.parametrize("bits", [2, 3, 4, 8])
 def test_v1_zero_points_round_trip(bits):
-    z = torch.randint(1, 2 ** bits, (3, 64))
+    z = torch.randint(1, 2**bits, (3, 64))
     packed = pack_cols(z, bits)
     assert torch.equal(zeros_from_v1(zeros_to_v1(packed, bits, 64), bits, 64), packed)
 
 
-@pytest.mark.parametrize("recipe,zero_format,desc_act", [
-    ([qc.passes.GPTQ(bits=4, group_size=32, act_order=True)], "auto", True),
-    ("rtn-w3g128", "v2", False), ("gptq-w2g128", "auto", False)])
+@pytest.mark.parametrize(
+    "recipe,zero_format,desc_act",
+    [
+        ([qc.passes.GPTQ(bits=4, group_size=32, act_order=True)], "auto", True),
+        ("rtn-w3g128", "v2", False),
+        ("gptq-w2g128", "auto", False),
+    ],
+)
 def test_gptq_checkpoint_round_trip_is_bit_identical(recipe, zero_format, desc_act, tmp_path):
     cm = _compile(recipe)
     export_gptq(cm, tmp_path / "ckpt", zero_format=zero_format, progress=lambda _: None)
@@ -130,8 +153,11 @@ def test_gptq_checkpoint_round_trip_is_bit_identical(recipe, zero_format, desc_a
     back = import_gptq(tmp_path / "ckpt")
 
     def packed(c):
-        return {module_path(n.args[1]): [get_tensor(c.graph_module, a.target) for a in n.args[1:5]]
-                for n in c.graph_module.graph.nodes if n.target == torch.ops.qc.quant_linear.default}
+        return {
+            module_path(n.args[1]): [get_tensor(c.graph_module, a.target) for a in n.args[1:5]]
+            for n in c.graph_module.graph.nodes
+            if n.target == torch.ops.qc.quant_linear.default
+        }
 
     ours, theirs = packed(cm), packed(back)
     assert ours.keys() == theirs.keys()
@@ -143,14 +169,16 @@ def test_checkpoint_exports_hold_only_the_models_own_tensor_names(tmp_path):
     """Loaders map every tensor name to a parameter (vLLM refuses an unknown one): no export-lifted
     constants, no non-persistent buffers (rotary inv_freq), nothing beside the packed layers."""
     from safetensors import safe_open
+
     model = make_model("llama")
     cm = qc.compile(model, {"input_ids": example_inputs("llama")["input_ids"]}, recipe="rtn-w4g128", progress=False)
     assert cm.cache_layout is not None and any("lifted_tensor" in n for n in cm.capture_info.transient)
     state = set(model.state_dict())
     quantized = {row["layer"] for row in cm.report.layer_table()}
-    for export, suffixes in ((export_gptq, ("qweight", "qzeros", "scales", "g_idx")),
-                             (export_compressed_tensors, ("weight_packed", "weight_scale", "weight_zero_point",
-                                                          "weight_shape"))):
+    for export, suffixes in (
+        (export_gptq, ("qweight", "qzeros", "scales", "g_idx")),
+        (export_compressed_tensors, ("weight_packed", "weight_scale", "weight_zero_point", "weight_shape")),
+    ):
         folder = export(cm, tmp_path / export.__name__, progress=lambda _m: None)
         with safe_open(str(folder / "model.safetensors"), "pt") as f:
             names = set(f.keys())
@@ -168,12 +196,13 @@ def test_sharded_checkpoint_has_an_index_and_imports_bit_identical(tmp_path):
     assert len(shards) > 2 and shards == sorted(set(index["weight_map"].values()))
     assert not (folder / "model.safetensors").exists()
     from safetensors import safe_open
+
     total = 0
     for shard in shards:
         with safe_open(str(folder / shard), "pt") as f:
             sizes = [f.get_tensor(k).numel() * f.get_tensor(k).element_size() for k in f.keys()]
             assert all(index["weight_map"][k] == shard for k in f.keys())
-        assert sum(sizes) <= limit or len(sizes) == 1          # a bigger tensor gets a shard of its own
+        assert sum(sizes) <= limit or len(sizes) == 1  # a bigger tensor gets a shard of its own
         total += sum(sizes)
     assert index["metadata"]["total_size"] == total
     assert _same_outputs(cm, import_gptq(folder))
@@ -190,8 +219,10 @@ def test_gptq_v1_refuses_zero_points_it_cannot_hold(tmp_path):
         export_gptq(cm, tmp_path / "v1", zero_format="v1", progress=lambda _: None)
     assert not (tmp_path / "v1").exists()
     export_gptq(cm, tmp_path / "auto", progress=lambda _: None)
-    assert json.loads((tmp_path / "auto" / "config.json").read_text())[
-        "quantization_config"]["checkpoint_format"] == "gptq_v2"
+    assert (
+        json.loads((tmp_path / "auto" / "config.json").read_text())["quantization_config"]["checkpoint_format"]
+        == "gptq_v2"
+    )
     assert _same_outputs(cm, import_gptq(tmp_path / "auto"))
 
 
@@ -200,6 +231,7 @@ def _library_decompress(folder):
     from compressed_tensors.compressors.base import BaseCompressor
     from compressed_tensors.quantization import QuantizationConfig
     from safetensors.torch import load_file
+
     config = json.loads((folder / "config.json").read_text())["quantization_config"]
     parsed = QuantizationConfig.model_validate(config)
     state = load_file(str(folder / "model.safetensors"))
@@ -207,13 +239,14 @@ def _library_decompress(folder):
     for name, scheme in parsed.config_groups.items():
         compressor = BaseCompressor.load_from_registry(config["config_groups"][name]["format"])
         for path in scheme.targets:
-            local = {k[len(path) + 1:]: v for k, v in state.items() if k.startswith(path + ".")}
+            local = {k[len(path) + 1 :]: v for k, v in state.items() if k.startswith(path + ".")}
             out[path] = (compressor.decompress(local, scheme)["weight"], local)
     return out
 
 
 def test_compressed_tensors_export_matches_the_library_decompression(tmp_path):
     from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
+
     cm = _compile("gptq-w4g128")
     export_compressed_tensors(cm, tmp_path / "ct", progress=lambda _: None)
     theirs = _library_decompress(tmp_path / "ct")
@@ -224,9 +257,9 @@ def test_compressed_tensors_export_matches_the_library_decompression(tmp_path):
         qweight, qzeros, scales, g_idx = (get_tensor(gm, a.target) for a in node.args[1:5])
         weight, stored = theirs[module_path(node.args[1])]
         codes = unpack_from_int32(stored["weight_packed"], 4, stored["weight_shape"]).int() + 8
-        assert torch.equal(codes, unpack_rows(qweight, 4, g_idx.numel()).t())          # integer codes: exact
+        assert torch.equal(codes, unpack_rows(qweight, 4, g_idx.numel()).t())  # integer codes: exact
         ours = dequantize_gptq(qweight, qzeros, scales, g_idx, 4)
-        torch.testing.assert_close(weight.float(), ours, rtol=2 ** -10, atol=1e-7)    # fp16 rounding of the product
+        torch.testing.assert_close(weight.float(), ours, rtol=2**-10, atol=1e-7)  # fp16 rounding of the product
 
 
 def test_compressed_tensors_w8a8_and_refusals(tmp_path):
@@ -247,19 +280,24 @@ def test_compressed_tensors_w8a8_and_refusals(tmp_path):
 def test_recipe_reference_page_is_current():
     import importlib.util
     from pathlib import Path
+
     root = Path(__file__).parents[1]
     spec = importlib.util.spec_from_file_location("recipe_reference", root / "scripts" / "recipe_reference.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    assert (root / "docs" / "recipes.md").read_text() == module.page(), \
+    assert (root / "docs" / "recipes.md").read_text() == module.page(), (
         "regenerate: python scripts/recipe_reference.py > docs/recipes.md"
+    )
 
 
 def test_example_recipe_files_parse():
     from pathlib import Path
+
     folder = Path(__file__).parents[1] / "examples" / "recipes"
     assert load_recipe_file(folder / "gptq-w4-act.yaml").passes == qc.get_recipe("gptq-w4g128-static").passes
-    assert load_recipe_file(folder / "w8a8-smoothquant-auto.toml").passes == qc.get_recipe("w8a8-smoothquant-auto").passes
+    assert (
+        load_recipe_file(folder / "w8a8-smoothquant-auto.toml").passes == qc.get_recipe("w8a8-smoothquant-auto").passes
+    )
 
 
 def test_exports_from_a_reloaded_artifact_keep_the_true_ignore_list(tmp_path):

@@ -5,6 +5,7 @@ CLI rows: (id, argv template, exit code, words the message must contain). ``{x}`
 name prepared inputs (see ``_prepare``). API rows: (id, callable, exception type, words).
 docs/reliability.md lists the same cases with their outcomes.
 """
+
 import hashlib
 import json
 import shutil
@@ -13,16 +14,18 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-
-import qcompiler as qc
-from qcompiler.atomic import OutputPathError
-from qcompiler.cli import main
-from qcompiler.errors import BackendError, CalibrationError, CaptureError, RecipeError
-from qcompiler.graph_format import ArtifactError
 from tiny_models import example_inputs, make_model
 
-BOMB = ('a: &a ["x","x","x","x","x","x","x","x","x"]\nb: &b [*a,*a,*a,*a,*a,*a,*a,*a,*a]\n'
-        'c: &c [*b,*b,*b,*b,*b,*b,*b,*b,*b]\npasses: [*c]\n')
+import qcompiler as qc
+from qcompiler.cli import main
+from qcompiler.errors import BackendError, CalibrationError, CaptureError, RecipeError
+from qcompiler.store.atomic import OutputPathError
+from qcompiler.store.graph_format import ArtifactError
+
+BOMB = (
+    'a: &a ["x","x","x","x","x","x","x","x","x"]\nb: &b [*a,*a,*a,*a,*a,*a,*a,*a,*a]\n'
+    "c: &c [*b,*b,*b,*b,*b,*b,*b,*b,*b]\npasses: [*c]\n"
+)
 
 
 @pytest.fixture(scope="module")
@@ -82,10 +85,14 @@ def inputs(tmp_path_factory):
     int8 = qc.compile(make_model("llama"), example_inputs("llama"), recipe="w8a8", progress=False)
     int8.save(root / "int8")
     files["int8"] = root / "int8"
-    for name, damage in (("badjson", lambda p: (p / "manifest.json").write_text("{")),
-                         ("corrupt", _flip_tensor_byte), ("traversal", _traverse),
-                         ("version", lambda p: _edit_manifest(p, version=99)),
-                         ("payload", _inject), ("truncated", _truncate)):
+    for name, damage in (
+        ("badjson", lambda p: (p / "manifest.json").write_text("{")),
+        ("corrupt", _flip_tensor_byte),
+        ("traversal", _traverse),
+        ("version", lambda p: _edit_manifest(p, version=99)),
+        ("payload", _inject),
+        ("truncated", _truncate),
+    ):
         shutil.copytree(root / "art", root / name)
         damage(root / name)
         files[name] = root / name
@@ -132,34 +139,103 @@ CLI_ROWS = [
     ("quantize without model", ["quantize"], 2, "Missing argument"),
     ("quantize without --out", ["quantize", "bundled:tinylm"], 2, "Missing option '--out'"),
     ("unknown option", ["recipes", "--bogus"], 2, "No such option"),
-    ("bad --format choice", ["export", "{art}", "--format", "zip", "--out", "{root}/o"], 2, "Invalid value for '--format'"),
-    ("non-integer --samples", ["quantize", "bundled:tinylm", "--samples", "many", "--out", "{root}/o"], 2,
-     "Invalid value for '--samples'"),
+    (
+        "bad --format choice",
+        ["export", "{art}", "--format", "zip", "--out", "{root}/o"],
+        2,
+        "Invalid value for '--format'",
+    ),
+    (
+        "non-integer --samples",
+        ["quantize", "bundled:tinylm", "--samples", "many", "--out", "{root}/o"],
+        2,
+        "Invalid value for '--samples'",
+    ),
     ("bad --backend choice", ["eval", "{art}", "--backend", "tpu"], 2, "Invalid value for '--backend'"),
     # recipes
     ("unknown recipe name", ["quantize", "bundled:tinylm", "--recipe", "gptq-w5", "--out", "{root}/o"], 2, "gptq-w5"),
     ("unknown device", ["quantize", "bundled:tinylm", "--device", "tpu7", "--out", "{root}/o"], 2, "device='tpu7'"),
-    ("recipe: invalid YAML", ["quantize", "bundled:tinylm", "--recipe", "{bad_yaml}", "--out", "{root}/o"], 2, "not valid YAML"),
-    ("recipe: misspelt key", ["quantize", "bundled:tinylm", "--recipe", "{typo_yaml}", "--out", "{root}/o"], 2, "did you mean 'group_size'"),
-    ("recipe: wrong type", ["quantize", "bundled:tinylm", "--recipe", "{bits_yaml}", "--out", "{root}/o"], 2, "must be int"),
-    ("recipe: YAML alias bomb", ["quantize", "bundled:tinylm", "--recipe", "{bomb_yaml}", "--out", "{root}/o"], 2, "aliases"),
-    ("recipe: huge file", ["quantize", "bundled:tinylm", "--recipe", "{huge_yaml}", "--out", "{root}/o"], 2, "limited to"),
-    ("recipe: wrong extension", ["quantize", "bundled:tinylm", "--recipe", "{recipe_json}", "--out", "{root}/o"], 2, ".toml file"),
-    ("recipe: missing file", ["quantize", "bundled:tinylm", "--recipe", "{root}/no.yaml", "--out", "{root}/o"], 2, "does not exist"),
-    ("recipe: user pass not importable", ["quantize", "bundled:tinylm", "--recipe", "{nopass_yaml}", "--out", "{root}/o"], 2, "cannot import module 'not_installed_anywhere'"),
-    ("recipe: quantizes nothing", ["quantize", "bundled:tinylm", "--recipe", "{ignoreall_yaml}", "--samples", "2", "--out", "{root}/o"], 2, "RTN provides QUANTIZED_WEIGHTS"),
+    (
+        "recipe: invalid YAML",
+        ["quantize", "bundled:tinylm", "--recipe", "{bad_yaml}", "--out", "{root}/o"],
+        2,
+        "not valid YAML",
+    ),
+    (
+        "recipe: misspelt key",
+        ["quantize", "bundled:tinylm", "--recipe", "{typo_yaml}", "--out", "{root}/o"],
+        2,
+        "did you mean 'group_size'",
+    ),
+    (
+        "recipe: wrong type",
+        ["quantize", "bundled:tinylm", "--recipe", "{bits_yaml}", "--out", "{root}/o"],
+        2,
+        "must be int",
+    ),
+    (
+        "recipe: YAML alias bomb",
+        ["quantize", "bundled:tinylm", "--recipe", "{bomb_yaml}", "--out", "{root}/o"],
+        2,
+        "aliases",
+    ),
+    (
+        "recipe: huge file",
+        ["quantize", "bundled:tinylm", "--recipe", "{huge_yaml}", "--out", "{root}/o"],
+        2,
+        "limited to",
+    ),
+    (
+        "recipe: wrong extension",
+        ["quantize", "bundled:tinylm", "--recipe", "{recipe_json}", "--out", "{root}/o"],
+        2,
+        ".toml file",
+    ),
+    (
+        "recipe: missing file",
+        ["quantize", "bundled:tinylm", "--recipe", "{root}/no.yaml", "--out", "{root}/o"],
+        2,
+        "does not exist",
+    ),
+    (
+        "recipe: user pass not importable",
+        ["quantize", "bundled:tinylm", "--recipe", "{nopass_yaml}", "--out", "{root}/o"],
+        2,
+        "cannot import module 'not_installed_anywhere'",
+    ),
+    (
+        "recipe: quantizes nothing",
+        ["quantize", "bundled:tinylm", "--recipe", "{ignoreall_yaml}", "--samples", "2", "--out", "{root}/o"],
+        2,
+        "RTN provides QUANTIZED_WEIGHTS",
+    ),
     # model folders
     ("model: missing folder", ["quantize", "{root}/nothing", "--out", "{root}/o"], 2, "does not exist"),
     ("model: no config.json", ["quantize", "{nocfg}", "--out", "{root}/o"], 2, "no config.json"),
     ("model: pickle weights only", ["quantize", "{pickle}", "--out", "{root}/o"], 2, "pickle checkpoints"),
-    ("model: a tensor missing", [*Q[:1], "{missing}", *Q[2:], "--out", "{root}/o"], 2, "model.layers.1.mlp.down_proj.weight"),
+    (
+        "model: a tensor missing",
+        [*Q[:1], "{missing}", *Q[2:], "--out", "{root}/o"],
+        2,
+        "model.layers.1.mlp.down_proj.weight",
+    ),
     ("model: ships custom code", ["quantize", "{custom}", "--out", "{root}/o"], 2, "never runs code"),
     ("model: a file, not a folder", ["quantize", "{afile}", "--out", "{root}/o"], 2, "does not exist"),
     # calibration
-    ("calib: missing file", ["quantize", "bundled:tinylm", "--calib", "{root}/none.txt", "--out", "{root}/o"], 2, "does not exist"),
+    (
+        "calib: missing file",
+        ["quantize", "bundled:tinylm", "--calib", "{root}/none.txt", "--out", "{root}/o"],
+        2,
+        "does not exist",
+    ),
     ("calib: empty", ["quantize", "bundled:tinylm", "--calib", "{empty_txt}", "--out", "{root}/o"], 2, "is empty"),
     ("calib: binary", ["quantize", "bundled:tinylm", "--calib", "{binary_bin}", "--out", "{root}/o"], 2, "is not text"),
-    ("calib: not UTF-8", ["quantize", "bundled:tinylm", "--calib", "{latin1_txt}", "--out", "{root}/o"], 2, "not UTF-8"),
+    (
+        "calib: not UTF-8",
+        ["quantize", "bundled:tinylm", "--calib", "{latin1_txt}", "--out", "{root}/o"],
+        2,
+        "not UTF-8",
+    ),
     # output paths
     ("--out holds user files", ["quantize", "bundled:tinylm", "--out", "{victim}"], 2, "precious.txt"),
     ("--out is .", ["quantize", "bundled:tinylm", "--out", "."], 2, "refusing to write"),
@@ -171,22 +247,52 @@ CLI_ROWS = [
     ("--out is a file", ["quantize", "bundled:tinylm", "--out", "{afile}"], 2, "it is a file"),
     ("--out is a symlink", ["quantize", "bundled:tinylm", "--out", "{link}"], 2, "symbolic link"),
     ("export gptq over user files", ["export", "{art}", "--format", "gptq", "--out", "{victim}"], 2, "precious.txt"),
-    ("export c-t over user files", ["export", "{art}", "--format", "compressed-tensors", "--out", "{victim}"], 2, "precious.txt"),
-    ("export c-t into the artifact", ["export", "{art}", "--format", "compressed-tensors", "--out", "{art}"], 2, "holds the input"),
-    ("export onnx over a user file", ["export", "{art}", "--format", "onnx", "--out", "{thesis}"], 2, "not an ONNX export"),
+    (
+        "export c-t over user files",
+        ["export", "{art}", "--format", "compressed-tensors", "--out", "{victim}"],
+        2,
+        "precious.txt",
+    ),
+    (
+        "export c-t into the artifact",
+        ["export", "{art}", "--format", "compressed-tensors", "--out", "{art}"],
+        2,
+        "holds the input",
+    ),
+    (
+        "export onnx over a user file",
+        ["export", "{art}", "--format", "onnx", "--out", "{thesis}"],
+        2,
+        "not an ONNX export",
+    ),
     ("export onnx to a folder", ["export", "{art}", "--format", "onnx", "--out", "{victim}"], 2, "it is a folder"),
     ("report over user files", ["report", "{art}", "--out", "{victim}"], 2, "precious.txt"),
     # artifacts
     ("inspect: not an artifact", ["inspect", "{victim}"], 2, "not a qcompiler artifact"),
     ("inspect: missing folder", ["inspect", "{root}/nothing"], 2, "does not exist"),
-    ("artifact: manifest not JSON", ["export", "{badjson}", "--format", "gptq", "--out", "{root}/o"], 2, "not valid JSON"),
+    (
+        "artifact: manifest not JSON",
+        ["export", "{badjson}", "--format", "gptq", "--out", "{root}/o"],
+        2,
+        "not valid JSON",
+    ),
     ("artifact: corrupted tensor", ["export", "{corrupt}", "--format", "gptq", "--out", "{root}/o"], 2, "SHA-256"),
     ("artifact: truncated tensors", ["export", "{truncated}", "--format", "gptq", "--out", "{root}/o"], 2, "SHA-256"),
     ("artifact: path traversal", ["export", "{traversal}", "--format", "gptq", "--out", "{root}/o"], 2, "plain name"),
     ("artifact: future version", ["export", "{version}", "--format", "gptq", "--out", "{root}/o"], 2, "not supported"),
-    ("artifact: code injection", ["export", "{payload}", "--format", "gptq", "--out", "{root}/o"], 2, "refusing the pytree spec"),
+    (
+        "artifact: code injection",
+        ["export", "{payload}", "--format", "gptq", "--out", "{root}/o"],
+        2,
+        "refusing the pytree spec",
+    ),
     ("export: int8 as GPTQ", ["export", "{int8}", "--format", "gptq", "--out", "{root}/o"], 2, "weight-only"),
-    ("export: bad zero format", ["export", "{art}", "--format", "gptq", "--zero-format", "v3", "--out", "{root}/o"], 2, "zero_format"),
+    (
+        "export: bad zero format",
+        ["export", "{art}", "--format", "gptq", "--zero-format", "v3", "--out", "{root}/o"],
+        2,
+        "zero_format",
+    ),
     ("eval: artifact without source", ["eval", "{art}"], 2, "does not record its source"),
 ]
 
@@ -239,33 +345,64 @@ def _nan_model():
 
 
 API_ROWS = [
-    ("NaN weight with RTN", lambda cm: qc.compile(_nan_model(), example_inputs("llama"), recipe="rtn-w4g128",
-                                                  progress=False), qc.PassError,
-     "layer model.layers.1.mlp.up_proj: 1 of its 8192 weights are NaN or Inf"),
-    ("NaN weight with SpQR", lambda cm: qc.compile(_nan_model(), example_inputs("llama"), recipe="spqr-w3g16",
-                                                   calibration=[example_inputs("llama")], progress=False),
-     qc.PassError, "NaN or Inf"),
+    (
+        "NaN weight with RTN",
+        lambda cm: qc.compile(_nan_model(), example_inputs("llama"), recipe="rtn-w4g128", progress=False),
+        qc.PassError,
+        "layer model.layers.1.mlp.up_proj: 1 of its 8192 weights are NaN or Inf",
+    ),
+    (
+        "NaN weight with SpQR",
+        lambda cm: qc.compile(
+            _nan_model(),
+            example_inputs("llama"),
+            recipe="spqr-w3g16",
+            calibration=[example_inputs("llama")],
+            progress=False,
+        ),
+        qc.PassError,
+        "NaN or Inf",
+    ),
     ("token id -1", lambda cm: cm(input_ids=_ids(1, 4) - 1 - _ids(1, 4).max()), ValueError, "token id -"),
     ("token id >= vocab", lambda cm: cm(input_ids=_ids(1, 4) + 96), ValueError, "outside the model's vocabulary"),
     ("float token ids", lambda cm: cm(input_ids=_ids(1, 4, dtype=torch.float32)), ValueError, "integer token ids"),
     ("empty sequence", lambda cm: cm(input_ids=_ids(1, 0)), ValueError, "is empty"),
-    ("unknown recipe", lambda cm: qc.compile(make_model("llama"), example_inputs("llama"), recipe="gptq-w9"),
-     RecipeError, "gptq-w9"),
-    ("empty calibration", lambda cm: qc.compile(make_model("llama"), example_inputs("llama"), recipe="gptq-w4g128",
-                                                calibration=[], progress=False), CalibrationError, "empty"),
-    ("example of the wrong type", lambda cm: qc.compile(make_model("llama"), "text", recipe="none"),
-     CaptureError, "example_inputs must be"),
+    (
+        "unknown recipe",
+        lambda cm: qc.compile(make_model("llama"), example_inputs("llama"), recipe="gptq-w9"),
+        RecipeError,
+        "gptq-w9",
+    ),
+    (
+        "empty calibration",
+        lambda cm: qc.compile(
+            make_model("llama"), example_inputs("llama"), recipe="gptq-w4g128", calibration=[], progress=False
+        ),
+        CalibrationError,
+        "empty",
+    ),
+    (
+        "example of the wrong type",
+        lambda cm: qc.compile(make_model("llama"), "text", recipe="none"),
+        CaptureError,
+        "example_inputs must be",
+    ),
     ("load a missing artifact", lambda cm: qc.load("/nonexistent/artifact"), ArtifactError, "does not exist"),
     ("save over the cwd", lambda cm: cm.save(Path.cwd(), overwrite=True), OutputPathError, "current folder"),
     ("ONNX export to a folder", lambda cm: cm.export_onnx(Path.cwd()), OutputPathError, "is a folder"),
-    ("unknown backend", lambda cm: qc.compile(make_model("llama"), example_inputs("llama"), recipe="none",
-                                              backend="tpu"), BackendError, "tpu"),
+    (
+        "unknown backend",
+        lambda cm: qc.compile(make_model("llama"), example_inputs("llama"), recipe="none", backend="tpu"),
+        BackendError,
+        "tpu",
+    ),
 ]
 
 
 def test_weight_check_counts_non_finite_and_accepts_large_finite_weights():
     """The check reads the weights' float32 sum first: an overflowing sum of finite weights is not an error."""
-    from qcompiler.weight_only import _check_finite
+    from qcompiler.pipeline.weight_only import _check_finite
+
     huge = torch.full((4, 8), 3e38)
     assert not torch.isfinite(huge.sum())
     _check_finite("big", huge)

@@ -1,10 +1,11 @@
 """Quality claims on the real bundled models (small calibration sets to keep CI fast)."""
+
 import pytest
 
 import qcompiler as qc
 from qcompiler import models
 from qcompiler.data import stdlib_tokens
-from qcompiler.eval import perplexity
+from qcompiler.evaluation.eval import perplexity
 
 
 @pytest.fixture(scope="module")
@@ -40,6 +41,11 @@ def test_tinylm_is_far_better_than_uniform_and_documented(tinylm):
 def test_w8a8_costs_under_one_percent_perplexity_on_tinylm(tinylm):
     tokens = stdlib_tokens("heldout")
     fp32 = perplexity(tinylm.model, tokens, window=256, max_windows=48)
-    cm = qc.compile(tinylm.model, tinylm.example_inputs(), recipe="w8a8-smoothquant",
-                    calibration=tinylm.calibration(16, 128), progress=False)
+    cm = qc.compile(
+        tinylm.model,
+        tinylm.example_inputs(),
+        recipe="w8a8-smoothquant",
+        calibration=tinylm.calibration(16, 128),
+        progress=False,
+    )
     assert perplexity(cm, tokens, window=256, max_windows=48) / fp32 - 1 < 0.01

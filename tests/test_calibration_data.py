@@ -1,4 +1,5 @@
 """Calibration from every input kind equals calibration from the equivalent token tensor."""
+
 import json
 import warnings
 
@@ -6,12 +7,15 @@ import pytest
 import torch
 
 import qcompiler as qc
-from qcompiler.calibration_data import calibration_batches
+from qcompiler.calib.calibration_data import calibration_batches
 from qcompiler.cli import main
 from qcompiler.models import load
 
-DOCS = ["def add(a, b):\n    return a + b\n" * 12, "class Stack:\n    def push(self, x):\n        pass\n" * 10,
-        "import os\nprint(os.getcwd())\n" * 15]
+DOCS = [
+    "def add(a, b):\n    return a + b\n" * 12,
+    "class Stack:\n    def push(self, x):\n        pass\n" * 10,
+    "import os\nprint(os.getcwd())\n" * 15,
+]
 
 
 @pytest.fixture(scope="module")
@@ -23,7 +27,7 @@ def _expected(nsamples, seqlen, seed):
     """The GPTQ paper's recipe written out directly on the token tensor."""
     stream = torch.cat([torch.tensor(list(d.encode())) for d in DOCS])
     starts = torch.randint(0, stream.numel() - seqlen + 1, (nsamples,), generator=torch.Generator().manual_seed(seed))
-    return torch.stack([stream[s:s + seqlen] for s in starts.tolist()])
+    return torch.stack([stream[s : s + seqlen] for s in starts.tolist()])
 
 
 def _sources(tmp_path):
@@ -32,10 +36,16 @@ def _sources(tmp_path):
         (tmp_path / "docs" / f"{i}.txt").write_text(d)
     (tmp_path / "one.txt").write_text("".join(DOCS))
     (tmp_path / "d.jsonl").write_text("".join(json.dumps({"text": d, "id": i}) + "\n" for i, d in enumerate(DOCS)))
-    sources = {"list": DOCS, "folder": tmp_path / "docs", "text file": tmp_path / "one.txt", "jsonl": tmp_path / "d.jsonl"}
+    sources = {
+        "list": DOCS,
+        "folder": tmp_path / "docs",
+        "text file": tmp_path / "one.txt",
+        "jsonl": tmp_path / "d.jsonl",
+    }
     try:
         import pyarrow as pa
         import pyarrow.parquet as pq
+
         pq.write_table(pa.table({"text": DOCS}), tmp_path / "d.parquet")
         sources["parquet"] = tmp_path / "d.parquet"
     except ImportError:
@@ -54,16 +64,15 @@ def test_same_calibration_gives_the_same_quantized_model(tinylm):
     from_text = calibration_batches(tinylm, DOCS, nsamples=4, seqlen=64, seed=1)
     from_tensor = [{"input_ids": _expected(4, 64, seed=1)}]
     a = qc.compile(tinylm.model, tinylm.example_inputs(), recipe="gptq-w4g128", calibration=from_text, progress=False)
-    b = qc.compile(tinylm.model, tinylm.example_inputs(), recipe="gptq-w4g128", calibration=from_tensor,
-                   progress=False)
+    b = qc.compile(tinylm.model, tinylm.example_inputs(), recipe="gptq-w4g128", calibration=from_tensor, progress=False)
     ids = _expected(1, 32, seed=9)
-    assert torch.equal(a(input_ids=ids).logits, b(input_ids=ids).logits)   # identical Hessians, identical GPTQ
+    assert torch.equal(a(input_ids=ids).logits, b(input_ids=ids).logits)  # identical Hessians, identical GPTQ
 
 
 def test_too_little_text_is_an_error_or_a_warning_with_the_count(tinylm):
     tokens = sum(len(d.encode()) for d in DOCS)
     with pytest.raises(ValueError, match="has 300 tokens, fewer than one window of 512"):
-        calibration_batches(tinylm, ["abc" * 100], nsamples=2, seqlen=4096)   # capped at the context: 512
+        calibration_batches(tinylm, ["abc" * 100], nsamples=2, seqlen=4096)  # capped at the context: 512
     with pytest.warns(UserWarning, match=rf"has {tokens} tokens, fewer than nsamples x seqlen = 64 x 256"):
         calibration_batches(tinylm, DOCS, nsamples=64, seqlen=256)
 
@@ -72,7 +81,7 @@ def test_packing_none_gives_one_masked_sample_per_document(tinylm):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         (batch,) = calibration_batches(tinylm, DOCS + ["x" * 7], nsamples=4, seqlen=100, packing="none", seed=0)
-    assert sorted(batch["attention_mask"].sum(1).tolist()) == [7, 100, 100, 100]   # cut at seqlen, short one padded
+    assert sorted(batch["attention_mask"].sum(1).tolist()) == [7, 100, 100, 100]  # cut at seqlen, short one padded
     for row, mask in zip(batch["input_ids"], batch["attention_mask"]):
         text = bytes(row[mask.bool()].tolist()).decode()
         assert any(d.startswith(text) for d in DOCS + ["x" * 7]) and not row[~mask.bool()].any()
@@ -93,7 +102,26 @@ def test_bad_sources_name_the_problem(tinylm, tmp_path):
 
 def test_cli_calibrates_from_jsonl(tmp_path):
     (tmp_path / "d.jsonl").write_text("".join(json.dumps({"body": d}) + "\n" for d in DOCS))
-    assert main(["quantize", "bundled:tinylm", "--recipe", "gptq-w4g128", "--calib", str(tmp_path / "d.jsonl"),
-                 "--calib-field", "body", "--nsamples", "4", "--seqlen", "64", "--out", str(tmp_path / "a")]) == 0
+    assert (
+        main(
+            [
+                "quantize",
+                "bundled:tinylm",
+                "--recipe",
+                "gptq-w4g128",
+                "--calib",
+                str(tmp_path / "d.jsonl"),
+                "--calib-field",
+                "body",
+                "--nsamples",
+                "4",
+                "--seqlen",
+                "64",
+                "--out",
+                str(tmp_path / "a"),
+            ]
+        )
+        == 0
+    )
     metadata = json.loads((tmp_path / "a" / "manifest.json").read_text())["metadata"]
     assert metadata["seqlen"] == 64 and metadata["samples"] == 4

@@ -1,12 +1,13 @@
 """The block-sequential calibration engine: exact statistics, padding excluded, sequential inputs."""
+
 import pytest
 import torch
+from tiny_models import Stack, example_inputs, make_model
 
 import qcompiler as qc
-from qcompiler.calibration import CalibrationEngine, LayerStats
+from qcompiler.calib.calibration import CalibrationEngine, LayerStats
 from qcompiler.compiler import normalize_calibration
-from qcompiler.graph import set_tensor
-from tiny_models import Stack, example_inputs, make_model
+from qcompiler.ir.tensors import set_tensor
 
 
 def reference_hessian(rows: torch.Tensor) -> torch.Tensor:
@@ -75,8 +76,9 @@ def test_padding_rows_never_enter_statistics():
     seg = engine.segments[0]
     query = next(l for l in seg.linears if l.path.endswith("self.query"))
     stats = engine.collect(seg, [query])[query.path]
-    x = capture_inputs(model.encoder.layer[0].attention.self.query,
-                       lambda: model(input_ids=ids, attention_mask=mask))[0]
+    x = capture_inputs(model.encoder.layer[0].attention.self.query, lambda: model(input_ids=ids, attention_mask=mask))[
+        0
+    ]
     rows = x.reshape(-1, 64)[mask.reshape(-1).bool()]
     assert stats.rows == int(mask.sum())
     assert torch.allclose(stats.hessian, reference_hessian(rows), rtol=1e-4, atol=1e-5)
@@ -85,8 +87,9 @@ def test_padding_rows_never_enter_statistics():
 
 def test_later_blocks_see_outputs_of_already_quantized_blocks():
     model = make_model("llama")
-    batches = [{"input_ids": torch.randint(0, 96, (2, 12), generator=torch.Generator().manual_seed(s))}
-               for s in range(2)]
+    batches = [
+        {"input_ids": torch.randint(0, 96, (2, 12), generator=torch.Generator().manual_seed(s))} for s in range(2)
+    ]
     gm, engine = engine_for(model, example_inputs("llama"), batches)
     seg0, seg1 = engine.segments
     assert (seg0.name, seg1.name) == ("model.layers.0", "model.layers.1")
@@ -100,8 +103,13 @@ def test_later_blocks_see_outputs_of_already_quantized_blocks():
     stats = engine.collect(seg1, [q1])[q1.path]
     with torch.no_grad():
         model.model.layers[0].mlp.down_proj.weight.mul_(0.5)
-    rows = torch.cat([x.reshape(-1, 64) for b in batches for x in capture_inputs(
-        model.model.layers[1].self_attn.q_proj, lambda b=b: model(**b, use_cache=False))])
+    rows = torch.cat(
+        [
+            x.reshape(-1, 64)
+            for b in batches
+            for x in capture_inputs(model.model.layers[1].self_attn.q_proj, lambda b=b: model(**b, use_cache=False))
+        ]
+    )
     assert torch.allclose(stats.hessian, reference_hessian(rows), rtol=1e-4, atol=1e-5)
 
 

@@ -1,13 +1,14 @@
 """Causal LMs as users load them (use_cache=True): capture with the KV cache, generate, backends."""
+
 import warnings
 
 import onnx
 import pytest
 import torch
+from causal_lms import ARCHITECTURES, calibration, causal_lm, prompt
 
 import qcompiler as qc
-from qcompiler import causal_lm as cache_graph
-from causal_lms import ARCHITECTURES, calibration, causal_lm, prompt
+from qcompiler.frontend import causal_lm as cache_graph
 
 # The default suite runs four families (LLaMA-style GQA, GPT-2 Conv1D, Falcon, MoE); `pytest -m slow`
 # (run by .ci/run) runs all thirteen.
@@ -34,7 +35,7 @@ def test_default_config_captures_and_generates_like_transformers(arch):
     fp = qc.compile(model, {"input_ids": ids}, recipe="none", progress=False)
     assert fp.cache_layout is not None
     reference = model.generate(ids, max_new_tokens=16, do_sample=False)
-    assert torch.equal(fp.generate(ids, 16), reference)                  # token for token
+    assert torch.equal(fp.generate(ids, 16), reference)  # token for token
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -46,12 +47,12 @@ def test_default_config_captures_and_generates_like_transformers(arch):
     assert steps.lengths == [(6, 0)] + [(1, 6 + i) for i in range(7)]
     fp_logits = fp(input_ids=ids).logits
     rel = ((q(input_ids=ids).logits - fp_logits).norm() / fp_logits.norm()).item()
-    assert 0 < rel < 0.6, rel                                            # quantized (Falcon's linears too)
+    assert 0 < rel < 0.6, rel  # quantized (Falcon's linears too)
     quantized = [path for path in q.report.layer_table()]
     assert quantized, "no layer was quantized"
     if arch not in FAST:  # ORT export ~10 s each: the slow run covers every arch (MoE by default: test_moe_experts)
         ort = q.with_backend("onnxruntime", accuracy_level=0)
-        assert torch.equal(ort.generate(ids, 8), out)                    # same greedy tokens through ORT
+        assert torch.equal(ort.generate(ids, 8), out)  # same greedy tokens through ORT
 
 
 def test_moe_router_stays_in_full_precision_with_a_note():
@@ -124,11 +125,11 @@ def assert_same_steps(eager, onnx_run, layout):
             (want, want_present), (got, got_present) = eager(**inputs), onnx_run(**inputs)
         rows = mask[:, -new:].bool()
         assert (got[rows] - want[rows]).abs().max() <= 1e-5 * want.abs().max(), (step, new)
-        real = mask.bool()[:, None, :, None]                               # cache rows of real tokens
+        real = mask.bool()[:, None, :, None]  # cache rows of real tokens
         for a, b in zip(got_present, want_present):
             assert a.shape == b.shape
             assert ((a - b) * real).abs().max() <= 1e-5 * b.abs().max(), (step, new)
-        past = want_present                                                # both continue from the same cache
+        past = want_present  # both continue from the same cache
 
 
 def test_saved_artifact_keeps_the_cache_graph_and_generates(llama_w4, tmp_path):
@@ -143,10 +144,10 @@ def test_streaming_sampling_and_eos(llama_w4):
     streamed = []
     out = llama_w4.generate(ids, 9, streamer=streamed.append)
     assert torch.equal(torch.stack(streamed, 1), out[:, 6:])
-    assert torch.equal(llama_w4.generate(ids, 9, do_sample=True, top_k=1, seed=5), out)   # top-1 sampling = greedy
+    assert torch.equal(llama_w4.generate(ids, 9, do_sample=True, top_k=1, seed=5), out)  # top-1 sampling = greedy
     a = llama_w4.generate(ids, 9, do_sample=True, temperature=1.5, top_p=0.9, seed=11)
     assert torch.equal(a, llama_w4.generate(ids, 9, do_sample=True, temperature=1.5, top_p=0.9, seed=11))
-    eos = int(out[0, 8])                                                  # the third generated token
+    eos = int(out[0, 8])  # the third generated token
     stopped = llama_w4.generate(ids, 9, eos_token_id=eos)
     assert stopped.shape[1] == 9 and int(stopped[0, -1]) == eos
 
@@ -158,16 +159,21 @@ def test_explicit_use_cache_false_keeps_the_plain_graph(llama):
         cm.generate(prompt(), 4)
 
 
-@pytest.mark.parametrize("call,words", [
-    (lambda cm: cm.generate(prompt(1, 100), 40), "exceeds the model's context of 128"),
-    (lambda cm: cm.generate(prompt(), -1), "max_new_tokens must be an integer >= 0, got -1"),
-    (lambda cm: cm.generate(prompt(1, 0), 4), "the prompt is empty"),
-    (lambda cm: cm.generate(prompt(), 4, do_sample=True, temperature=0), "temperature must be > 0"),
-    (lambda cm: cm.generate(prompt(), 4, do_sample=True, top_p=1.5), "top_p must be in (0, 1]"),
-    (lambda cm: cm.generate(prompt(2, 4), 4, attention_mask=torch.zeros(2, 4, dtype=torch.long)),
-     "masks every token of sequence 0"),
-    (lambda cm: cm(input_ids=prompt(), attention_mask=torch.ones(1, 3)), "must be (1, 6)"),
-])
+@pytest.mark.parametrize(
+    "call,words",
+    [
+        (lambda cm: cm.generate(prompt(1, 100), 40), "exceeds the model's context of 128"),
+        (lambda cm: cm.generate(prompt(), -1), "max_new_tokens must be an integer >= 0, got -1"),
+        (lambda cm: cm.generate(prompt(1, 0), 4), "the prompt is empty"),
+        (lambda cm: cm.generate(prompt(), 4, do_sample=True, temperature=0), "temperature must be > 0"),
+        (lambda cm: cm.generate(prompt(), 4, do_sample=True, top_p=1.5), "top_p must be in (0, 1]"),
+        (
+            lambda cm: cm.generate(prompt(2, 4), 4, attention_mask=torch.zeros(2, 4, dtype=torch.long)),
+            "masks every token of sequence 0",
+        ),
+        (lambda cm: cm(input_ids=prompt(), attention_mask=torch.ones(1, 3)), "must be (1, 6)"),
+    ],
+)
 def test_bad_generation_inputs_are_one_line_errors(call, words, llama_w4):
     with pytest.raises(ValueError) as info:
         call(llama_w4)
@@ -176,6 +182,7 @@ def test_bad_generation_inputs_are_one_line_errors(call, words, llama_w4):
 
 def test_generate_on_an_encoder_is_refused():
     from tiny_models import example_inputs, make_model
+
     cm = qc.compile(make_model("bert"), example_inputs("bert"), recipe="none", progress=False)
     with pytest.raises(ValueError, match="generate needs a causal LM.*BertModel"):
         cm.generate(prompt(), 4)

@@ -1,15 +1,16 @@
 """The command line end to end on the bundled model, and its one-line errors."""
+
 import json
 
 import numpy as np
 import onnx
 import pytest
 import torch
+from client_runtimes import genai_tokens
 
 import qcompiler as qc
 from qcompiler.cli import main
 from qcompiler.models import load
-from client_runtimes import genai_tokens
 
 
 @pytest.fixture(scope="module")
@@ -25,7 +26,8 @@ def test_quantize_save_load_eval_export_run_agree(artifact, tmp_path, capsys):
     # eval through the CLI equals perplexity computed here from the reloaded artifact
     assert main(["eval", str(artifact), "--windows", "8", "--json", str(tmp_path / "eval.json")]) == 0
     figures = json.loads((tmp_path / "eval.json").read_text())
-    from qcompiler.quality import QualityJudge
+    from qcompiler.evaluation.quality import QualityJudge
+
     judge = QualityJudge(load("tinylm"), max_windows=8)
     assert figures["quantized"] == pytest.approx(judge.score(cm), rel=1e-6)
     # 4-bit GPTQ costs little perplexity; on 8 windows it may even gain a little (measured -0.0003),
@@ -35,38 +37,62 @@ def test_quantize_save_load_eval_export_run_agree(artifact, tmp_path, capsys):
     assert not torch.equal(cm(input_ids=ids).logits, load("tinylm").model(input_ids=ids, use_cache=False).logits)
     # the onnx-genai export of the artifact: its model.onnx computes the reloaded graph's logits in
     # ONNX Runtime, and onnxruntime-genai generates cm.generate's 32 greedy tokens from the folder
-    assert main(["export", str(artifact), "--format", "onnx-genai", "--accuracy-level", "0",
-                 "--out", str(tmp_path / "genai")]) == 0
+    assert (
+        main(
+            [
+                "export",
+                str(artifact),
+                "--format",
+                "onnx-genai",
+                "--accuracy-level",
+                "0",
+                "--out",
+                str(tmp_path / "genai"),
+            ]
+        )
+        == 0
+    )
     import onnxruntime as ort
 
     from qcompiler.backends.onnx_export import cache_io_names
-    from qcompiler.causal_lm import graph_inputs
+    from qcompiler.frontend.causal_lm import graph_inputs
+
     session = ort.InferenceSession(str(tmp_path / "genai" / "model.onnx"), providers=["CPUExecutionProvider"])
     ops = [n.op_type for n in onnx.load(str(tmp_path / "genai" / "model.onnx")).graph.node]
     assert ops.count("GroupQueryAttention") == 4 and ops.count("MatMulNBits") == 16  # q/k/v and gate/up fused
     # genai's shared-buffer contract: every node's lengths from the mask, no mask tensor of its own
-    attention = [n for n in onnx.load(str(tmp_path / "genai" / "model.onnx")).graph.node
-                 if n.op_type == "GroupQueryAttention"]
+    attention = [
+        n for n in onnx.load(str(tmp_path / "genai" / "model.onnx")).graph.node if n.op_type == "GroupQueryAttention"
+    ]
     assert {(n.input[5], n.input[6], n.input[10]) for n in attention} == {("qc_seqlens_k", "qc_total_length", "")}
     ids = torch.randint(0, 256, (1, 24), generator=torch.Generator().manual_seed(1))
-    inputs = graph_inputs(cm.cache_layout, ids)         # the KV-cache graph, empty past (prefill)
+    inputs = graph_inputs(cm.cache_layout, ids)  # the KV-cache graph, empty past (prefill)
     names = cache_io_names(cm.cache_layout)
-    feeds = {"input_ids": ids.numpy(), "attention_mask": inputs["attention_mask"].numpy(),
-             "position_ids": inputs["position_ids"].numpy(),
-             **{names[f"past_{i}"]: t.numpy() for i, t in enumerate(inputs["past"])}}
+    feeds = {
+        "input_ids": ids.numpy(),
+        "attention_mask": inputs["attention_mask"].numpy(),
+        "position_ids": inputs["position_ids"].numpy(),
+        **{names[f"past_{i}"]: t.numpy() for i, t in enumerate(inputs["past"])},
+    }
     logits = session.run(["logits"], feeds)[0]
     expected = cm(input_ids=ids).logits.numpy()
     assert np.abs(logits - expected).max() / np.abs(expected).max() < 1e-5  # level 0: fp32 activations
     prompt = load("tinylm").encode("class Parser:\n    def __init__(self")
-    expected = cm.generate(prompt, 32)[0, prompt.shape[1]:].tolist()
+    expected = cm.generate(prompt, 32)[0, prompt.shape[1] :].tolist()
     assert genai_tokens(tmp_path / "genai", prompt[0].tolist(), 32) == expected
     assert sorted(p.name for p in (tmp_path / "genai").iterdir()) == [
-        ".qcompiler-output.json", "genai_config.json", "generation_config.json", "model.onnx", "tokenizer.json",
-        "tokenizer_config.json"]
+        ".qcompiler-output.json",
+        "genai_config.json",
+        "generation_config.json",
+        "model.onnx",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    ]
     config = json.loads((tmp_path / "genai" / "genai_config.json").read_text())
     assert config["model"]["decoder"]["num_hidden_layers"] == 4 and config["search"]["past_present_share_buffer"]
     # the byte tokenizer travels as Hugging Face files: genai's own tokenizer gives our ids for text
     import onnxruntime_genai as og
+
     tokenizer, tinylm = og.Tokenizer(og.Model(str(tmp_path / "genai"))), load("tinylm")
     text = "class Parser:\n    def __init__(self, é):  # 日本"
     assert tokenizer.encode(text).tolist() == tinylm.tokenize(text).tolist()
@@ -98,8 +124,9 @@ def test_bad_inputs_are_one_line_errors(tmp_path, capsys):
     _one_line_error(capsys, ["quantize", "bundled:tinylm", "--recipe", str(bad_yaml), "--out", out], "not valid YAML")
     unknown = tmp_path / "unknown.yaml"
     unknown.write_text("passes:\n  - pass: GPTQ\n    group_sise: 64\n")
-    _one_line_error(capsys, ["quantize", "bundled:tinylm", "--recipe", str(unknown), "--out", out],
-                    "did you mean 'group_size'")
+    _one_line_error(
+        capsys, ["quantize", "bundled:tinylm", "--recipe", str(unknown), "--out", out], "did you mean 'group_size'"
+    )
     empty_model = tmp_path / "model"
     empty_model.mkdir()
     (empty_model / "config.json").write_text("{}")
@@ -119,14 +146,30 @@ def test_bad_inputs_are_one_line_errors(tmp_path, capsys):
 def test_calibration_from_a_text_file(tmp_path):
     text = tmp_path / "calib.txt"
     text.write_text(open(__file__).read() * 3)
-    assert main(["quantize", "bundled:tinylm", "--recipe", "gptq-w4g128", "--calib", str(text), "--samples", "4",
-                 "--out", str(tmp_path / "a")]) == 0
+    assert (
+        main(
+            [
+                "quantize",
+                "bundled:tinylm",
+                "--recipe",
+                "gptq-w4g128",
+                "--calib",
+                str(text),
+                "--samples",
+                "4",
+                "--out",
+                str(tmp_path / "a"),
+            ]
+        )
+        == 0
+    )
     manifest = json.loads((tmp_path / "a" / "manifest.json").read_text())
     assert manifest["metadata"]["calibration"] == str(text)
 
 
 def test_export_checkpoints_from_the_cli(artifact, tmp_path):
-    from qcompiler.interop import import_gptq
+    from qcompiler import import_gptq
+
     assert main(["export", str(artifact), "--format", "gptq", "--out", str(tmp_path / "gptq")]) == 0
     assert main(["export", str(artifact), "--format", "compressed-tensors", "--out", str(tmp_path / "ct")]) == 0
     config = json.loads((tmp_path / "ct" / "config.json").read_text())
@@ -158,18 +201,34 @@ def test_generate_streams_the_artifacts_greedy_continuation(artifact, capsys):
 
 @pytest.mark.parametrize("backend", ["eager", pytest.param("onnxruntime", marks=pytest.mark.slow)])
 def test_generate_takes_several_prompts_on_any_backend(artifact, backend, capsys):
-    assert main(["generate", str(artifact), "--prompt", "import os", "--prompt", "def f(", "--max-new-tokens",
-                 "4", "--backend", backend]) == 0
+    assert (
+        main(
+            [
+                "generate",
+                str(artifact),
+                "--prompt",
+                "import os",
+                "--prompt",
+                "def f(",
+                "--max-new-tokens",
+                "4",
+                "--backend",
+                backend,
+            ]
+        )
+        == 0
+    )
     printed = capsys.readouterr().out
     assert "'import os' -> " in printed and "'def f(' -> " in printed
 
 
 def test_quantize_caps_the_matmul_caches_unless_the_user_chose(artifact, monkeypatch):
     """The quantize command bounds the per-shape caches of CPU bf16 matmuls (MoE calibration fills
-    them with new row counts every batch: qcompiler/host_memory.py); a capacity the user set is kept."""
+    them with new row counts every batch: qcompiler/calib/host_memory.py); a capacity the user set is kept."""
     import os
 
-    from qcompiler.host_memory import KERNEL_CACHE_ENTRIES, bound_kernel_cache
+    from qcompiler.calib.host_memory import KERNEL_CACHE_ENTRIES, bound_kernel_cache
+
     names = ("LRU_CACHE_CAPACITY", "ONEDNN_PRIMITIVE_CACHE_CAPACITY")
     assert all(os.environ.get(name) is not None for name in names)  # the fixture's quantize set them
     for name in names:

@@ -1,9 +1,11 @@
 """compile(recipe=[]) must reproduce the original model exactly, also at unseen shapes."""
+
 import pytest
 import torch
+from tiny_models import ARCHS, example_inputs, main_output, make_model
 
 import qcompiler as qc
-from tiny_models import ARCHS, example_inputs, main_output, make_model
+from qcompiler.ir.graph import module_path
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -20,8 +22,11 @@ def test_identity_on_hf_architectures_at_other_shapes(arch):
 
 def test_identity_on_pretrained_minilm(minilm):
     cm = qc.compile(minilm.model, minilm.example_inputs(2, 16), recipe=[], progress=False)
-    enc = minilm.tokenizer(["The quick brown fox jumps over the lazy dog.", "Quantization keeps accuracy."],
-                           padding=True, return_tensors="pt")
+    enc = minilm.tokenizer(
+        ["The quick brown fox jumps over the lazy dog.", "Quantization keeps accuracy."],
+        padding=True,
+        return_tensors="pt",
+    )
     ref = minilm.model(**enc).last_hidden_state
     got = cm(input_ids=enc["input_ids"], attention_mask=enc["attention_mask"]).last_hidden_state
     assert (got - ref).abs().max().item() <= 1e-5
@@ -37,7 +42,7 @@ def test_plain_module_positional_inputs():
 
 def test_every_node_keeps_its_module_path():
     gm = qc.capture(make_model("llama"), example_inputs("llama"))
-    paths = {qc.graph.module_path(n) for n in gm.graph.nodes if n.op == "call_function"}
+    paths = {module_path(n) for n in gm.graph.nodes if n.op == "call_function"}
     assert "model.layers.1.self_attn.q_proj" in paths and "model.layers.0.mlp.down_proj" in paths
 
 

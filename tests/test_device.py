@@ -1,14 +1,15 @@
 """Device onloading: calibration and solvers on ``device``, one block's weights at a time, the graph's
 own weights never moved. On CPU the device is ``cpu`` (the same code path: every tensor goes through
 the moves); on a CUDA machine the same tests also run with ``cuda``."""
+
 import pytest
 import torch
+from tiny_models import example_inputs, main_output, make_model
 
 import qcompiler as qc
-from qcompiler.calibration import CalibrationEngine
+from qcompiler.calib.calibration import CalibrationEngine
 from qcompiler.compiler import normalize_calibration, resolve_device
-from qcompiler.graph import block_of
-from tiny_models import example_inputs, main_output, make_model
+from qcompiler.ir.graph import block_of
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 RECIPES = ["gptq-w4g128-act", "spqr-w3g16", "w8a8-smoothquant-auto", "w8a8-static"]
@@ -80,8 +81,10 @@ def test_gpu_holds_one_block_at_a_time(llama):
     _compile(model, calib, "gptq-w4g128", device="cuda")
     peak = torch.cuda.max_memory_allocated() - base
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
-    per_block = max(sum(p.numel() * p.element_size() for n, p in model.named_parameters()
-                        if block_of(n) == b) for b in {block_of(n) for n, _ in model.named_parameters()} - {None})
+    per_block = max(
+        sum(p.numel() * p.element_size() for n, p in model.named_parameters() if block_of(n) == b)
+        for b in {block_of(n) for n, _ in model.named_parameters()} - {None}
+    )
     assert peak < weights, f"peak GPU memory {peak} B is not below the model's {weights} B"
     assert per_block < weights / 2
     assert torch.cuda.memory_allocated() - base < per_block, "GPU memory was left allocated after compile"
@@ -93,8 +96,9 @@ def test_calibration_runs_wholly_on_the_target_device(llama):
     model, calib = llama
     gm = qc.capture(model, example_inputs("llama"))
     engine = CalibrationEngine(gm, normalize_calibration(calib, gm.meta["qcompiler"]), device="meta")
-    assert any(isinstance(n.kwargs.get("device"), torch.device) for n in gm.graph.nodes), \
+    assert any(isinstance(n.kwargs.get("device"), torch.device) for n in gm.graph.nodes), (
         "the captured graph has no device-naming node: this test would prove nothing"
+    )
     for seg in engine.segments[:-1]:
         engine.advance(seg)
         cached = [v for state in engine._states for v in state.values() if isinstance(v, torch.Tensor)]

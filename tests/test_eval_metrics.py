@@ -1,10 +1,11 @@
 """Metrics against hand-computed values on tiny cases."""
+
 import math
 
 import pytest
 import torch
 
-from qcompiler.eval import embedding_fidelity, perplexity, relative_output_error
+from qcompiler.evaluation.eval import embedding_fidelity, perplexity, relative_output_error
 
 
 class FixedDistribution(torch.nn.Module):
@@ -27,7 +28,7 @@ def test_known_distribution_perplexity_equals_exp_cross_entropy():
     p = [0.5, 0.25, 0.25]
     tokens = torch.tensor([0, 1, 2, 0] * 50)
     targets = tokens[1:].tolist()
-    expected = math.exp(-sum(math.log(p[t]) for t in targets[:len(targets)]) / len(targets))
+    expected = math.exp(-sum(math.log(p[t]) for t in targets[: len(targets)]) / len(targets))
     # window 199 = all 199 targets scored exactly once, in one window
     assert perplexity(FixedDistribution(p), tokens, window=199) == pytest.approx(expected, rel=1e-6)
 

@@ -1,13 +1,21 @@
 """GPTQ as a pure function: the lazy-batch version equals the column-by-column reference, and
 beats round-to-nearest on the quantity it minimises."""
+
 import pytest
 import torch
 
+from qcompiler.algorithms.gptq import (
+    gptq_quantize,
+    gptq_quantize_reference,
+    group_index,
+    hessian_factor,
+    inverse_hessian_cholesky,
+    invert_lower_triangular_,
+    output_error,
+    rtn_quantize,
+)
+from qcompiler.algorithms.quant_grid import fake_quantize, fit_grid
 from qcompiler.errors import QuantizationError
-from qcompiler.algorithms.gptq import (gptq_quantize, gptq_quantize_reference, group_index, hessian_factor,
-                                      inverse_hessian_cholesky, invert_lower_triangular_,
-                                      output_error, rtn_quantize)
-from qcompiler.algorithms.quant_grid import fit_grid, fake_quantize
 
 
 def problem(out=32, n=96, seed=0, tokens=512):
@@ -18,8 +26,14 @@ def problem(out=32, n=96, seed=0, tokens=512):
     return torch.randn(out, n, generator=gen), 2 * X.T @ X / tokens
 
 
-SPECS = [dict(group_size=-1), dict(group_size=32), dict(group_size=32, act_order=True),
-         dict(group_size=32, act_order=True, static_groups=True), dict(group_size=40), dict(group_size=64, sym=True)]
+SPECS = [
+    dict(group_size=-1),
+    dict(group_size=32),
+    dict(group_size=32, act_order=True),
+    dict(group_size=32, act_order=True, static_groups=True),
+    dict(group_size=40),
+    dict(group_size=64, sym=True),
+]
 
 
 @pytest.mark.parametrize("bits", [2, 3, 4, 8])
@@ -67,13 +81,16 @@ def test_output_error_is_the_relative_error_of_the_layer_outputs():
     assert output_error(W, W_hat, H) == pytest.approx(direct.item(), rel=1e-5)
 
 
-@pytest.mark.parametrize("spec", [dict(group_size=32), dict(group_size=32, act_order=True, static_groups=True),
-                                  dict(group_size=-1, act_order=True)], ids=["g32", "act-static", "channel-act"])
+@pytest.mark.parametrize(
+    "spec",
+    [dict(group_size=32), dict(group_size=32, act_order=True, static_groups=True), dict(group_size=-1, act_order=True)],
+    ids=["g32", "act-static", "channel-act"],
+)
 def test_gptq_sweep_errors_give_the_output_error_without_a_gemm(spec):
     """tr(ΔW (H + λI) ΔWᵀ) = ‖E‖² for the sweep's scaled errors E: the report's rel_error from them
     equals the Hessian GEMM's, with a dead input and on a rank-deficient H (where λ‖ΔW‖² is most of ‖E‖²)."""
     for seed, dead, low_rank in ((1, False, False), (2, True, False), (3, True, True)):
-        W, H = problem(seed=seed, tokens=40 if low_rank else 512)   # 40 rows < 96 inputs: rank-deficient H
+        W, H = problem(seed=seed, tokens=40 if low_rank else 512)  # 40 rows < 96 inputs: rank-deficient H
         if dead:
             H[:, 9] = H[9, :] = 0
         res = gptq_quantize(W, H, bits=3, **spec)
@@ -103,8 +120,8 @@ def test_rtn_equals_grid_rounding_per_group():
     W, _ = problem()
     res = rtn_quantize(W, bits=4, group_size=32)
     for g in range(3):
-        cols = W[:, g * 32:(g + 1) * 32]
-        assert torch.equal(res.dequantized[:, g * 32:(g + 1) * 32], fake_quantize(cols, fit_grid(cols, 4, False), 4))
+        cols = W[:, g * 32 : (g + 1) * 32]
+        assert torch.equal(res.dequantized[:, g * 32 : (g + 1) * 32], fake_quantize(cols, fit_grid(cols, 4, False), 4))
 
 
 def test_dead_inputs_get_zero_weight():
@@ -120,7 +137,7 @@ def test_inverse_hessian_factor_is_the_upper_cholesky_of_the_damped_inverse():
     U, damp, steps = inverse_hessian_cholesky(H, 0.01)
     damped = H.double() + 0.01 * H.diagonal().mean().double() * torch.eye(64, dtype=torch.float64)
     assert steps == 0 and torch.equal(U, torch.triu(U)) and bool((U.diagonal() > 0).all())
-    want = torch.linalg.cholesky(torch.linalg.inv(damped), upper=True)   # the definition, in float64
+    want = torch.linalg.cholesky(torch.linalg.inv(damped), upper=True)  # the definition, in float64
     assert ((U.double() - want).abs().max() / want.abs().max()).item() < 1e-5
 
 
@@ -133,7 +150,7 @@ def test_blocked_triangular_inverse_is_the_inverse(n, parts):
     want = torch.linalg.inv(L.double())
     assert torch.equal(got, torch.tril(got))
     assert ((got.double() - want).abs().max() / want.abs().max()).item() < 1e-5
-    in_place = invert_lower_triangular_(L, parts)   # the solver's memory-saving variant: the same values
+    in_place = invert_lower_triangular_(L, parts)  # the solver's memory-saving variant: the same values
     assert in_place.data_ptr() == L.data_ptr() and torch.equal(in_place, got)
 
 
@@ -142,7 +159,7 @@ def test_damping_is_raised_until_the_hessian_factors():
     v = torch.randn(n, 1, generator=torch.Generator().manual_seed(0))
     H = v @ v.T - 0.05 * (v.norm() ** 2 / n) * torch.eye(n)  # indefinite: λ = 0.01·mean(diag) is too small
     U, damp, steps = inverse_hessian_cholesky(H, 0.01)
-    assert steps >= 1 and damp == pytest.approx(0.01 * 10 ** steps)
+    assert steps >= 1 and damp == pytest.approx(0.01 * 10**steps)
     assert torch.isfinite(U).all()
     res = gptq_quantize(torch.randn(8, n), H, bits=4, group_size=-1)
     assert res.damp_steps == steps

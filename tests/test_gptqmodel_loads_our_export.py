@@ -5,14 +5,15 @@ GPTQModel declares a newer torch than the project's, so it lives in its own virt
 (`.ci/run` builds one; recipe in docs/formats.md) named by ``QC_GPTQMODEL_PYTHON``; without it the
 test is skipped and says why.
 """
+
 import json
 import os
 import textwrap
 
 import pytest
 import torch
-
 from client_runtimes import greedy_gaps, quantized_tinylm, run_client
+
 from qcompiler.interop import export_gptq
 
 GPTQMODEL_PYTHON = os.environ.get("QC_GPTQMODEL_PYTHON")
@@ -48,10 +49,10 @@ def test_gptqmodel_loads_the_export_with_the_same_outputs(tmp_path):
     ours = cm(input_ids=ids).logits
     theirs = torch.load(tmp_path / "ckpt" / "client_logits.pt", weights_only=True)
     rel = ((theirs - ours).norm() / ours.norm()).item()
-    assert rel < 0.01, rel                        # bf16 activations in GPTQModel: measured 0.003
+    assert rel < 0.01, rel  # bf16 activations in GPTQModel: measured 0.003
     # its greedy tokens, fed back through our fp32 model: each our argmax or a bf16 near-tie
     prompt = ids[0].tolist()
-    tokens = result["tokens"][0][len(prompt):]
+    tokens = result["tokens"][0][len(prompt) :]
     gap = greedy_gaps(cm, prompt, tokens)
     assert len(tokens) == 16 and float(gap.max()) < 0.1, gap.tolist()
-    assert int((gap == 0).sum()) >= 14, gap.tolist()   # measured: all 16
+    assert int((gap == 0).sum()) >= 14, gap.tolist()  # measured: all 16

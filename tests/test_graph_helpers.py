@@ -1,25 +1,41 @@
 """The graph helpers find every linear, its producing norm and its siblings, from structure alone."""
+
 import pytest
+from tiny_models import example_inputs, make_model
 
 import qcompiler as qc
-from qcompiler.graph import find_linears, find_producing_norm, find_siblings, producer_groups, transformer_blocks
-from tiny_models import example_inputs, make_model
+from qcompiler.ir.graph import find_linears, find_producing_norm, find_siblings, producer_groups, transformer_blocks
 
 # (linear suffix, expected norm suffix or None, expected sibling suffixes) per architecture, block 0.
 EXPECTED = {
-    "llama": [("self_attn.q_proj", "input_layernorm", {"self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"}),
-              ("self_attn.o_proj", None, {"self_attn.o_proj"}),
-              ("mlp.up_proj", "post_attention_layernorm", {"mlp.gate_proj", "mlp.up_proj"}),
-              ("mlp.down_proj", None, {"mlp.down_proj"})],
-    "opt": [("self_attn.k_proj", "self_attn_layer_norm", {"self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"}),
-            ("fc1", "final_layer_norm", {"fc1"}), ("fc2", None, {"fc2"})],
-    "gpt2": [("attn.c_attn", "ln_1", {"attn.c_attn"}), ("mlp.c_fc", "ln_2", {"mlp.c_fc"}),
-             ("attn.c_proj", None, {"attn.c_proj"})],
-    "bert": [("intermediate.dense", "attention.output.LayerNorm", {"intermediate.dense"}),
-             ("attention.output.dense", None, {"attention.output.dense"}),
-             ("output.dense", None, {"output.dense"})],
+    "llama": [
+        ("self_attn.q_proj", "input_layernorm", {"self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"}),
+        ("self_attn.o_proj", None, {"self_attn.o_proj"}),
+        ("mlp.up_proj", "post_attention_layernorm", {"mlp.gate_proj", "mlp.up_proj"}),
+        ("mlp.down_proj", None, {"mlp.down_proj"}),
+    ],
+    "opt": [
+        ("self_attn.k_proj", "self_attn_layer_norm", {"self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"}),
+        ("fc1", "final_layer_norm", {"fc1"}),
+        ("fc2", None, {"fc2"}),
+    ],
+    "gpt2": [
+        ("attn.c_attn", "ln_1", {"attn.c_attn"}),
+        ("mlp.c_fc", "ln_2", {"mlp.c_fc"}),
+        ("attn.c_proj", None, {"attn.c_proj"}),
+    ],
+    "bert": [
+        ("intermediate.dense", "attention.output.LayerNorm", {"intermediate.dense"}),
+        ("attention.output.dense", None, {"attention.output.dense"}),
+        ("output.dense", None, {"output.dense"}),
+    ],
 }
-PREFIX = {"llama": "model.layers.0.", "opt": "model.decoder.layers.0.", "gpt2": "transformer.h.0.", "bert": "encoder.layer.0."}
+PREFIX = {
+    "llama": "model.layers.0.",
+    "opt": "model.decoder.layers.0.",
+    "gpt2": "transformer.h.0.",
+    "bert": "encoder.layer.0.",
+}
 LINEARS_PER_BLOCK = {"llama": 7, "opt": 6, "gpt2": 4, "bert": 6}
 EXTRA = {"llama": 1, "opt": 1, "gpt2": 1, "bert": 1}  # lm_head / pooler
 
@@ -45,7 +61,7 @@ def test_linears_norms_and_siblings(arch):
             assert found is not None and found.path == prefix + norm, layer.path
             assert found.weight_node is not None
             assert (found.bias_node is not None) == (arch != "llama")
-        assert {s.path[len(prefix):] for s in find_siblings(layers, layer)} == siblings
+        assert {s.path[len(prefix) :] for s in find_siblings(layers, layer)} == siblings
 
 
 def test_bert_query_reads_the_embedding_layernorm_through_dropout():

@@ -1,13 +1,15 @@
 """``ignore``: layers a pass leaves in full precision, by module-path glob or ``re:`` regex, in Python
 and in recipe files; a pattern that matches nothing says so."""
+
 import pytest
 import torch
+from tiny_models import example_inputs, make_model
 
 import qcompiler as qc
 from qcompiler.errors import QuantizationError
-from qcompiler.graph import find_linears, get_tensor
-from qcompiler.recipe_files import recipe_from_dict
-from tiny_models import example_inputs, make_model
+from qcompiler.ir.graph import find_linears
+from qcompiler.ir.tensors import get_tensor
+from qcompiler.pipeline.recipe_files import recipe_from_dict
 
 
 def _calib():
@@ -19,13 +21,18 @@ def _fp_paths(cm) -> set[str]:
     return {layer.path for layer in find_linears(cm.graph_module)}
 
 
-@pytest.mark.parametrize("recipe", [
-    [qc.passes.GPTQ(ignore=("*.down_proj", r"re:layers\.0\.self_attn"))],
-    [qc.passes.RTN(ignore=["*.down_proj", r"re:layers\.0\.self_attn"])],
-    [qc.passes.SpQR(ignore=("*.down_proj", r"re:layers\.0\.self_attn"))],
-    [qc.passes.SmoothQuant(ignore=("*.down_proj", r"re:layers\.0\.self_attn")),
-     qc.passes.LowerInt8(ignore=("*.down_proj", r"re:layers\.0\.self_attn"))],
-])
+@pytest.mark.parametrize(
+    "recipe",
+    [
+        [qc.passes.GPTQ(ignore=("*.down_proj", r"re:layers\.0\.self_attn"))],
+        [qc.passes.RTN(ignore=["*.down_proj", r"re:layers\.0\.self_attn"])],
+        [qc.passes.SpQR(ignore=("*.down_proj", r"re:layers\.0\.self_attn"))],
+        [
+            qc.passes.SmoothQuant(ignore=("*.down_proj", r"re:layers\.0\.self_attn")),
+            qc.passes.LowerInt8(ignore=("*.down_proj", r"re:layers\.0\.self_attn")),
+        ],
+    ],
+)
 def test_ignored_layers_stay_in_full_precision(recipe):
     model = make_model("llama")
     cm = qc.compile(model, example_inputs("llama"), recipe=recipe, calibration=_calib(), progress=False, device=None)
@@ -43,8 +50,9 @@ def test_ignored_layers_stay_in_full_precision(recipe):
 
 def test_a_pattern_that_matches_nothing_is_reported():
     with pytest.warns(UserWarning, match="matched no layer"):
-        cm = qc.compile(make_model("llama"), example_inputs("llama"), recipe=[qc.passes.RTN(ignore=("*.downproj",))],
-                        progress=False)
+        cm = qc.compile(
+            make_model("llama"), example_inputs("llama"), recipe=[qc.passes.RTN(ignore=("*.downproj",))], progress=False
+        )
     assert any("'*.downproj' matched no layer" in n for n in cm.report.passes[0].notes)
 
 

@@ -1,11 +1,12 @@
 """The int8 linear op is integer-exact, and close to the FP matmul within its rounding bound."""
+
 import pytest
 import torch
+from tiny_models import example_inputs, main_output, make_model
 
 import qcompiler as qc
 from qcompiler.algorithms.int8 import quantize_per_token, quantize_weight_per_channel
-from qcompiler.ops import int8_matmul
-from tiny_models import example_inputs, main_output, make_model
+from qcompiler.ir.ops import int8_matmul
 
 I8 = torch.ops.qc.int8_linear.default
 

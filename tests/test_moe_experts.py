@@ -1,16 +1,17 @@
-"""Mixture-of-experts: 3-D expert parameters quantized per expert (qcompiler/experts.py)."""
+"""Mixture-of-experts: 3-D expert parameters quantized per expert (qcompiler/ir/experts.py)."""
+
 import warnings
 
 import pytest
 import torch
+from causal_lms import calibration, causal_lm, prompt
 
 import qcompiler as qc
-from causal_lms import calibration, causal_lm, prompt
-from qcompiler.causal_lm import graph_inputs
-from qcompiler.eval import bits_per_parameter
-from qcompiler.experts import find_expert_linears
 from qcompiler.algorithms.gptq import rtn_quantize
-from qcompiler.ops import pack_gptq
+from qcompiler.evaluation.eval import bits_per_parameter
+from qcompiler.frontend.causal_lm import graph_inputs
+from qcompiler.ir.experts import find_expert_linears
+from qcompiler.ir.ops import pack_gptq
 
 QEXPERTS = torch.ops.qc.quant_experts_linear.default
 
@@ -29,8 +30,9 @@ def _expert_rows(cm):
 def test_every_expert_parameter_is_found(arch):
     fp = _compile(causal_lm(arch), "none")
     found = find_expert_linears(fp.graph_module)
-    assert [e.path for e in found] == [f"model.layers.{i}.mlp.experts.{p}" for i in (0, 1)
-                                       for p in ("gate_up_proj", "down_proj")]
+    assert [e.path for e in found] == [
+        f"model.layers.{i}.mlp.experts.{p}" for i in (0, 1) for p in ("gate_up_proj", "down_proj")
+    ]
     assert all(e.num_experts == 4 for e in found)
     inter = 128 if arch == "mixtral" else 64
     assert (found[0].out_features, found[0].in_features) == (2 * inter, 64)
@@ -61,6 +63,7 @@ def test_onnx_experts_layout_equals_the_quantized_experts_op(act_order, group):
     the last offset (zero in both)."""
     from qcompiler.algorithms.gptq import gptq_quantize
     from qcompiler.backends.onnx_nbits import experts_matmul_nbits, gptq_to_nbits
+
     torch.manual_seed(2)
     E, n_in, n_out, bits = 3, 64, 32, 3
     results = []
@@ -74,21 +77,26 @@ def test_onnx_experts_layout_equals_the_quantized_experts_op(act_order, group):
     nbits = {name: torch.stack([lw[0][name] for lw in lowered]) for name in ("B", "scales", "zero_points")}
     perm = torch.stack([lw[1] for lw in lowered]) if act_order else None
     x = torch.randn(9, n_in)
-    offsets = torch.tensor([4, 4, 7], dtype=torch.int32)   # expert 1 gets no rows; rows 7, 8 none
-    got = experts_matmul_nbits(x, offsets, nbits["B"], nbits["scales"], nbits["zero_points"], perm,
-                               n_in, n_out, lowered[0][4], lowered[0][5])
+    offsets = torch.tensor([4, 4, 7], dtype=torch.int32)  # expert 1 gets no rows; rows 7, 8 none
+    got = experts_matmul_nbits(
+        x, offsets, nbits["B"], nbits["scales"], nbits["zero_points"], perm, n_in, n_out, lowered[0][4], lowered[0][5]
+    )
     torch.testing.assert_close(got, QEXPERTS(x, offsets, *stacked, bits, group), rtol=1e-4, atol=1e-4)
     assert not got[7:].any()
 
 
 def test_triton_experts_kernel_equals_the_reference_op(kernel_device):
     from qcompiler.kernels import gptq_experts_linear
+
     torch.manual_seed(1)
     E, n_in, n_out, bits, group = 3, 64, 32, 4, 32
-    packed = [pack_gptq(r.codes, r.scales, r.zeros, r.g_idx, bits, group)
-              for r in (rtn_quantize(w, bits=bits, group_size=group) for w in torch.randn(E, n_out, n_in))]
-    stacked = [torch.stack([getattr(p, f) for p in packed]).to(kernel_device)
-               for f in ("qweight", "qzeros", "scales", "g_idx")]
+    packed = [
+        pack_gptq(r.codes, r.scales, r.zeros, r.g_idx, bits, group)
+        for r in (rtn_quantize(w, bits=bits, group_size=group) for w in torch.randn(E, n_out, n_in))
+    ]
+    stacked = [
+        torch.stack([getattr(p, f) for p in packed]).to(kernel_device) for f in ("qweight", "qzeros", "scales", "g_idx")
+    ]
     x = torch.randn(6, n_in, device=kernel_device)
     offsets = torch.tensor([2, 2, 6], dtype=torch.int32, device=kernel_device)
     want = QEXPERTS(x, offsets, *stacked, bits, group)
@@ -163,13 +171,15 @@ def _spqr_experts(E=3, n_in=64, n_out=64, seed=3):
     (64 outputs: four statistic groups of 16, so a wrong output width shows)."""
     from qcompiler.algorithms.spqr import spqr_quantize
     from qcompiler.passes.spqr import pack_spqr
-    from qcompiler.weight_only import LayerQuant
+    from qcompiler.pipeline.weight_only import LayerQuant
+
     torch.manual_seed(seed)
     results = []
     for w in torch.randn(E, n_out, n_in):
         X = torch.randn(256, n_in) * torch.linspace(0.1, 3, n_in)
-        results.append(spqr_quantize(w, X.t() @ X, bits=3, group_size=16, stat_bits=3, stat_group_size=16,
-                                     outlier_threshold=0.3))
+        results.append(
+            spqr_quantize(w, X.t() @ X, bits=3, group_size=16, stat_bits=3, stat_group_size=16, outlier_threshold=0.3)
+        )
     spqr = qc.passes.SpQR()
     op, tensors, constants = spqr._stack_experts([LayerQuant(None, {}, pack_spqr(r, 3, 3), None) for r in results])
     assert op == "spqr_experts_linear" and all(r.outliers.any() for r in results)
@@ -190,6 +200,7 @@ def test_spqr_experts_linear_equals_each_expert_dense_plus_outliers():
 
 def test_triton_spqr_experts_kernel_equals_the_reference_op(kernel_device):
     from qcompiler.kernels import spqr_experts_linear
+
     _, tensors, constants = _spqr_experts(n_in=32)
     tensors = {k: v.to(kernel_device) for k, v in tensors.items()}
     x = torch.randn(6, 32, device=kernel_device)
@@ -226,6 +237,7 @@ def test_spqr_quantizes_every_expert_with_its_own_outliers(mixtral, mixtral_spqr
     assert bits_per_parameter(gm) == pytest.approx(expected, rel=1e-9)
     # the ONNX re-packing (MatMulNBits per expert + gathered outlier blocks) computes the same logits
     from qcompiler.backends.onnx_layout import lower_for_onnx
+
     ids = prompt(batch=2)
     lowered, _ = lower_for_onnx(gm)
     targets = {n.target for n in lowered.graph.nodes}
@@ -270,6 +282,7 @@ def test_quantized_experts_save_load_and_gptq_export_refuses_them(mixtral_gptq, 
     assert torch.equal(back.generate(ids, 4), mixtral_gptq.generate(ids, 4))
     from qcompiler.interop.checkpoint import ExportError
     from qcompiler.interop.gptq_checkpoint import export_gptq
+
     with pytest.raises(ExportError, match="quant_experts_linear"):
         export_gptq(mixtral_gptq, tmp_path / "gptq", progress=lambda _m: None)
     assert not (tmp_path / "gptq").exists()

@@ -1,16 +1,17 @@
 """KV-cache attention exported as ORT's GroupQueryAttention: the fused graph computes the captured
 one; attention it cannot fuse stays plain ops, named; ``fused_attention=False`` is standard ONNX."""
+
 import warnings
 
 import onnx
 import pytest
 import torch
+from causal_lms import causal_lm, prompt
 
 import qcompiler as qc
-from causal_lms import causal_lm, prompt
-from qcompiler import causal_lm as cache_graph
 from qcompiler.backends.onnx_attention import fuse_kv_cache_attention
 from qcompiler.backends.onnx_layout import lower_for_onnx
+from qcompiler.frontend import causal_lm as cache_graph
 
 
 def _compile(arch: str):
@@ -33,7 +34,8 @@ def test_eager_attention_stays_plain_ops_and_says_so(arch):
     fp = _compile(arch)
     lowered, _ = lower_for_onnx(fp.graph_module)
     assert fuse_kv_cache_attention(lowered) == [
-        "plain-op attention: no scaled_dot_product_attention in the graph (the model's eager attention)"]
+        "plain-op attention: no scaled_dot_product_attention in the graph (the model's eager attention)"
+    ]
     inputs = cache_graph.graph_inputs(fp.cache_layout, prompt(1, 4))
     with torch.no_grad():
         assert torch.equal(lowered(**inputs)[0], fp.graph_module(**inputs)[0])
@@ -47,8 +49,10 @@ def test_attention_without_a_kv_cache_is_not_fused_and_is_named():
     q = torch.randn(1, 2, 3, 8)
     program = torch.export.export(Attention(), (q, q, q, torch.ones(1, 1, 3, 3, dtype=torch.bool)))
     gm = program.graph_module
-    assert fuse_kv_cache_attention(gm) == ["plain-op attention in scaled_dot_product_attention: keys/values are "
-                                           "not cat([past, new], dim=2) of the KV cache"]
+    assert fuse_kv_cache_attention(gm) == [
+        "plain-op attention in scaled_dot_product_attention: keys/values are "
+        "not cat([past, new], dim=2) of the KV cache"
+    ]
 
 
 @pytest.mark.parametrize("arch", ["gpt2", "mistral"])
@@ -78,10 +82,15 @@ def test_plain_attention_export_uses_standard_onnx_ops_only(tmp_path):
     assert {n.domain for n in model.graph.node} <= {"", "ai.onnx"}
     fused = fp.export_onnx(tmp_path / "fused.onnx", accuracy_level=0)
     from qcompiler.backends.onnxruntime import session_for
-    inputs = cache_graph.graph_inputs(fp.cache_layout, prompt(2, 5),
-                                     past=tuple(torch.randn_like(t) for t in fp.cache_layout.empty_past(2, 3)))
-    feeds = {"input_ids": inputs["input_ids"].numpy(), "attention_mask": inputs["attention_mask"].numpy(),
-             "position_ids": inputs["position_ids"].numpy()}
+
+    inputs = cache_graph.graph_inputs(
+        fp.cache_layout, prompt(2, 5), past=tuple(torch.randn_like(t) for t in fp.cache_layout.empty_past(2, 3))
+    )
+    feeds = {
+        "input_ids": inputs["input_ids"].numpy(),
+        "attention_mask": inputs["attention_mask"].numpy(),
+        "position_ids": inputs["position_ids"].numpy(),
+    }
     for i in range(fp.cache_layout.layers):
         feeds[f"past_key_values.{i}.key"] = inputs["past"][2 * i].numpy()
         feeds[f"past_key_values.{i}.value"] = inputs["past"][2 * i + 1].numpy()
@@ -90,8 +99,9 @@ def test_plain_attention_export_uses_standard_onnx_ops_only(tmp_path):
         assert abs(x - y).max() <= 1e-5 * abs(x).max()
 
 
-@pytest.mark.parametrize("providers, fused", [(["CPUExecutionProvider"], True),
-                                              (["CUDAExecutionProvider", "CPUExecutionProvider"], False)])
+@pytest.mark.parametrize(
+    "providers, fused", [(["CPUExecutionProvider"], True), (["CUDAExecutionProvider", "CPUExecutionProvider"], False)]
+)
 def test_onnxruntime_backend_fuses_attention_only_for_the_cpu_provider(monkeypatch, providers, fused):
     """ORT's CUDA GroupQueryAttention takes fp16/bf16 only: an fp32 node would run on the CPU and
     copy the cache every step, so with the CUDA provider installed the backend exports plain ops."""
@@ -110,7 +120,8 @@ def test_onnxruntime_backend_fuses_attention_only_for_the_cpu_provider(monkeypat
     with pytest.raises(RuntimeError, match="stop before exporting"):
         backend.prepare_onnxruntime(torch.fx.GraphModule(torch.nn.Module(), torch.fx.Graph()), ((), {}))
     assert seen["fused_attention"] is fused
-    with pytest.raises(RuntimeError, match="stop before exporting"):   # an explicit choice wins
-        backend.prepare_onnxruntime(torch.fx.GraphModule(torch.nn.Module(), torch.fx.Graph()), ((), {}),
-                                    fused_attention=not fused)
+    with pytest.raises(RuntimeError, match="stop before exporting"):  # an explicit choice wins
+        backend.prepare_onnxruntime(
+            torch.fx.GraphModule(torch.nn.Module(), torch.fx.Graph()), ((), {}), fused_attention=not fused
+        )
     assert seen["fused_attention"] is (not fused)

@@ -1,33 +1,42 @@
 """ONNX export and the onnxruntime backend: ORT computes what eager computes, files are written safely."""
+
 from dataclasses import dataclass
 
 import onnx
 import pytest
 import torch
+from tiny_models import example_inputs, main_output, make_model
 
 import qcompiler as qc
 from qcompiler.backends import onnx_export
 from qcompiler.backends.onnx_nbits import dequantize_matmul_nbits, to_matmul_nbits_layout
-from tiny_models import example_inputs, main_output, make_model
 
 RECIPES = {  # recipe -> max |ORT − eager| relative to max |eager| (float reassociation only)
-    "gptq-w4g128": 1e-5, "gptq-w3g128": 1e-5, "spqr-w3g16": 1e-5, "w8a8": 1e-3, "w8a8-smoothquant": 1e-3,
+    "gptq-w4g128": 1e-5,
+    "gptq-w3g128": 1e-5,
+    "spqr-w3g16": 1e-5,
+    "w8a8": 1e-3,
+    "w8a8-smoothquant": 1e-3,
 }
 # W8A8: the int32 sums are exact, but ORT's float ops before the activation quantizer (fused
 # LayerNorm, per-CPU reductions) may move a value across a rounding boundary, flipping one code by
 # one step (measured 1e-4 on BERT); int16 saturation in ORT's u8 x s8 kernel on AVX2 CPUs gave
 # 4e-3-7e-2, which this bound fails.
-EXTRA = {"gptq-act": [qc.passes.GPTQ(bits=4, group_size=32, act_order=True)],
-         "rtn-2bit": [qc.passes.RTN(bits=2, group_size=32)], "rtn-8bit-channel": [qc.passes.RTN(bits=8, group_size=-1)],
-         "w8a8-static": "w8a8-static"}
+EXTRA = {
+    "gptq-act": [qc.passes.GPTQ(bits=4, group_size=32, act_order=True)],
+    "rtn-2bit": [qc.passes.RTN(bits=2, group_size=32)],
+    "rtn-8bit-channel": [qc.passes.RTN(bits=8, group_size=-1)],
+    "w8a8-static": "w8a8-static",
+}
 
 
 def strip(inputs):
     return {k: v for k, v in inputs.items() if k != "use_cache"}
 
 
-CASES = [("llama", name) for name in list(RECIPES) + list(EXTRA)] + \
-        [("bert", name) for name in ("gptq-w3g128", "w8a8-smoothquant", "spqr-w3g16")]
+CASES = [("llama", name) for name in list(RECIPES) + list(EXTRA)] + [
+    ("bert", name) for name in ("gptq-w3g128", "w8a8-smoothquant", "spqr-w3g16")
+]
 
 
 @pytest.mark.parametrize("arch,name", CASES)
@@ -48,9 +57,9 @@ def test_onnxruntime_matches_eager(arch, name):
 def test_nbits_layout_roundtrip_and_ort_semantics():
     gen = torch.Generator().manual_seed(0)
     for bits in (2, 4, 8):
-        codes = torch.randint(0, 2 ** bits, (8, 64), generator=gen)
+        codes = torch.randint(0, 2**bits, (8, 64), generator=gen)
         scales = torch.rand(8, 4, generator=gen) + 0.1
-        zeros = torch.randint(0, 2 ** bits, (8, 4), generator=gen).float()
+        zeros = torch.randint(0, 2**bits, (8, 4), generator=gen).float()
         t = to_matmul_nbits_layout(codes, scales, zeros, bits, 16, float_zeros=False)
         assert t["B"].dtype == torch.uint8 and t["B"].shape == (8, 4, 16 * bits // 8)
         W = dequantize_matmul_nbits(t["B"], t["scales"], t["zero_points"], 64, 8, bits, 16)
@@ -63,15 +72,22 @@ def test_nbits_layout_roundtrip_and_ort_semantics():
 
 def _nbits_graph(perms, biases: bool):
     """x -> one qc.matmul_nbits per entry of ``perms`` (random 4-bit layers, K = 64), outputs summed apart."""
-    from qcompiler.graph import set_tensor
-    from qcompiler.op_registry import call_op
+    from qcompiler.ir.op_registry import call_op
+    from qcompiler.ir.tensors import set_tensor
+
     gm = torch.fx.GraphModule(torch.nn.Module(), torch.fx.Graph())
     g = torch.Generator().manual_seed(0)
     x, outs = gm.graph.placeholder("x"), []
     for i, perm in enumerate(perms):
         n = 16 * (i + 1)
-        t = to_matmul_nbits_layout(torch.randint(0, 16, (n, 64), generator=g), torch.rand(n, 4, generator=g),
-                                   torch.randint(0, 16, (n, 4), generator=g), 4, 16, False)
+        t = to_matmul_nbits_layout(
+            torch.randint(0, 16, (n, 64), generator=g),
+            torch.rand(n, 4, generator=g),
+            torch.randint(0, 16, (n, 4), generator=g),
+            4,
+            16,
+            False,
+        )
         if perm is not None:
             t["perm"] = perm
         if biases:
@@ -79,20 +95,41 @@ def _nbits_graph(perms, biases: bool):
         for name, v in t.items():
             set_tensor(gm, f"layer{i}.onnx_{name}", v)
         a = {name: gm.graph.get_attr(f"layer{i}.onnx_{name}") for name in t}
-        outs.append(call_op(gm.graph, "matmul_nbits", x=x, B=a["B"], scales=a["scales"], zero_points=a["zero_points"],
-                            perm=a.get("perm"), bias=a.get("bias"), K=64, N=n, bits=4, block_size=16))
+        outs.append(
+            call_op(
+                gm.graph,
+                "matmul_nbits",
+                x=x,
+                B=a["B"],
+                scales=a["scales"],
+                zero_points=a["zero_points"],
+                perm=a.get("perm"),
+                bias=a.get("bias"),
+                K=64,
+                N=n,
+                bits=4,
+                block_size=16,
+            )
+        )
     gm.graph.output(tuple(outs))
     gm.recompile()
     return gm
 
 
-@pytest.mark.parametrize("perms,biases,fused", [((None, None, None), False, 2), ((None, None), True, 1),
-                                               ((torch.arange(64).flip(0),) * 2, False, 1),
-                                               ((torch.arange(64).flip(0), torch.arange(64)), False, 0)])
+@pytest.mark.parametrize(
+    "perms,biases,fused",
+    [
+        ((None, None, None), False, 2),
+        ((None, None), True, 1),
+        ((torch.arange(64).flip(0),) * 2, False, 1),
+        ((torch.arange(64).flip(0), torch.arange(64)), False, 0),
+    ],
+)
 def test_siblings_share_one_matmul_nbits_node(perms, biases, fused):
     """Linears reading one input become one MatMulNBits over stacked tensors plus a split, with the
     same outputs; different input permutations cannot share a node (ORT equality: the cases above)."""
     from qcompiler.backends.onnx_siblings import fuse_sibling_nbits
+
     gm = _nbits_graph(perms, biases)
     x = torch.randn(3, 5, 64)
     want = gm(x)
@@ -107,8 +144,13 @@ def test_siblings_share_one_matmul_nbits_node(perms, biases, fused):
 
 def test_export_records_metadata_and_passes_checker(tmp_path):
     model = make_model("llama")
-    cm = qc.compile(model, example_inputs("llama"), recipe="gptq-w4g128",
-                    calibration=[example_inputs("llama", 4, 16)], progress=False)
+    cm = qc.compile(
+        model,
+        example_inputs("llama"),
+        recipe="gptq-w4g128",
+        calibration=[example_inputs("llama", 4, 16)],
+        progress=False,
+    )
     path = cm.export_onnx(tmp_path / "m.onnx")
     proto = onnx.load(str(path))
     meta = {p.key: p.value for p in proto.metadata_props}
@@ -129,6 +171,7 @@ def test_failed_export_leaves_no_file(tmp_path, monkeypatch):
 
     def broken(*a, **k):
         raise onnx.checker.ValidationError("injected failure")
+
     monkeypatch.setattr(onnx.checker, "check_model", broken)
     with pytest.raises(qc.BackendError, match="failed the checker: injected failure"):
         cm.export_onnx(target)
@@ -158,15 +201,19 @@ class InsertUnmapped(qc.Pass):
 
 def test_unmapped_op_is_named(tmp_path):
     cm = qc.compile(make_model("llama"), example_inputs("llama"), recipe=[InsertUnmapped()], progress=False)
-    with pytest.raises(qc.BackendError, match=r"node test_unmapped_default \(model.layers.0.self_attn.q_proj\) uses op "
-                                              r"qc.test_unmapped, which has no ONNX mapping"):
+    with pytest.raises(
+        qc.BackendError,
+        match=r"node test_unmapped_default \(model.layers.0.self_attn.q_proj\) uses op "
+        r"qc.test_unmapped, which has no ONNX mapping",
+    ):
         cm.export_onnx(tmp_path / "m.onnx")
     assert not (tmp_path / "m.onnx").exists()
 
 
 @pytest.mark.slow
 def test_minilm_quality_through_ort_matches_eager(minilm):
-    from qcompiler.quality import QualityJudge
+    from qcompiler.evaluation.quality import QualityJudge
+
     judge = QualityJudge(minilm, sentences=64)
     calib = minilm.calibration(16, 64)
     eager = qc.compile(minilm.model, minilm.example_inputs(), recipe="gptq-w4g128", calibration=calib, progress=False)
@@ -180,6 +227,7 @@ def test_large_models_go_to_external_data(tmp_path, monkeypatch):
     """Over 2 GB of initializers the weights go to one ``.data`` file beside the model; the
     threshold is lowered here so a tiny model takes that path (checker and ORT read it)."""
     import onnxruntime as ort
+
     monkeypatch.setattr(onnx_export, "_TWO_GB", 1024)
     cm = qc.compile(make_model("llama"), example_inputs("llama"), recipe="rtn-w4g128", progress=False)
     path = cm.export_onnx(tmp_path / "m.onnx", accuracy_level=0)
@@ -198,19 +246,20 @@ def test_an_encoder_compiled_without_a_mask_accepts_one_on_every_backend():
     ids = example_inputs("bert")["input_ids"]
     cm = qc.compile(model, {"input_ids": ids}, recipe="none", progress=False)
     mask = torch.ones_like(ids)
-    mask[0, :3] = 0                                                       # a padded row
+    mask[0, :3] = 0  # a padded row
     expected = model(input_ids=ids, attention_mask=mask).last_hidden_state
     for backend in ("eager", "onnxruntime"):
         got = cm.with_backend(backend)(input_ids=ids, attention_mask=mask).last_hidden_state
         assert (got - expected).abs().max() / expected.abs().max() < 1e-5, backend
-    plain = model(input_ids=ids).last_hidden_state                        # and without it, as before
+    plain = model(input_ids=ids).last_hidden_state  # and without it, as before
     assert (cm(input_ids=ids).last_hidden_state - plain).abs().max() / plain.abs().max() < 1e-5
 
 
 def test_t5_encoder_exports_and_runs_in_ort_at_other_shapes():
     """T5's attention output is reshaped right after a transpose; re-traced with symbolic shapes
-    the exporter used to turn that reshape into an impossible view (qcompiler.graph.contiguous_before_reshape)."""
+    the exporter used to turn that reshape into an impossible view (qcompiler.ir.graph.contiguous_before_reshape)."""
     from transformers import T5Config, T5EncoderModel
+
     torch.manual_seed(0)
     model = T5EncoderModel(T5Config(vocab_size=200, d_model=64, d_kv=16, d_ff=128, num_layers=2, num_heads=4)).eval()
     cm = qc.compile(model, {"input_ids": torch.randint(0, 200, (2, 12))}, recipe="rtn-w4g128", progress=False)

@@ -1,4 +1,5 @@
 """The onnx-genai export runs in the real onnxruntime-genai and generates what cm.generate does."""
+
 import json
 import warnings
 
@@ -6,12 +7,12 @@ import numpy as np
 import onnx
 import pytest
 import torch
+from client_runtimes import genai_tokens
 
 import qcompiler as qc
 from qcompiler.cli import main
 from qcompiler.interop import ExportError, export_onnx_genai
 from qcompiler.models import load
-from client_runtimes import genai_tokens
 
 og = pytest.importorskip("onnxruntime_genai")
 
@@ -25,13 +26,14 @@ def tinylm():
 @pytest.mark.slow
 @pytest.mark.parametrize("recipe", ["gptq-w4g128", "w8a8-smoothquant", "spqr-w3g16"])
 def test_onnxruntime_genai_generates_the_same_32_greedy_tokens(recipe, tinylm, tmp_path):
-    cm = qc.compile(tinylm.model, tinylm.example_inputs(), recipe=recipe, calibration=tinylm.calibration(8),
-                    progress=False)
+    cm = qc.compile(
+        tinylm.model, tinylm.example_inputs(), recipe=recipe, calibration=tinylm.calibration(8), progress=False
+    )
     export_onnx_genai(cm, tmp_path / "genai", accuracy_level=0, progress=lambda _: None)
     config = json.loads((tmp_path / "genai" / "genai_config.json").read_text())
     assert config["model"]["decoder"]["num_hidden_layers"] == 4 and config["search"]["past_present_share_buffer"]
     prompt = tinylm.encode("class Parser:\n    def __init__(self")
-    expected = cm.generate(prompt, 32)[0, prompt.shape[1]:].tolist()
+    expected = cm.generate(prompt, 32)[0, prompt.shape[1] :].tolist()
     assert genai_tokens(tmp_path / "genai", prompt[0].tolist(), 32) == expected
     # the byte tokenizer travels as Hugging Face files: genai's own tokenizer gives our ids for text
     tokenizer = og.Tokenizer(og.Model(str(tmp_path / "genai")))
@@ -43,22 +45,42 @@ def test_onnxruntime_genai_generates_the_same_32_greedy_tokens(recipe, tinylm, t
 def test_cli_export_onnx_genai_from_an_artifact(tinylm, tmp_path, capsys):
     cm = qc.compile(tinylm.model, tinylm.example_inputs(), recipe="rtn-w4g128", progress=False)
     cm.save(tmp_path / "art", metadata={"source": "bundled:tinylm"})
-    assert main(["export", str(tmp_path / "art"), "--format", "onnx-genai", "--out", str(tmp_path / "g"),
-                 "--plain-attention"]) == 0  # the fused node: tests/test_cli.py's genai export
+    assert (
+        main(
+            [
+                "export",
+                str(tmp_path / "art"),
+                "--format",
+                "onnx-genai",
+                "--out",
+                str(tmp_path / "g"),
+                "--plain-attention",
+            ]
+        )
+        == 0
+    )  # the fused node: tests/test_cli.py's genai export
     model = onnx.load(str(tmp_path / "g" / "model.onnx"), load_external_data=False)
     assert not any(n.op_type == "GroupQueryAttention" for n in model.graph.node)
     # plain-op attention concatenates its cache: genai must hand it a growing past, not a shared buffer
     assert not json.loads((tmp_path / "g" / "genai_config.json").read_text())["search"]["past_present_share_buffer"]
-    assert sorted(p.name for p in (tmp_path / "g").iterdir()) == [".qcompiler-output.json", "genai_config.json",
-                                                                  "generation_config.json", "model.onnx",
-                                                                  "tokenizer.json", "tokenizer_config.json"]
+    assert sorted(p.name for p in (tmp_path / "g").iterdir()) == [
+        ".qcompiler-output.json",
+        "genai_config.json",
+        "generation_config.json",
+        "model.onnx",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    ]
     prompt = tinylm.encode("import os")[0].tolist()
-    assert genai_tokens(tmp_path / "g", prompt, 8) == \
-        cm.with_backend("onnxruntime").generate(torch.tensor([prompt]), 8)[0, len(prompt):].tolist()
+    assert (
+        genai_tokens(tmp_path / "g", prompt, 8)
+        == cm.with_backend("onnxruntime").generate(torch.tensor([prompt]), 8)[0, len(prompt) :].tolist()
+    )
 
 
 def test_an_encoder_is_refused_and_nothing_is_written(tmp_path):
     from tiny_models import example_inputs, make_model
+
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         encoder = qc.compile(make_model("bert"), example_inputs("bert"), recipe="none", progress=False)
@@ -74,6 +96,7 @@ def test_shared_kv_buffers_and_sliding_windows(window, tmp_path):
     window − 1 positions while genai expects each step's cache to grow, so that model's context is
     capped there (past it genai failed). Either way genai generates transformers' greedy tokens."""
     from causal_lms import causal_lm, prompt
+
     model = causal_lm("mistral")
     model.config.sliding_window = window
     cm = qc.compile(model, {"input_ids": prompt()}, recipe="none", progress=False)

@@ -1,16 +1,17 @@
 """Every ``qc`` op x every backend and exporter: an implementation or a stated refusal, registered
 against the op spec beside the target's own code; no target keeps a private per-op table."""
+
 import ast
 import pathlib
 
 import pytest
 import torch
+from tiny_models import example_inputs, make_model
 
 import qcompiler as qc
 import qcompiler.backends.onnx_export  # noqa: F401  (registers the ONNX translations)
 import qcompiler.interop  # noqa: F401  (registers the checkpoint writers)
-from qcompiler.op_registry import implementation, implementations, registered, storage_ops, targets
-from tiny_models import example_inputs, make_model
+from qcompiler.ir.op_registry import implementation, implementations, registered, storage_ops, targets
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 EXPECTED_TARGETS = {"eager", "triton", "onnx", "gptq", "compressed-tensors"}
@@ -18,19 +19,23 @@ EXPECTED_TARGETS = {"eager", "triton", "onnx", "gptq", "compressed-tensors"}
 
 def test_every_op_is_implemented_or_refused_by_every_target():
     assert EXPECTED_TARGETS <= set(targets())
-    missing = [f"{target} x qc.{op.name}" for target in targets() for op in storage_ops()
-               if implementation(target, op.name) is None]
+    missing = [
+        f"{target} x qc.{op.name}"
+        for target in targets()
+        for op in storage_ops()
+        if implementation(target, op.name) is None
+    ]
     assert not missing, "no implementation or refusal registered for: " + ", ".join(missing)
     for op in registered().values():  # an export-only op is implemented by the target that makes it
         if op.export_only is not None:
             impl = implementation(op.export_only, op.name)
             assert impl is not None and impl.refusal is None, op.name
     refusals = [implementation(t, op.name).refusal for t in targets() for op in storage_ops()]
-    assert all(r is None or len(r) > 30 for r in refusals)   # a refusal says why, not just "no"
+    assert all(r is None or len(r) > 30 for r in refusals)  # a refusal says why, not just "no"
 
 
 def test_implementations_load_to_callables():
-    for target in ("eager", "onnx", "gptq", "compressed-tensors"):   # triton's load imports Triton
+    for target in ("eager", "onnx", "gptq", "compressed-tensors"):  # triton's load imports Triton
         for op in storage_ops():
             impl = implementation(target, op.name)
             if impl.refusal is None:
@@ -68,6 +73,7 @@ def test_no_backend_or_exporter_keeps_its_own_per_op_table(tmp_path):
 
 def test_the_artifact_writer_refuses_export_only_ops(tmp_path):
     from qcompiler.backends.onnx_layout import lower_for_onnx
+
     cm = qc.compile(make_model("llama"), example_inputs("llama"), recipe="rtn-w4g128", progress=False)
     lowered, _ = lower_for_onnx(cm.graph_module)
     assert any(n.target is torch.ops.qc.matmul_nbits.default for n in lowered.graph.nodes)
@@ -79,10 +85,19 @@ def test_the_artifact_writer_refuses_export_only_ops(tmp_path):
 
 def test_exporters_refuse_with_the_registered_reason(tmp_path):
     from qcompiler.interop import export_compressed_tensors, export_gptq
-    cm = qc.compile(make_model("llama"), example_inputs("llama"), recipe="spqr-w3g16",
-                    calibration=[example_inputs("llama", 4, 16, seed=s) for s in range(2)], progress=False)
-    with pytest.raises(qc.QCompilerError, match=r"layer model.layers.0.self_attn.q_proj is qc.spqr_dense_linear: "
-                                                r"the GPTQ format holds only weight-only"):
+
+    cm = qc.compile(
+        make_model("llama"),
+        example_inputs("llama"),
+        recipe="spqr-w3g16",
+        calibration=[example_inputs("llama", 4, 16, seed=s) for s in range(2)],
+        progress=False,
+    )
+    with pytest.raises(
+        qc.QCompilerError,
+        match=r"layer model.layers.0.self_attn.q_proj is qc.spqr_dense_linear: "
+        r"the GPTQ format holds only weight-only",
+    ):
         export_gptq(cm, tmp_path / "g")
     with pytest.raises(qc.QCompilerError, match="is qc.spqr_dense_linear: compressed-tensors cannot express it"):
         export_compressed_tensors(cm, tmp_path / "c")

@@ -1,5 +1,6 @@
 """The ``qc`` op contract lives in one place: every op has a spec, and nothing outside the
 registry reads a node's arguments by position."""
+
 import re
 from pathlib import Path
 
@@ -8,14 +9,19 @@ import torch
 
 import qcompiler.backends.onnx_attention  # noqa: F401  (defines export-only ops)
 import qcompiler.backends.onnx_layout  # noqa: F401
-from qcompiler.op_registry import args_of, call_op, registered, spec
-from qcompiler.ops import pack_gptq
+from qcompiler.ir.op_registry import args_of, call_op, registered, spec
+from qcompiler.ir.ops import pack_gptq
 
 ROOT = Path(__file__).resolve().parents[1]
 
 # Files that pattern-match aten / transformers graphs (never qc ops) may index node arguments.
-ATEN_MATCHERS = {"qcompiler/graph.py", "qcompiler/smoothing_plan.py", "qcompiler/experts.py", "passes/lower_int8.py",
-                 "backends/onnx_attention.py"}
+ATEN_MATCHERS = {
+    "qcompiler/ir/graph.py",
+    "qcompiler/pipeline/smoothing_plan.py",
+    "qcompiler/ir/experts.py",
+    "passes/lower_int8.py",
+    "backends/onnx_attention.py",
+}
 
 
 def _sources():
@@ -27,7 +33,7 @@ def test_no_positional_argument_access_outside_the_registry():
     offenders = []
     for path in _sources():
         rel = path.relative_to(ROOT).as_posix()
-        if rel in ATEN_MATCHERS or rel == "qcompiler/op_registry.py":
+        if rel in ATEN_MATCHERS or rel == "qcompiler/ir/op_registry.py":
             continue
         for i, line in enumerate(path.read_text().splitlines(), 1):
             if re.search(r"(?<!exc)\.args\[", line):
@@ -43,7 +49,9 @@ def test_every_defined_qc_op_has_a_spec():
 def _quant_linear_graph():
     torch.manual_seed(0)
     codes = torch.randint(0, 16, (8, 32))
-    packed = pack_gptq(codes, torch.rand(1, 8) + 0.1, torch.full((1, 8), 8.0), torch.zeros(32, dtype=torch.int32), 4, -1)
+    packed = pack_gptq(
+        codes, torch.rand(1, 8) + 0.1, torch.full((1, 8), 8.0), torch.zeros(32, dtype=torch.int32), 4, -1
+    )
     gm = torch.fx.GraphModule(torch.nn.Module(), torch.fx.Graph())
     for name in ("qweight", "qzeros", "scales", "g_idx"):
         gm.register_buffer(f"layer_{name}", getattr(packed, name))

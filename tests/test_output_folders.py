@@ -1,4 +1,5 @@
 """Writers never delete what qcompiler did not write, and a failure at any point keeps the old output."""
+
 import errno
 import json
 import os
@@ -11,12 +12,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from tiny_models import example_inputs, main_output, make_model
 
 import qcompiler as qc
-from qcompiler.atomic import MARKER, OutputPathError
 from qcompiler.cli import main
 from qcompiler.interop import export_compressed_tensors, export_gptq
-from tiny_models import example_inputs, main_output, make_model
+from qcompiler.store.atomic import MARKER, OutputPathError
 
 
 @pytest.fixture(scope="module")
@@ -46,11 +47,11 @@ def test_a_folder_of_user_files_is_never_replaced(writer, cm, tmp_path):
     with pytest.raises(OutputPathError, match=r"refusing to replace .*victim.*precious.txt.*--overwrite"):
         write(victim)
     assert (victim / "precious.txt").read_text() == "thesis"
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["victim"]       # no temporary folder left
-    write(tmp_path / "fresh")                                              # a new folder: written
-    write(tmp_path / "fresh")                                              # its own earlier output: replaced
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["victim"]  # no temporary folder left
+    write(tmp_path / "fresh")  # a new folder: written
+    write(tmp_path / "fresh")  # its own earlier output: replaced
     assert json.loads((tmp_path / "fresh" / MARKER).read_text())["kind"] in ("artifact", writer)
-    write(victim, overwrite=True)                                          # explicit consent
+    write(victim, overwrite=True)  # explicit consent
     assert not (victim / "precious.txt").exists()
 
 
@@ -76,8 +77,15 @@ def test_dangerous_targets_are_refused_even_with_overwrite(where, cm, tmp_path, 
     work.mkdir(parents=True)
     (work / "keep.txt").write_text("x")
     monkeypatch.chdir(work)
-    target = {".": Path("."), "..": Path(".."), "cwd": work, "cwd-parent": tmp_path / "a", "home": Path.home(),
-              "root": Path("/"), "source": tmp_path / "model"}[where]
+    target = {
+        ".": Path("."),
+        "..": Path(".."),
+        "cwd": work,
+        "cwd-parent": tmp_path / "a",
+        "home": Path.home(),
+        "root": Path("/"),
+        "source": tmp_path / "model",
+    }[where]
     if where == "source":
         target.mkdir()
     with pytest.raises(OutputPathError, match="refusing to write"):
@@ -91,7 +99,7 @@ def test_cli_refuses_user_folders_and_the_input_model_before_any_work(tmp_path, 
     assert main(["quantize", "bundled:tinylm", "--out", str(victim)]) == 2
     line = capsys.readouterr().err.strip()
     assert line.startswith("error: refusing to replace") and "\n" not in line
-    assert time.perf_counter() - start < 5                                # refused before loading the model
+    assert time.perf_counter() - start < 5  # refused before loading the model
     model = tmp_path / "mymodel"
     model.mkdir()
     (model / "config.json").write_text("{}")
@@ -111,12 +119,14 @@ def test_stale_temporary_folders_of_killed_writers_are_removed(cm, tmp_path):
 
 @pytest.mark.parametrize("code", [errno.ENOSPC, errno.EROFS, errno.EACCES])
 def test_a_failing_disk_keeps_the_previous_artifact(code, cm, tmp_path, monkeypatch, capsys):
-    import qcompiler.artifact as artifact
+    import qcompiler.store.artifact as artifact
+
     cm.save(tmp_path / "art")
     before = (tmp_path / "art" / "manifest.json").read_bytes()
 
     def fail(*args, **kwargs):
         raise OSError(code, os.strerror(code), "tensors.safetensors")
+
     monkeypatch.setattr(artifact, "save_file", fail)
     with pytest.raises(OSError):
         cm.save(tmp_path / "art")
@@ -128,6 +138,7 @@ def test_a_failing_disk_keeps_the_previous_artifact(code, cm, tmp_path, monkeypa
 def test_ctrl_c_exits_130_and_leaves_nothing(tmp_path, monkeypatch, capsys):
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
+
     monkeypatch.setattr(qc, "compile", interrupted)
     assert main(["quantize", "bundled:tinylm", "--recipe", "rtn-w4g128", "--out", str(tmp_path / "o")]) == 130
     assert "interrupted" in capsys.readouterr().err
@@ -156,7 +167,7 @@ def test_kill_9_at_random_points_keeps_a_loadable_artifact(seed, cm, tmp_path):
         proc.wait()
     inputs = example_inputs("llama", batch=1, seq=5, seed=3)
     assert main_output(qc.load(art)(**inputs)).equal(main_output(cm(**inputs)))
-    cm.save(art)                                                  # the next write cleans up after the killed one
+    cm.save(art)  # the next write cleans up after the killed one
     assert sorted(p.name for p in tmp_path.iterdir()) == ["art"]
 
 
@@ -173,13 +184,15 @@ def test_a_reader_never_sees_a_mix_of_two_artifacts(tmp_path):
         while not stop.is_set():
             for cm in (b, a):
                 cm.save(art)
+
     thread = threading.Thread(target=writer)
     thread.start()
     try:
         for _ in range(15):
             loaded = qc.load(art)
-            graph_bits = {n.args[6] for n in loaded.graph_module.graph.nodes
-                          if n.target == torch.ops.qc.quant_linear.default}
+            graph_bits = {
+                n.args[6] for n in loaded.graph_module.graph.nodes if n.target == torch.ops.qc.quant_linear.default
+            }
             if graph_bits != {loaded.recipe.passes[0].bits}:
                 mixed.append((loaded.recipe.name, graph_bits))
     finally:

@@ -1,17 +1,19 @@
 """GPTQ-layout packing is exact, and qc.quant_linear equals dequantize-then-matmul."""
+
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from qcompiler.ops import dequantize_gptq, pack_gptq
 from qcompiler.algorithms.packing import pack_cols, pack_rows, unpack_cols, unpack_rows
+from qcompiler.ir.ops import dequantize_gptq, pack_gptq
 
 
 @settings(max_examples=60, deadline=None)
 @given(bits=st.sampled_from([2, 3, 4, 8]), words=st.integers(1, 4), cols=st.integers(1, 9), seed=st.integers(0, 10**6))
 def test_pack_unpack_roundtrip(bits, words, cols, seed):
     n = words * 32  # every bit width fills whole words at multiples of 32 values
-    codes = torch.randint(0, 2 ** bits, (n, cols), generator=torch.Generator().manual_seed(seed))
+    codes = torch.randint(0, 2**bits, (n, cols), generator=torch.Generator().manual_seed(seed))
     packed = pack_rows(codes, bits)
     assert packed.dtype == torch.int32 and packed.shape == (n * bits // 32, cols)
     assert torch.equal(unpack_rows(packed, bits, n), codes.int())
@@ -23,7 +25,7 @@ def test_4bit_matches_gptq_reference_packing():
     expected = torch.zeros(2, 5, dtype=torch.int64)
     for r in range(16):  # GPTQ: row r goes to word r // 8 at bit offset 4 * (r % 8)
         expected[r // 8] |= codes[r].long() << (4 * (r % 8))
-    expected = torch.where(expected >= 2 ** 31, expected - 2 ** 32, expected).int()
+    expected = torch.where(expected >= 2**31, expected - 2**32, expected).int()
     assert torch.equal(pack_rows(codes, 4), expected)
 
 
@@ -49,9 +51,9 @@ def test_quant_linear_equals_dequantize_then_matmul(bits, group):
     gen = torch.Generator().manual_seed(bits)
     n_out, n_in = 32, 192
     n_groups = 1 if group == -1 else -(-n_in // group)
-    codes = torch.randint(0, 2 ** bits, (n_out, n_in), generator=gen)
+    codes = torch.randint(0, 2**bits, (n_out, n_in), generator=gen)
     scales = torch.rand(n_groups, n_out, generator=gen) * 0.1 + 0.01
-    zeros = torch.randint(0, 2 ** bits, (n_groups, n_out), generator=gen).float()
+    zeros = torch.randint(0, 2**bits, (n_groups, n_out), generator=gen).float()
     g_idx = torch.zeros(n_in, dtype=torch.int32) if group == -1 else torch.arange(n_in) // group
     g_idx = g_idx[torch.randperm(n_in, generator=gen)]  # act-order style scattered groups
     w = pack_gptq(codes, scales, zeros, g_idx, bits, group)
@@ -66,8 +68,15 @@ def test_quant_linear_equals_dequantize_then_matmul(bits, group):
 
 def test_quant_linear_fake_impl_gives_shapes():
     from torch._subclasses.fake_tensor import FakeTensorMode
-    w = pack_gptq(torch.zeros(16, 64, dtype=torch.int64), torch.ones(1, 16), torch.zeros(1, 16),
-                  torch.zeros(64, dtype=torch.int32), 4, -1)
+
+    w = pack_gptq(
+        torch.zeros(16, 64, dtype=torch.int64),
+        torch.ones(1, 16),
+        torch.zeros(1, 16),
+        torch.zeros(64, dtype=torch.int32),
+        4,
+        -1,
+    )
     with FakeTensorMode(allow_non_fake_inputs=True):
         y = torch.ops.qc.quant_linear(torch.empty(2, 7, 64), w.qweight, w.qzeros, w.scales, w.g_idx, None, 4, -1)
     assert tuple(y.shape) == (2, 7, 16)

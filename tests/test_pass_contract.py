@@ -1,6 +1,7 @@
 """The pass contract is checked, not trusted: what a pass provides must hold after it, passes are
 frozen dataclasses, configs carry versions that artifacts check, and one registry names passes for
 recipes, artifacts and the manager (a user pass runs from a YAML recipe through the CLI)."""
+
 import json
 import sys
 import textwrap
@@ -8,11 +9,11 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+from tiny_models import example_inputs, make_model
 
 import qcompiler as qc
 from qcompiler.cli import main
-from qcompiler.pass_contract import PostconditionError, properties_of
-from tiny_models import example_inputs, make_model
+from qcompiler.pipeline.pass_contract import PostconditionError, properties_of
 
 
 @dataclass(frozen=True)
@@ -52,7 +53,10 @@ class Rebuilds(qc.Pass):
 
     def run(self, gm, ctx):
         import copy
-        from qcompiler.graph import find_linears, set_tensor
+
+        from qcompiler.ir.graph import find_linears
+        from qcompiler.ir.tensors import set_tensor
+
         new = copy.deepcopy(gm)
         layer = find_linears(new)[0]
         set_tensor(new, layer.weight_node.target, layer.weight(new) * 0)
@@ -66,13 +70,21 @@ def llama():
 
 
 def test_a_pass_whose_claim_does_not_hold_fails_naming_itself(llama):
-    with pytest.raises(PostconditionError, match=r"^pass #1 ClaimsQuantized provides QUANTIZED_WEIGHTS, but it "
-                                                 r"added no node of an op that establishes it \(still 0\)$"):
+    with pytest.raises(
+        PostconditionError,
+        match=r"^pass #1 ClaimsQuantized provides QUANTIZED_WEIGHTS, but it "
+        r"added no node of an op that establishes it \(still 0\)$",
+    ):
         qc.compile(llama, example_inputs("llama"), recipe=[ClaimsQuantized()], progress=False)
-    with pytest.raises(PostconditionError, match="pass #2 ClaimsSmoothed provides SMOOTHED, but it reported "
-                                                 "that it changed nothing"):
-        qc.compile(llama, example_inputs("llama"), recipe=[qc.passes.RTN(bits=4, group_size=32), ClaimsSmoothed()],
-                   progress=False)
+    with pytest.raises(
+        PostconditionError, match="pass #2 ClaimsSmoothed provides SMOOTHED, but it reported that it changed nothing"
+    ):
+        qc.compile(
+            llama,
+            example_inputs("llama"),
+            recipe=[qc.passes.RTN(bits=4, group_size=32), ClaimsSmoothed()],
+            progress=False,
+        )
     # standalone, qc.run_pass runs one pass under the same contract
     gm = qc.capture(llama, example_inputs("llama"))
     with pytest.raises(PostconditionError, match="^pass ClaimsQuantized provides"):
@@ -80,16 +92,24 @@ def test_a_pass_whose_claim_does_not_hold_fails_naming_itself(llama):
 
 
 def test_passes_must_be_frozen_dataclasses(llama):
-    with pytest.raises(qc.PipelineError, match="pipeline item #1 NotADataclass is not a frozen dataclass: "
-                                               r"decorate NotADataclass with @dataclass\(frozen=True\)"):
+    with pytest.raises(
+        qc.PipelineError,
+        match="pipeline item #1 NotADataclass is not a frozen dataclass: "
+        r"decorate NotADataclass with @dataclass\(frozen=True\)",
+    ):
         qc.compile(llama, example_inputs("llama"), recipe=[NotADataclass()], progress=False)
     with pytest.raises(qc.PipelineError, match="pipeline item #2 MutableSettings is not a frozen dataclass"):
         qc.compile(llama, example_inputs("llama"), recipe=[qc.passes.RTN(), MutableSettings()], progress=False)
 
 
 def test_properties_are_recorded_on_the_graph_and_in_the_artifact(llama, tmp_path):
-    cm = qc.compile(llama, example_inputs("llama"), recipe="w8a8-smoothquant",
-                    calibration=[example_inputs("llama", 4, 16, seed=s) for s in range(2)], progress=False)
+    cm = qc.compile(
+        llama,
+        example_inputs("llama"),
+        recipe="w8a8-smoothquant",
+        calibration=[example_inputs("llama", 4, 16, seed=s) for s in range(2)],
+        progress=False,
+    )
     held = {qc.GraphProperty.CAPTURED, qc.GraphProperty.SMOOTHED, qc.GraphProperty.INT8_LOWERED}
     assert properties_of(cm.graph_module) == held
     cm.save(tmp_path / "a")
@@ -100,9 +120,10 @@ def test_properties_are_recorded_on_the_graph_and_in_the_artifact(llama, tmp_pat
 def test_a_pass_may_return_a_new_graph(llama):
     cm = qc.compile(llama, example_inputs("llama"), recipe=[Rebuilds()], progress=False)
     assert cm.report.passes[0].modified and cm.report.passes[0].notes == ["zeroed model.layers.0.self_attn.q_proj"]
-    from qcompiler.graph import find_linears
+    from qcompiler.ir.graph import find_linears
+
     assert not find_linears(cm.graph_module)[0].weight(cm.graph_module).any()
-    assert llama.model.layers[0].self_attn.q_proj.weight.any()   # the user's model is untouched
+    assert llama.model.layers[0].self_attn.q_proj.weight.any()  # the user's model is untouched
 
 
 def _bump_version(folder, version):
@@ -117,22 +138,29 @@ def test_an_artifact_from_another_config_version_is_refused_or_migrated(llama, t
     manifest = json.loads((tmp_path / "a" / "manifest.json").read_text())
     assert manifest["recipe"]["passes"][0]["config_version"] == qc.passes.RTN.config_version == 1
     _bump_version(tmp_path / "a", 0)
-    with pytest.raises(qc.QCompilerError, match=r"manifest.json: pass RTN: the artifact's settings are config "
-                                                r"version 0, this qcompiler's RTN is version 1 and has no migration"):
+    with pytest.raises(
+        qc.QCompilerError,
+        match=r"manifest.json: pass RTN: the artifact's settings are config "
+        r"version 0, this qcompiler's RTN is version 1 and has no migration",
+    ):
         qc.load(tmp_path / "a")
     # a pass that changed a field's meaning raises its version and says how to read the old one
     monkeypatch.setattr(qc.passes.RTN, "config_version", 2, raising=False)
-    monkeypatch.setattr(qc.passes.RTN, "migrate_config", classmethod(
-        lambda cls, config, version: {**config, "bits": 3} if version == 0 else None))
+    monkeypatch.setattr(
+        qc.passes.RTN,
+        "migrate_config",
+        classmethod(lambda cls, config, version: {**config, "bits": 3} if version == 0 else None),
+    )
     assert qc.load(tmp_path / "a").recipe.passes == (qc.passes.RTN(bits=3, group_size=128),)
 
 
 USER_PASS = '''
 from dataclasses import dataclass
 import qcompiler as qc
-from qcompiler.graph import block_of, find_linears, set_tensor
+from qcompiler.ir.graph import block_of, find_linears
 
 
+from qcompiler.ir.tensors import set_tensor
 @dataclass(frozen=True)
 class ClipWeights(qc.Pass):
     """Clips each block linear's weight to +-k standard deviations."""
@@ -152,8 +180,10 @@ class ClipWeights(qc.Pass):
 
 def test_a_user_pass_runs_from_a_yaml_recipe_through_the_cli_and_its_artifact_reloads(tmp_path, monkeypatch):
     (tmp_path / "my_passes.py").write_text(textwrap.dedent(USER_PASS))
-    (tmp_path / "r.yaml").write_text("name: clipped-w4\npasses:\n  - pass: my_passes:ClipWeights\n    k: 2.5\n"
-                                     "  - pass: RTN\n    bits: 4\n    group_size: 64\n")
+    (tmp_path / "r.yaml").write_text(
+        "name: clipped-w4\npasses:\n  - pass: my_passes:ClipWeights\n    k: 2.5\n"
+        "  - pass: RTN\n    bits: 4\n    group_size: 64\n"
+    )
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.delitem(sys.modules, "my_passes", raising=False)
     out = tmp_path / "out"
@@ -161,6 +191,7 @@ def test_a_user_pass_runs_from_a_yaml_recipe_through_the_cli_and_its_artifact_re
     manifest = json.loads((out / "manifest.json").read_text())
     assert [p["pass"] for p in manifest["recipe"]["passes"]] == ["my_passes:ClipWeights", "RTN"]
     from my_passes import ClipWeights
+
     cm = qc.load(out)
     assert cm.recipe.passes == (ClipWeights(k=2.5), qc.passes.RTN(bits=4, group_size=64))
     assert len(cm.report.passes[0].layers) == 28 and cm.report.passes[0].layers["model.layers.0.mlp.up_proj"]
@@ -169,10 +200,14 @@ def test_a_user_pass_runs_from_a_yaml_recipe_through_the_cli_and_its_artifact_re
 
 
 def test_artifacts_never_import_and_recipe_files_name_what_failed(tmp_path, monkeypatch, llama):
-    from qcompiler.recipe_files import load_recipe_file
+    from qcompiler.pipeline.recipe_files import load_recipe_file
+
     (tmp_path / "missing.yaml").write_text("passes:\n  - pass: no_such_module_here:Pass\n")
-    with pytest.raises(qc.RecipeError, match=r"passes\[0\]: cannot import module 'no_such_module_here' for pass "
-                                             r"'no_such_module_here:Pass' \(ModuleNotFoundError"):
+    with pytest.raises(
+        qc.RecipeError,
+        match=r"passes\[0\]: cannot import module 'no_such_module_here' for pass "
+        r"'no_such_module_here:Pass' \(ModuleNotFoundError",
+    ):
         load_recipe_file(tmp_path / "missing.yaml")
     (tmp_path / "notpass.yaml").write_text("passes:\n  - pass: json:dumps\n")
     with pytest.raises(qc.RecipeError, match="'json:dumps' is function, not a qc.Pass subclass"):
@@ -189,6 +224,8 @@ def test_artifacts_never_import_and_recipe_files_name_what_failed(tmp_path, monk
     (tmp_path / "evil_module_never_imported.py").write_text("raise SystemExit('imported!')\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     loaded = qc.load(tmp_path / "a")
-    assert loaded.recipe.passes == () and "not imported in this process: evil_module_never_imported:Pass" \
-        in loaded.recipe.description
+    assert (
+        loaded.recipe.passes == ()
+        and "not imported in this process: evil_module_never_imported:Pass" in loaded.recipe.description
+    )
     assert "evil_module_never_imported" not in sys.modules

@@ -1,11 +1,12 @@
 """The pass manager validates before running, lints after each pass, and blames the right pass."""
+
 from dataclasses import dataclass
 
 import pytest
 import torch
+from tiny_models import example_inputs, make_model
 
 import qcompiler as qc
-from tiny_models import example_inputs, make_model
 
 
 @dataclass(frozen=True)
@@ -54,7 +55,10 @@ def test_missing_calibration_is_reported_before_running(llama):
 
 
 def test_invalid_graph_names_the_pass(llama):
-    with pytest.raises(qc.GraphLintError, match=r"pass Breaks left an invalid graph: Node model_embed_tokens_weight target no.such.weight"):
+    with pytest.raises(
+        qc.GraphLintError,
+        match=r"pass Breaks left an invalid graph: Node model_embed_tokens_weight target no.such.weight",
+    ):
         qc.compile(llama, example_inputs("llama"), recipe=[Breaks()], progress=False)
 
 
@@ -64,8 +68,9 @@ def test_failing_pass_names_itself_and_earlier_passes(llama):
 
 
 def test_report_records_each_pass_in_order(llama):
-    cm = qc.compile(llama, example_inputs("llama"), recipe=[Noop(), qc.passes.RTN(bits=4, group_size=32)],
-                    progress=False)
+    cm = qc.compile(
+        llama, example_inputs("llama"), recipe=[Noop(), qc.passes.RTN(bits=4, group_size=32)], progress=False
+    )
     assert [p.name for p in cm.report.passes] == ["Noop", "RTN"]
     assert not cm.report.passes[0].modified and cm.report.passes[1].modified
     assert all(p.seconds >= 0 for p in cm.report.passes)

@@ -1,10 +1,11 @@
 """SmoothQuant folding is exact on every architecture, reports its forms, and rescues W8A8 from outliers."""
+
 import pytest
 import torch
+from tiny_models import ARCHS, Stack, example_inputs, main_output, make_model
 
 import qcompiler as qc
 from qcompiler.algorithms.smoothquant import search_alpha, smoothing_scales
-from tiny_models import ARCHS, Stack, example_inputs, main_output, make_model
 
 # Producer groups per block and the form each must get.
 FORMS = {
@@ -23,14 +24,20 @@ def strip(inputs):
 def test_smoothing_alone_keeps_outputs_and_reports_forms(arch):
     model = make_model(arch)
     calib = [example_inputs(arch, 4, 16, seed=s) for s in range(2)]
-    cm = qc.compile(model, example_inputs(arch), recipe=[qc.passes.SmoothQuant(alpha=0.5)], calibration=calib,
-                    progress=False)
+    cm = qc.compile(
+        model, example_inputs(arch), recipe=[qc.passes.SmoothQuant(alpha=0.5)], calibration=calib, progress=False
+    )
     inputs = example_inputs(arch, 3, 11, seed=7)
     ref = main_output(model(**inputs))
     got = main_output(cm(**strip(inputs)))
     assert ((got - ref).abs().max() / ref.abs().max()).item() <= 1e-4
     layers = cm.report.passes[0].layers
-    prefix = {"llama": "model.layers.", "opt": "model.decoder.layers.", "gpt2": "transformer.h.", "bert": "encoder.layer."}[arch]
+    prefix = {
+        "llama": "model.layers.",
+        "opt": "model.decoder.layers.",
+        "gpt2": "transformer.h.",
+        "bert": "encoder.layer.",
+    }[arch]
     for block in (0, 1):
         for suffix, form in FORMS[arch].items():
             figures = layers[f"{prefix}{block}.{suffix}"]
@@ -45,10 +52,16 @@ def test_smoothing_alone_keeps_outputs_and_reports_forms(arch):
 
 def test_smoothing_keeps_pretrained_minilm(minilm):
     calib = minilm.calibration(16, 64)
-    cm = qc.compile(minilm.model, minilm.example_inputs(), recipe=[qc.passes.SmoothQuant(alpha=0.8)],
-                    calibration=calib, progress=False)
-    enc = minilm.tokenizer(["Return the number of items in a container.", "Smoothing is exact."],
-                           padding=True, return_tensors="pt")
+    cm = qc.compile(
+        minilm.model,
+        minilm.example_inputs(),
+        recipe=[qc.passes.SmoothQuant(alpha=0.8)],
+        calibration=calib,
+        progress=False,
+    )
+    enc = minilm.tokenizer(
+        ["Return the number of items in a container.", "Smoothing is exact."], padding=True, return_tensors="pt"
+    )
     ref = minilm.model(**enc).last_hidden_state
     got = cm(input_ids=enc["input_ids"], attention_mask=enc["attention_mask"]).last_hidden_state
     assert ((got - ref).abs().max() / ref.abs().max()).item() <= 1e-4
@@ -85,7 +98,7 @@ def test_zero_channels_give_finite_scales_and_alpha_is_validated():
     w = torch.tensor([1.0, 0.0, 0.5])
     s = smoothing_scales(act, w, 0.5)
     assert torch.isfinite(s).all() and s[0] == 1.0 and s[1] == 1.0
-    assert s[2] == pytest.approx((5.0 ** 0.5) / (0.5 ** 0.5))
+    assert s[2] == pytest.approx((5.0**0.5) / (0.5**0.5))
     for bad in (-0.1, 1.5, "best"):
         with pytest.raises(qc.QuantizationError, match="alpha must be in"):
             qc.passes.SmoothQuant(alpha=bad)
@@ -127,6 +140,9 @@ def test_model_without_foldable_producer_is_reported_not_crashed():
     assert any("no producer group could be smoothed" in n for n in ctx.record.notes)
     assert any("layers.0.0" in n and "no norm or linear producer" in n for n in ctx.record.notes)
     # in a pipeline, SmoothQuant provides SMOOTHED: smoothing nothing fails its contract, naming why
-    with pytest.raises(qc.PassError, match="pass #1 SmoothQuant provides SMOOTHED, but it reported that it changed "
-                                           "nothing .*no producer group could be smoothed"):
+    with pytest.raises(
+        qc.PassError,
+        match="pass #1 SmoothQuant provides SMOOTHED, but it reported that it changed "
+        "nothing .*no producer group could be smoothed",
+    ):
         qc.compile(m, (x,), recipe=[qc.passes.SmoothQuant()], calibration=[(x,)], progress=False)

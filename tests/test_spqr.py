@@ -1,18 +1,19 @@
 """SpQR: reduces to GPTQ without outliers, lazy equals straightforward, exact storage and bit accounting."""
+
 import re
 from fractions import Fraction
 
 import pytest
 import torch
+from tiny_models import example_inputs, main_output, make_model
 
 import qcompiler as qc
-from qcompiler.eval import bits_per_parameter
 from qcompiler.algorithms.gptq import gptq_quantize, output_error
-from qcompiler.ops import dequantize_spqr_dense, sparse_outlier_linear, spqr_dense_linear
-from qcompiler.passes.spqr import pack_spqr, stored_bits
 from qcompiler.algorithms.quant_grid import fit_grid
 from qcompiler.algorithms.spqr import leave_one_out_reduction, quantize_stats, spqr_quantize, spqr_quantize_reference
-from tiny_models import example_inputs, main_output, make_model
+from qcompiler.evaluation.eval import bits_per_parameter
+from qcompiler.ir.ops import dequantize_spqr_dense, sparse_outlier_linear, spqr_dense_linear
+from qcompiler.passes.spqr import pack_spqr, stored_bits
 
 
 def problem(out=64, n=128, seed=0):
@@ -57,8 +58,9 @@ def test_leave_one_out_matches_brute_force():
         q = torch.clamp(torch.round(sub / grid.scale + grid.zero), 0, 7)
         return ((grid.scale * (q - grid.zero) - sub) / d[cols]).pow(2).sum(1)
 
-    brute = torch.stack([group_error(list(range(8))) - group_error([c for c in range(8) if c != i])
-                         for i in range(8)], dim=1)
+    brute = torch.stack(
+        [group_error(list(range(8))) - group_error([c for c in range(8) if c != i]) for i in range(8)], dim=1
+    )
     red = leave_one_out_reduction(G, d, 3)
     assert torch.allclose(red, brute, rtol=1e-5, atol=1e-6)
     assert red[2].argmax() == 3  # the planted outlier helps most when left out
@@ -77,8 +79,9 @@ def test_stored_tensors_reproduce_the_weight_and_the_ops_compute_it():
     W, H = problem()
     res = spqr_quantize(W, H, outlier_threshold=0.5)
     t = pack_spqr(res, 3, 3)
-    dense = dequantize_spqr_dense(t["codes"], t["scale_codes"], t["zero_codes"], t["scale_stats"], t["zero_stats"],
-                                  t["perm"], 3, 16, 3, 16)
+    dense = dequantize_spqr_dense(
+        t["codes"], t["scale_codes"], t["zero_codes"], t["scale_stats"], t["zero_stats"], t["perm"], 3, 16, 3, 16
+    )
     assert torch.allclose(dense, res.dense, atol=1e-6)
     S = torch.zeros_like(W)
     rows = torch.repeat_interleave(torch.arange(64), (t["row_ptr"][1:] - t["row_ptr"][:-1]).long())
@@ -86,9 +89,20 @@ def test_stored_tensors_reproduce_the_weight_and_the_ops_compute_it():
     assert torch.equal(S != 0, res.outliers & (res.outlier_values != 0))
     assert torch.allclose(dense + S, res.dequantized, atol=1e-6)
     x = torch.randn(2, 5, 128)
-    y = spqr_dense_linear(x, t["codes"], t["scale_codes"], t["zero_codes"], t["scale_stats"], t["zero_stats"],
-                          t["perm"], None, 3, 16, 3, 16) + sparse_outlier_linear(x, t["row_ptr"], t["col_idx"],
-                                                                                 t["values"], 64)
+    y = spqr_dense_linear(
+        x,
+        t["codes"],
+        t["scale_codes"],
+        t["zero_codes"],
+        t["scale_stats"],
+        t["zero_stats"],
+        t["perm"],
+        None,
+        3,
+        16,
+        3,
+        16,
+    ) + sparse_outlier_linear(x, t["row_ptr"], t["col_idx"], t["values"], 64)
     assert torch.allclose(y, x @ (dense + S).t(), atol=1e-4)
     # outliers keep their GPTQ-updated value: the residual is exactly what fp16 can hold of w − dense
     assert (res.outlier_values[~res.outliers] == 0).all()
@@ -101,16 +115,26 @@ def test_bits_per_weight_from_stored_tensors_equals_formula(tau):
     t = pack_spqr(res, 3, 3)
     out, n = W.shape
     nnz = int(res.outliers.sum())
-    formula = (3 + Fraction(3 + 3, 16) + Fraction(64, 16 * 16) + 32 * Fraction(nnz, out * n)
-               + Fraction(32 * (out + 1), out * n))
+    formula = (
+        3
+        + Fraction(3 + 3, 16)
+        + Fraction(64, 16 * 16)
+        + 32 * Fraction(nnz, out * n)
+        + Fraction(32 * (out + 1), out * n)
+    )
     assert Fraction(stored_bits(t), out * n) == formula
 
 
 def test_pass_rewrites_linear_into_dense_plus_sparse():
     model = make_model("llama")
     calib = [example_inputs("llama", 4, 16, seed=s) for s in range(3)]
-    cm = qc.compile(model, example_inputs("llama"), recipe=[qc.passes.SpQR(outlier_threshold=0.5)],
-                    calibration=calib, progress=False)
+    cm = qc.compile(
+        model,
+        example_inputs("llama"),
+        recipe=[qc.passes.SpQR(outlier_threshold=0.5)],
+        calibration=calib,
+        progress=False,
+    )
     gm = cm.graph_module
     sparse = [n for n in gm.graph.nodes if n.target is torch.ops.qc.sparse_outlier_linear.default]
     dense = [n for n in gm.graph.nodes if n.target is torch.ops.qc.spqr_dense_linear.default]
@@ -154,12 +178,14 @@ def test_bad_settings_and_narrow_layers():
         def forward(self, x):
             return self.layers[0](x)
 
-    gm = qc.capture(Narrow(), (torch.randn(2, 32),))   # skipped with a note, not an abort of the pass ...
-    ctx = qc.PassContext(example_inputs=((torch.randn(2, 32),), {}), calibration=[((torch.randn(16, 32),), {})],
-                         progress=False)
+    gm = qc.capture(Narrow(), (torch.randn(2, 32),))  # skipped with a note, not an abort of the pass ...
+    ctx = qc.PassContext(
+        example_inputs=((torch.randn(2, 32),), {}), calibration=[((torch.randn(16, 32),), {})], progress=False
+    )
     assert not qc.passes.SpQR().run(gm, ctx)
     notes = " ".join(ctx.record.notes)
-    with pytest.raises(qc.PassError, match="SpQR provides OUTLIERS_SPLIT"):   # ... but the pipeline's contract fails
-        qc.compile(Narrow(), (torch.randn(2, 32),), recipe="spqr-w3g16", calibration=[(torch.randn(16, 32),)],
-                   progress=False)
+    with pytest.raises(qc.PassError, match="SpQR provides OUTLIERS_SPLIT"):  # ... but the pipeline's contract fails
+        qc.compile(
+            Narrow(), (torch.randn(2, 32),), recipe="spqr-w3g16", calibration=[(torch.randn(16, 32),)], progress=False
+        )
     assert re.search(r"layers\.0: kept in full precision \(.*(narrower than one group|cannot be stored)", notes), notes

@@ -1,6 +1,7 @@
 """Streamed loading: a model folder is captured from a skeleton with fake parameters and each tensor
 is read from its safetensors file when needed. Same quantized model as a full load; the weights
 read and alive at any moment stay near one block's; bad checkpoints are refused as a full load does."""
+
 import dataclasses
 import json
 import weakref
@@ -8,18 +9,26 @@ import weakref
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from tiny_models import main_output
 
 import qcompiler as qc
-from qcompiler import lazy_weights
+from qcompiler.frontend import lazy_weights
 from qcompiler.models import load
-from tiny_models import main_output
 
 
 def _llama_folder(path, *, layers=4, dtype=torch.float32, shard="200KB"):
     from transformers import LlamaConfig, LlamaForCausalLM
+
     torch.manual_seed(0)
-    config = LlamaConfig(hidden_size=64, intermediate_size=160, num_hidden_layers=layers, num_attention_heads=4,
-                         num_key_value_heads=2, vocab_size=256, max_position_embeddings=256)
+    config = LlamaConfig(
+        hidden_size=64,
+        intermediate_size=160,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=256,
+        max_position_embeddings=256,
+    )
     model = LlamaForCausalLM(config).to(dtype)
     model.save_pretrained(path, max_shard_size=shard)  # sharded, with an index
     return path
@@ -63,14 +72,22 @@ def test_finished_blocks_wait_on_disk_and_the_spill_is_removed(folder, tmp_path,
     folder is gone afterwards."""
     import tempfile
 
-    from qcompiler import spill
+    from qcompiler.store import spill
+
     parked, park = [], spill.Spill.park
-    monkeypatch.setattr(spill.Spill, "park",
-                        lambda self, tensors: parked.append(sorted(tensors)) or park(self, tensors))
+    monkeypatch.setattr(
+        spill.Spill, "park", lambda self, tensors: parked.append(sorted(tensors)) or park(self, tensors)
+    )
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     streamed = load(folder, stream=True)
-    qc.compile(streamed.model, streamed.example_inputs(), recipe="gptq-w4g128", calibration=_calibration(),
-               progress=False, device=None)
+    qc.compile(
+        streamed.model,
+        streamed.example_inputs(),
+        recipe="gptq-w4g128",
+        calibration=_calibration(),
+        progress=False,
+        device=None,
+    )
     assert len(parked) == 4 * 7 and parked[0] == ["g_idx", "qweight", "qzeros", "scales"]
     assert list(tmp_path.iterdir()) == []
 
@@ -82,25 +99,39 @@ def test_streamed_experts_leave_memory_once_their_block_is_done(tmp_path, monkey
     The result is still the full load's."""
     import transformers as T
 
-    from qcompiler import spill, weight_only
-    from qcompiler.graph import get_raw_tensor
+    from qcompiler.ir.tensors import get_raw_tensor
+    from qcompiler.pipeline import weight_only
+    from qcompiler.store import spill
+
     torch.manual_seed(0)
-    config = T.MixtralConfig(vocab_size=256, hidden_size=32, intermediate_size=48, num_hidden_layers=4,
-                             num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
-                             max_position_embeddings=64)
+    config = T.MixtralConfig(
+        vocab_size=256,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        max_position_embeddings=64,
+    )
     T.MixtralForCausalLM(config).save_pretrained(tmp_path / "m")
     held, parked = [], []
     block_done, park = weight_only._BlockQuantizer.block_done, spill.Spill.park
 
     def expert_bytes_after(self, start, experts_start):
         block_done(self, start, experts_start)
-        tensors = [get_raw_tensor(self.gm, n.target) for n in self.gm.graph.nodes
-                   if n.op == "get_attr" and ".experts." in n.target]
+        tensors = [
+            get_raw_tensor(self.gm, n.target)
+            for n in self.gm.graph.nodes
+            if n.op == "get_attr" and ".experts." in n.target
+        ]
         held.append(sum(t.numel() * t.element_size() for t in tensors if t.device.type != "meta"))
 
     monkeypatch.setattr(weight_only._BlockQuantizer, "block_done", expert_bytes_after)
-    monkeypatch.setattr(spill.Spill, "park",
-                        lambda self, tensors: parked.append(sorted(tensors)) or park(self, tensors))
+    monkeypatch.setattr(
+        spill.Spill, "park", lambda self, tensors: parked.append(sorted(tensors)) or park(self, tensors)
+    )
     full, streamed = load(tmp_path / "m"), load(tmp_path / "m", stream=True)
     x = _calibration(1)[0]
     got = qc.compile(streamed.model, x, recipe="gptq-w4g128", calibration=[x], progress=False, device=None)
@@ -127,8 +158,14 @@ def test_weights_alive_stay_near_one_block(tmp_path, monkeypatch):
 
     monkeypatch.setattr(lazy_weights.Checkpoint, "read", tracked)
     streamed = load(folder, stream=True)
-    cm = qc.compile(streamed.model, streamed.example_inputs(), recipe="gptq-w4g128", calibration=_calibration(),
-                    progress=False, device=None)
+    cm = qc.compile(
+        streamed.model,
+        streamed.example_inputs(),
+        recipe="gptq-w4g128",
+        calibration=_calibration(),
+        progress=False,
+        device=None,
+    )
     weights = {k: v for f in folder.glob("*.safetensors") for k, v in load_file(f).items()}
     block = sum(v.numel() * v.element_size() for k, v in weights.items() if k.startswith("model.layers.0."))
     embed = 256 * 64 * 4
@@ -181,12 +218,14 @@ def test_damaged_checkpoints_are_refused_by_name(tmp_path, how):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("arch", ["mistral", "qwen2", "qwen3", "gemma2", "phi3", "gpt2", "opt", "gpt_neox", "falcon",
-                                  "bloom"])
+@pytest.mark.parametrize(
+    "arch", ["mistral", "qwen2", "qwen3", "gemma2", "phi3", "gpt2", "opt", "gpt_neox", "falcon", "bloom"]
+)
 def test_every_dense_architecture_streams(tmp_path, arch):
     """Checkpoint names go through transformers' renamings (GPT-NeoX embed_out) and base-model
     prefixes (GPT-2's transformer.): the streamed model equals the fully loaded one."""
     import causal_lms
+
     model = causal_lms.causal_lm(arch)
     model.config.architectures = [type(model).__name__]
     model.save_pretrained(tmp_path)
@@ -203,6 +242,7 @@ def test_moe_checkpoints_transformers_converts_stream_and_compile_like_a_full_lo
     (``experts.gate_up_proj [E, 2I, H]``). Streaming builds each stacked tensor from its sources
     through transformers' own conversion, when its block is calibrated."""
     import causal_lms
+
     causal_lms.causal_lm(arch).save_pretrained(tmp_path)
     assert not any(".experts.gate_up_proj" in k for f in tmp_path.glob("*.safetensors") for k in load_file(f))
     full, streamed = load(tmp_path), load(tmp_path, stream=True)
@@ -218,10 +258,19 @@ def test_converted_experts_keep_their_order_past_ten(tmp_path):
     """``experts.10`` is the eleventh expert, not the third (a plain sort of the keys)."""
     import transformers as T
 
-    from qcompiler.checkpoint_keys import Converted, checkpoint_keys
+    from qcompiler.frontend.checkpoint_keys import Converted, checkpoint_keys
+
     torch.manual_seed(0)
-    config = T.MixtralConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
-                             num_attention_heads=2, num_key_value_heads=1, num_local_experts=12, num_experts_per_tok=2)
+    config = T.MixtralConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        num_local_experts=12,
+        num_experts_per_tok=2,
+    )
     T.MixtralForCausalLM(config).save_pretrained(tmp_path)
     model, checkpoint = load(tmp_path).model, lazy_weights.Checkpoint(tmp_path)
     keys = checkpoint_keys(model, checkpoint.file_of)
@@ -236,7 +285,8 @@ def test_a_pass_that_computes_on_a_placeholder_is_caught(folder):
     """A user pass reading ``gm.get_parameter`` gets a meta placeholder; storing what it computed
     from it must fail loudly, not be silently replaced by the checkpoint's weight."""
     from qcompiler.errors import PassError
-    from qcompiler.graph import find_linears, set_tensor
+    from qcompiler.ir.graph import find_linears
+    from qcompiler.ir.tensors import set_tensor
 
     @dataclasses.dataclass(frozen=True)
     class ReadsParameters(qc.Pass):

@@ -1,14 +1,15 @@
 """``backend="triton"`` gives the eager backend's outputs on the bundled models; fallbacks are reported."""
+
 import warnings
 
 import pytest
 import torch
+from tiny_models import example_inputs, main_output, make_model
 
 import qcompiler as qc
 from qcompiler.backends import prepare_triton
 from qcompiler.errors import BackendError
 from qcompiler.models import load
-from tiny_models import example_inputs, main_output, make_model
 
 # fp32 activations: kernels and references differ only in summation order.
 TOLERANCE = 1e-4  # max |triton − eager| / max |eager|
@@ -24,7 +25,7 @@ def _relative_gap(cm, runner, inputs):
     on_triton = qc.CompiledModel(cm.graph_module, cm.recipe, cm.report, "triton", runner, cm.example_inputs)
     with torch.no_grad():
         expected = main_output(cm(**inputs))
-        got = main_output(on_triton(**inputs))    # called like the model (a causal LM's cache graph too)
+        got = main_output(on_triton(**inputs))  # called like the model (a causal LM's cache graph too)
     return ((got - expected).abs().max() / expected.abs().max()).item()
 
 
@@ -32,16 +33,17 @@ def _relative_gap(cm, runner, inputs):
 @pytest.mark.parametrize("model_name", ["tinylm", pytest.param("minilm", marks=pytest.mark.slow)])
 def test_triton_backend_matches_eager_on_bundled_models(model_name, recipe, tinylm, minilm):
     loaded = tinylm if model_name == "tinylm" else minilm
-    cm = qc.compile(loaded.model, loaded.example_inputs(), recipe=recipe, calibration=loaded.calibration(8),
-                    progress=False)
+    cm = qc.compile(
+        loaded.model, loaded.example_inputs(), recipe=recipe, calibration=loaded.calibration(8), progress=False
+    )
     runner = prepare_triton(cm.graph_module)
     kernels = {figures["kernel"] for figures in runner.record.layers.values()}
     assert kernels and not any(k.startswith("reference") for k in kernels) and not runner.record.notes
     prefix, count = ("model.layers.", 28) if model_name == "tinylm" else ("encoder.layer.", 36)
     assert len(runner.record.layers) == count and all(k.startswith(prefix) for k in runner.record.layers)
-    decode = loaded.example_inputs(batch=1, seq=8)     # 8 rows: the split-K decode kernels
+    decode = loaded.example_inputs(batch=1, seq=8)  # 8 rows: the split-K decode kernels
     assert _relative_gap(cm, runner, decode) < TOLERANCE
-    if model_name == "tinylm":                          # 32 rows: the prefill kernels
+    if model_name == "tinylm":  # 32 rows: the prefill kernels
         assert _relative_gap(cm, runner, loaded.example_inputs()) < TOLERANCE
 
 
@@ -71,6 +73,7 @@ def test_unsupported_combination_falls_back_with_a_named_warning():
 
 def test_no_gpu_and_no_interpreter_is_a_clear_error(monkeypatch):
     from qcompiler.kernels import tuning
+
     monkeypatch.setattr(tuning, "INTERPRET", False)
     cm = qc.compile(make_model("llama"), example_inputs("llama"), recipe="rtn-w4g128", progress=False)
     if torch.cuda.is_available():

@@ -3,15 +3,15 @@
 Shapes are small and deliberately not multiples of the block sizes; act-order permutations, odd
 group counts, decode (split-K) and prefill variants, and fp16/bf16 activations are covered.
 """
+
 import pytest
 import torch
 
 from qcompiler import kernels
 from qcompiler.algorithms.int8 import quantize_per_token
-from qcompiler.ops import (int8_linear, pack_gptq, quant_linear, sparse_outlier_linear,
-                           spqr_dense_linear, to_csr)
-from qcompiler.passes.spqr import pack_spqr
 from qcompiler.algorithms.spqr import spqr_quantize
+from qcompiler.ir.ops import int8_linear, pack_gptq, quant_linear, sparse_outlier_linear, spqr_dense_linear, to_csr
+from qcompiler.passes.spqr import pack_spqr
 
 FP32_TOL = dict(rtol=1e-5, atol=1e-4)
 HALF_TOL = {torch.float16: dict(rtol=2e-2, atol=2e-2), torch.bfloat16: dict(rtol=5e-2, atol=1e-1)}
@@ -20,9 +20,9 @@ HALF_TOL = {torch.float16: dict(rtol=2e-2, atol=2e-2), torch.bfloat16: dict(rtol
 def gptq_problem(bits, group, act_order, n_out, n_in, seed=0):
     gen = torch.Generator().manual_seed(seed)
     n_groups = 1 if group == -1 else -(-n_in // group)
-    codes = torch.randint(0, 2 ** bits, (n_out, n_in), generator=gen)
+    codes = torch.randint(0, 2**bits, (n_out, n_in), generator=gen)
     scales = torch.rand(n_groups, n_out, generator=gen) * 0.1 + 0.01
-    zeros = torch.randint(0, 2 ** bits, (n_groups, n_out), generator=gen).float()
+    zeros = torch.randint(0, 2**bits, (n_groups, n_out), generator=gen).float()
     g_idx = torch.zeros(n_in, dtype=torch.int32) if group == -1 else (torch.arange(n_in) // group).int()
     if act_order:
         g_idx = g_idx[torch.randperm(n_in, generator=gen)]
@@ -30,14 +30,17 @@ def gptq_problem(bits, group, act_order, n_out, n_in, seed=0):
     return w, torch.randn(n_out, generator=gen)
 
 
-@pytest.mark.parametrize("bits,group,act_order,n_out,n_in", [
-    (4, 128, False, 208, 352),   # 3 groups, the last one partial; several N and K tiles, partial
-    (4, 32, True, 80, 96),       # act-order: groups scattered over the columns
-    (3, 48, False, 96, 160),     # 3-bit codes straddle words; 4 groups, the last partial
-    (3, 32, True, 96, 128),
-    (2, 64, True, 48, 96),
-    (8, -1, False, 40, 96),      # per-channel
-])
+@pytest.mark.parametrize(
+    "bits,group,act_order,n_out,n_in",
+    [
+        (4, 128, False, 208, 352),  # 3 groups, the last one partial; several N and K tiles, partial
+        (4, 32, True, 80, 96),  # act-order: groups scattered over the columns
+        (3, 48, False, 96, 160),  # 3-bit codes straddle words; 4 groups, the last partial
+        (3, 32, True, 96, 128),
+        (2, 64, True, 48, 96),
+        (8, -1, False, 40, 96),  # per-channel
+    ],
+)
 @pytest.mark.parametrize("rows", [1, 7, 45])  # decode (split-K) and prefill variants
 def test_gptq_gemm_equals_quant_linear(bits, group, act_order, n_out, n_in, rows, kernel_device):
     w, bias = gptq_problem(bits, group, act_order, n_out, n_in)
@@ -75,8 +78,9 @@ def test_spqr_dense_gemm_equals_reference(rows, kernel_device):
     bias = torch.randn(160)
     x = torch.randn(rows, 160, generator=torch.Generator().manual_seed(rows))
     ref = spqr_dense_linear(x, *dense, bias, 3, 16, 3, 16)
-    got = kernels.spqr_dense_linear(x.to(kernel_device), *[a.to(kernel_device) for a in dense],
-                                    bias.to(kernel_device), 3, 16, 3, 16)
+    got = kernels.spqr_dense_linear(
+        x.to(kernel_device), *[a.to(kernel_device) for a in dense], bias.to(kernel_device), 3, 16, 3, 16
+    )
     torch.testing.assert_close(got.cpu(), ref, **FP32_TOL)
 
 
@@ -85,8 +89,8 @@ def test_csr_spmm_equals_reference_and_accumulates(rows, kernel_device):
     gen = torch.Generator().manual_seed(rows)
     values = torch.randn(70, 90, generator=gen)
     mask = torch.rand(70, 90, generator=gen) < 0.05
-    mask[5] = False                      # empty rows
-    mask[6, :40] = True                  # one long row
+    mask[5] = False  # empty rows
+    mask[6, :40] = True  # one long row
     row_ptr, col_idx, vals = to_csr(values, mask)
     x = torch.randn(rows, 90, generator=gen)
     ref = sparse_outlier_linear(x, row_ptr, col_idx, vals, 70)
@@ -132,8 +136,9 @@ def test_unsupported_combination_is_named(kernel_device):
     with pytest.raises(kernels.UnsupportedKernel, match="gptq_gemm: torch.float64 activations"):
         kernels.gptq_linear(x, *[a.to(kernel_device) for a in (w.qweight, w.qzeros, w.scales, w.g_idx)], None, 4, 32)
     with pytest.raises(kernels.UnsupportedKernel, match="5-bit weights"):
-        kernels.gptq_linear(x.float(), *[a.to(kernel_device) for a in (w.qweight, w.qzeros, w.scales, w.g_idx)],
-                            None, 5, 32)
+        kernels.gptq_linear(
+            x.float(), *[a.to(kernel_device) for a in (w.qweight, w.qzeros, w.scales, w.g_idx)], None, 5, 32
+        )
 
 
 def test_kernel_benchmark_runs_and_checks_correctness(tmp_path):
@@ -141,8 +146,10 @@ def test_kernel_benchmark_runs_and_checks_correctness(tmp_path):
     import importlib.util
     import json
     from pathlib import Path
-    spec = importlib.util.spec_from_file_location("kernels_bench",
-                                                  Path(__file__).parents[1] / "benchmarks" / "kernels.py")
+
+    spec = importlib.util.spec_from_file_location(
+        "kernels_bench", Path(__file__).parents[1] / "benchmarks" / "kernels.py"
+    )
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     out = tmp_path / "kernels.json"

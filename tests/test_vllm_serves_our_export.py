@@ -9,13 +9,14 @@ the fp32 model, must be its argmax or within 0.1 of it. vLLM's CPU build has its
 checkpoint (its engine dies with "no attribute 'cpu_gemm_wna16'"), so there the test is skipped and
 says so.
 """
+
 import json
 import os
 import textwrap
 
 import pytest
-
 from client_runtimes import greedy_gaps, quantized_tinylm, run_client
+
 from qcompiler.interop import export_compressed_tensors
 
 VLLM_PYTHON = os.environ.get("QC_VLLM_PYTHON")
@@ -47,8 +48,14 @@ _CLIENT = textwrap.dedent("""
 def test_vllm_generates_the_quantized_models_tokens(tmp_path):
     tinylm, cm = quantized_tinylm()
     export_compressed_tensors(cm, tmp_path / "ct", progress=lambda _m: None)
-    prompts = [tinylm.encode(p)[0].tolist() for p in
-               ("def parse(self, text):\n    return", "import os\nimport sys\n\n", "class Parser:\n    def __init__(self")]
+    prompts = [
+        tinylm.encode(p)[0].tolist()
+        for p in (
+            "def parse(self, text):\n    return",
+            "import os\nimport sys\n\n",
+            "class Parser:\n    def __init__(self",
+        )
+    ]
     served = run_client(VLLM_PYTHON, _CLIENT, tmp_path / "ct", json.dumps(prompts), timeout=900)
     if isinstance(served, dict):
         pytest.skip(served["skip"])

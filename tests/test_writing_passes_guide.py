@@ -1,4 +1,5 @@
 """The code of docs/writing-passes.md runs as written, and does what the guide says."""
+
 import re
 from pathlib import Path
 
@@ -27,8 +28,17 @@ def test_guide_code_runs_and_its_pass_works(capsys):
     # The guide's weight quantizer: on the first block (same inputs in both runs) its clipping
     # search is never worse than plain RTN on the same grid, and the report carries its choice.
     qc = ns["qc"]
-    rtn = qc.compile(ns["model"], ns["example"], recipe=[qc.passes.RTN(bits=3, group_size=32)],
-                     calibration=ns["calibration"], progress=False).report.passes[0].layers
+    rtn = (
+        qc.compile(
+            ns["model"],
+            ns["example"],
+            recipe=[qc.passes.RTN(bits=3, group_size=32)],
+            calibration=ns["calibration"],
+            progress=False,
+        )
+        .report.passes[0]
+        .layers
+    )
     clipped = ns["cm"].report.passes[0].layers
     assert set(clipped) == set(rtn) and len(clipped) == 14
     first = [p for p in clipped if p.startswith("model.layers.0.")]

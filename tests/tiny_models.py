@@ -1,26 +1,55 @@
 """Tiny Hugging Face models of the four architecture families the passes must handle."""
+
 from __future__ import annotations
 
 import torch
-from transformers import (BertConfig, BertModel, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM,
-                          OPTConfig, OPTForCausalLM)
+from transformers import (
+    BertConfig,
+    BertModel,
+    GPT2Config,
+    GPT2LMHeadModel,
+    LlamaConfig,
+    LlamaForCausalLM,
+    OPTConfig,
+    OPTForCausalLM,
+)
 
 
 def make_model(arch: str) -> torch.nn.Module:
     torch.manual_seed(0)
     if arch == "llama":
-        cfg = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+        cfg = LlamaConfig(
+            vocab_size=96,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=64,
+        )
         return LlamaForCausalLM(cfg).eval()
     if arch == "opt":
-        cfg = OPTConfig(vocab_size=96, hidden_size=64, ffn_dim=128, num_hidden_layers=2, num_attention_heads=4,
-                        max_position_embeddings=64, word_embed_proj_dim=64)
+        cfg = OPTConfig(
+            vocab_size=96,
+            hidden_size=64,
+            ffn_dim=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            max_position_embeddings=64,
+            word_embed_proj_dim=64,
+        )
         return OPTForCausalLM(cfg).eval()
     if arch == "gpt2":
         return GPT2LMHeadModel(GPT2Config(vocab_size=96, n_embd=64, n_layer=2, n_head=4, n_positions=64)).eval()
     if arch == "bert":
-        cfg = BertConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, max_position_embeddings=64)
+        cfg = BertConfig(
+            vocab_size=96,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            max_position_embeddings=64,
+        )
         return BertModel(cfg).eval()
     raise ValueError(arch)
 

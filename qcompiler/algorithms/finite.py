@@ -1,4 +1,5 @@
 """A fast "is every value finite?" for large tensors (weights, Hessian factors)."""
+
 from __future__ import annotations
 
 import torch

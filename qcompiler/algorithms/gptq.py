@@ -7,30 +7,43 @@ a block of ``block_size`` columns and push the block's accumulated error to all 
 one matmul. Groups get their grid when their first column is reached, from weights that already
 carry every earlier update (block sizes are rounded to whole groups so that is always true).
 """
+
 from __future__ import annotations
 
 from typing import Callable, NamedTuple, Optional
 
 import torch
 
-from ..errors import QuantizationError
-from .finite import all_finite
-from .packing import SUPPORTED_BITS
-from .quant_grid import Grid, dequantize_codes, fit_grid, quantize
+from qcompiler.algorithms.finite import all_finite
+from qcompiler.algorithms.packing import SUPPORTED_BITS
+from qcompiler.algorithms.quant_grid import Grid, dequantize_codes, fit_grid, quantize
+from qcompiler.errors import QuantizationError
 
-__all__ = ["QuantResult", "HessianFactor", "hessian_factor", "check_spec", "inverse_hessian_cholesky", "gptq_quantize",
-           "gptq_quantize_reference", "rtn_quantize", "group_index", "output_error", "lazy_sweep"]
+__all__ = [
+    "QuantResult",
+    "HessianFactor",
+    "hessian_factor",
+    "check_spec",
+    "inverse_hessian_cholesky",
+    "gptq_quantize",
+    "gptq_quantize_reference",
+    "rtn_quantize",
+    "group_index",
+    "output_error",
+    "lazy_sweep",
+]
 
 
 class QuantResult(NamedTuple):
     """One quantized matrix: codes, per-group grid, column groups, its dequantized value, damping used."""
-    codes: torch.Tensor        # int32 [out, in], original column order
-    scales: torch.Tensor       # float32 [groups, out] (fp16-representable)
-    zeros: torch.Tensor        # float32 [groups, out] (integers)
-    g_idx: torch.Tensor        # int32 [in]: group of each input column
+
+    codes: torch.Tensor  # int32 [out, in], original column order
+    scales: torch.Tensor  # float32 [groups, out] (fp16-representable)
+    zeros: torch.Tensor  # float32 [groups, out] (integers)
+    g_idx: torch.Tensor  # int32 [in]: group of each input column
     dequantized: torch.Tensor  # float32 [out, in]: what the stored tensors stand for
-    damp: float                # relative damping that made H positive definite (0 for RTN)
-    damp_steps: int            # how many times damping was raised (0: the default sufficed)
+    damp: float  # relative damping that made H positive definite (0 for RTN)
+    damp_steps: int  # how many times damping was raised (0: the default sufficed)
     # GPTQ only: (‖E‖², λ) with E the sweep's scaled errors: tr(ΔW (H + λI) ΔWᵀ) = ‖E‖² (output_error)
     damped_error: Optional[tuple[float, float]] = None
 
@@ -78,20 +91,20 @@ def inverse_hessian_cholesky(H: torch.Tensor, damp: float, max_steps: int = 6) -
     """Upper Cholesky factor of ``(H + λI)⁻¹`` with ``λ = damp·mean(diag H)``; damping ×10 until it works."""
     mean_diag = torch.diagonal(H).mean().item()
     for step in range(max_steps + 1):
-        lam = damp * (10 ** step) * mean_diag
+        lam = damp * (10**step) * mean_diag
         # The upper factor of H⁻¹ without forming H⁻¹: with J the order reversal, chol(J H J) = L' gives
         # H = V Vᵀ for the upper V = J L' J, so H⁻¹ = (V⁻¹)ᵀ V⁻¹ and U = V⁻¹ = J L'⁻¹ J (one Cholesky and
         # one triangular solve instead of Cholesky, inverse, Cholesky: ~20 % faster, same U to 4e-7).
-        damped = H.flip(0, 1)           # a copy; the reversal keeps the diagonal on the diagonal
-        damped.diagonal().add_(lam)     # no n x n identity: this one copy of H is all the damping costs
+        damped = H.flip(0, 1)  # a copy; the reversal keeps the diagonal on the diagonal
+        damped.diagonal().add_(lam)  # no n x n identity: this one copy of H is all the damping costs
         L, info = torch.linalg.cholesky_ex(damped)
         del damped
         if info.item() == 0:
             U = invert_lower_triangular_(L).flip(0, 1)  # two n x n buffers at a time besides H
             del L
             if all_finite(U):
-                return U, damp * (10 ** step), step
-    raise QuantizationError(f"the Hessian is not positive definite even with damping {damp * 10 ** max_steps:g}")
+                return U, damp * (10**step), step
+    raise QuantizationError(f"the Hessian is not positive definite even with damping {damp * 10**max_steps:g}")
 
 
 def _condition(H: torch.Tensor, act_order: bool):
@@ -118,12 +131,12 @@ class HessianFactor(NamedTuple):
     """What GPTQ needs from ``H``: linears that read one input (q/k/v, gate/up) share it, so the
     GPTQ pass factors their Hessian once (the O(in³) Cholesky steps were ~15 % of a run)."""
 
-    dead: torch.Tensor               # [in] bool, original order: columns no calibration row reached
-    perm: Optional[torch.Tensor]     # processing order (act-order), None: natural order
-    U: torch.Tensor                  # upper Cholesky factor of (H + λI)⁻¹, processing order
+    dead: torch.Tensor  # [in] bool, original order: columns no calibration row reached
+    perm: Optional[torch.Tensor]  # processing order (act-order), None: natural order
+    U: torch.Tensor  # upper Cholesky factor of (H + λI)⁻¹, processing order
     damp: float
     damp_steps: int
-    lam: float                       # the absolute λ = damp · mean(diag H) (dead inputs' H_ii counted as 1)
+    lam: float  # the absolute λ = damp · mean(diag H) (dead inputs' H_ii counted as 1)
 
 
 def hessian_factor(H: torch.Tensor, damp: float, act_order: bool) -> HessianFactor:
@@ -136,16 +149,24 @@ def hessian_factor(H: torch.Tensor, damp: float, act_order: bool) -> HessianFact
 class _Groups:
     """Which grid column ``j`` (in processing order) uses, fitting it when a group starts."""
 
-    def __init__(self, W0: torch.Tensor, bits: int, group_size: int, sym: bool, static: bool,
-                 perm: Optional[torch.Tensor], original: Optional[torch.Tensor] = None):
+    def __init__(
+        self,
+        W0: torch.Tensor,
+        bits: int,
+        group_size: int,
+        sym: bool,
+        static: bool,
+        perm: Optional[torch.Tensor],
+        original: Optional[torch.Tensor] = None,
+    ):
         self.bits, self.group_size, self.sym = bits, group_size, sym
-        self.maxq = 2 ** bits - 1
+        self.maxq = 2**bits - 1
         n_in = W0.shape[1]
         self.static = static and group_size != -1
         # Group bookkeeping stays on the CPU (read per column: no device sync); grids live with W.
         order = perm.cpu() if perm is not None else torch.arange(n_in)
         self.g_idx = group_index(n_in, group_size, None if self.static else order)
-        self.col_group = self.g_idx[order].tolist()           # group of the j-th processed column
+        self.col_group = self.g_idx[order].tolist()  # group of the j-th processed column
         n_groups = int(self.g_idx.max().item()) + 1
         self.scales = torch.zeros(n_groups, W0.shape[0], device=W0.device)
         self.zeros = torch.zeros(n_groups, W0.shape[0], device=W0.device)
@@ -153,11 +174,11 @@ class _Groups:
             W_orig = original if original is not None else W0 if perm is None else W0[:, torch.argsort(perm)]
             whole = n_in // group_size  # the whole groups' grids in one call, the partial last one alone
             if whole:
-                grid = fit_grid(W_orig[:, :whole * group_size].reshape(-1, group_size), bits, sym)
+                grid = fit_grid(W_orig[:, : whole * group_size].reshape(-1, group_size), bits, sym)
                 self.scales[:whole] = grid.scale.view(-1, whole).t()
                 self.zeros[:whole] = grid.zero.view(-1, whole).t()
             if whole < n_groups:
-                self._store(whole, fit_grid(W_orig[:, whole * group_size:], bits, sym))
+                self._store(whole, fit_grid(W_orig[:, whole * group_size :], bits, sym))
         self._rows: list = [None] * n_groups
         if self.static:
             self._rows = list(zip(self.scales.unbind(0), (-self.zeros).unbind(0), (self.maxq - self.zeros).unbind(0)))
@@ -214,9 +235,19 @@ def lazy_sweep(W: torch.Tensor, U: torch.Tensor, block_size: int, step) -> None:
         W[:, i2:] -= Err1 @ U[i1:i2, i2:]
 
 
-def gptq_quantize(W: torch.Tensor, H: Optional[torch.Tensor], *, bits: int, group_size: int = 128, sym: bool = False,
-                  act_order: bool = False, static_groups: bool = False, damp: float = 0.01,
-                  block_size: int = 128, factor: Optional[HessianFactor] = None) -> QuantResult:
+def gptq_quantize(
+    W: torch.Tensor,
+    H: Optional[torch.Tensor],
+    *,
+    bits: int,
+    group_size: int = 128,
+    sym: bool = False,
+    act_order: bool = False,
+    static_groups: bool = False,
+    damp: float = 0.01,
+    block_size: int = 128,
+    factor: Optional[HessianFactor] = None,
+) -> QuantResult:
     """GPTQ with lazy batch updates. ``W`` ``[out, in]``, ``H`` ``[in, in]`` (undamped, fp32).
 
     The sweep runs on ``Wᵀ`` so that a column of ``W`` is a contiguous row: each column's
@@ -242,9 +273,9 @@ def gptq_quantize(W: torch.Tensor, H: Optional[torch.Tensor], *, bits: int, grou
     del W
     if group_size != -1 and not groups.static:  # blocks hold whole groups
         block_size = max(group_size, block_size // group_size * group_size)
-    QT = torch.empty_like(WT)                          # dequantized weight, transposed
-    codesT = torch.empty_like(WT)                      # integer codes as floats until the end
-    diag = torch.diagonal(U).tolist()                  # one sync per layer, not one per column
+    QT = torch.empty_like(WT)  # dequantized weight, transposed
+    codesT = torch.empty_like(WT)  # integer codes as floats until the end
+    diag = torch.diagonal(U).tolist()  # one sync per layer, not one per column
     error_sq = torch.zeros((), dtype=torch.float64, device=WT.device)  # ‖E‖², read once at the end (no sync per block)
     for i1 in range(0, n_in, block_size):
         i2 = min(i1 + block_size, n_in)
@@ -258,7 +289,7 @@ def gptq_quantize(W: torch.Tensor, H: Optional[torch.Tensor], *, bits: int, grou
             q = torch.div(W1[i], scale, out=codesT[j]).round_().clamp_(low, high)
             torch.mul(q, scale, out=QT[j])
             err = torch.sub(W1[i], QT[j], out=Err1[i]).div_(diag[j])
-            W1[i + 1:].addr_(U1[i, i + 1:], err, alpha=-1)
+            W1[i + 1 :].addr_(U1[i, i + 1 :], err, alpha=-1)
         WT[i2:].addmm_(U[i1:i2, i2:].t(), Err1, alpha=-1)
         error_sq += torch.linalg.vector_norm(Err1).double() ** 2
     WT = W1 = None  # the swept weights: freed before the outputs are converted
@@ -272,13 +303,29 @@ def gptq_quantize(W: torch.Tensor, H: Optional[torch.Tensor], *, bits: int, grou
     del codesT
     dequantized = QT.t().contiguous()
     del QT
-    return QuantResult(codes, groups.scales, groups.zeros, groups.g_idx.to(dequantized.device),
-                       dequantized, f.damp, f.damp_steps, (error_sq.item(), f.lam))
+    return QuantResult(
+        codes,
+        groups.scales,
+        groups.zeros,
+        groups.g_idx.to(dequantized.device),
+        dequantized,
+        f.damp,
+        f.damp_steps,
+        (error_sq.item(), f.lam),
+    )
 
 
-def gptq_quantize_reference(W: torch.Tensor, H: torch.Tensor, *, bits: int, group_size: int = 128,
-                            sym: bool = False, act_order: bool = False, static_groups: bool = False,
-                            damp: float = 0.01) -> QuantResult:
+def gptq_quantize_reference(
+    W: torch.Tensor,
+    H: torch.Tensor,
+    *,
+    bits: int,
+    group_size: int = 128,
+    sym: bool = False,
+    act_order: bool = False,
+    static_groups: bool = False,
+    damp: float = 0.01,
+) -> QuantResult:
     """The same algorithm written straightforwardly: after each column, update every later column."""
     check_spec(bits, group_size)
     W, H, perm = _prepare(W, H, act_order)
@@ -289,11 +336,11 @@ def gptq_quantize_reference(W: torch.Tensor, H: torch.Tensor, *, bits: int, grou
     codes = torch.zeros(n_out, n_in, dtype=torch.int32, device=W.device)
     for j in range(n_in):
         grid = groups.grid_for(j, W[:, j:])
-        q = quantize(W[:, j:j + 1], grid, bits)
+        q = quantize(W[:, j : j + 1], grid, bits)
         codes[:, j] = q[:, 0]
         Q[:, j] = dequantize_codes(q, grid)[:, 0]
         err = (W[:, j] - Q[:, j]) / U[j, j]
-        W[:, j + 1:] -= err.unsqueeze(1) * U[j, j + 1:].unsqueeze(0)
+        W[:, j + 1 :] -= err.unsqueeze(1) * U[j, j + 1 :].unsqueeze(0)
     return _finish(Q, codes, perm, groups, damp_used, steps)
 
 
@@ -306,13 +353,18 @@ def rtn_quantize(W: torch.Tensor, *, bits: int, group_size: int = 128, sym: bool
         groups._store(0, fit_grid(W, bits, sym))
     g_idx = groups.g_idx.to(W.device)
     g = g_idx.long()
-    scale, zero = groups.scales[g].t(), groups.zeros[g].t()       # [out, in]
-    codes = torch.clamp(torch.round(W / scale) + zero, 0, 2 ** bits - 1).to(torch.int32)
+    scale, zero = groups.scales[g].t(), groups.zeros[g].t()  # [out, in]
+    codes = torch.clamp(torch.round(W / scale) + zero, 0, 2**bits - 1).to(torch.int32)
     return QuantResult(codes, groups.scales, groups.zeros, g_idx, scale * (codes.float() - zero), 0.0, 0)
 
 
-def output_error(W: torch.Tensor, W_hat: torch.Tensor, H: torch.Tensor,
-                 damped_error: Optional[tuple[float, float]] = None, energy: Optional[float] = None) -> float:
+def output_error(
+    W: torch.Tensor,
+    W_hat: torch.Tensor,
+    H: torch.Tensor,
+    damped_error: Optional[tuple[float, float]] = None,
+    energy: Optional[float] = None,
+) -> float:
     """‖WX − ŴX‖ / ‖WX‖ over the calibration inputs, from their Hessian (no activations needed).
 
     The quadratic forms are float32 GEMMs with the row dot products summed in float64. With GPTQ's
@@ -334,7 +386,7 @@ def output_error(W: torch.Tensor, W_hat: torch.Tensor, H: torch.Tensor,
         error_sq, lam = damped_error
         num = max(error_sq - lam * swept_sq - dead_sq, 0.0)
     den = _quadratic_form(W, H) if energy is None else energy
-    return (num / den) ** 0.5 if den > 0 else num ** 0.5
+    return (num / den) ** 0.5 if den > 0 else num**0.5
 
 
 def _quadratic_form(W: torch.Tensor, H: torch.Tensor, rows: int = 256) -> float:
@@ -343,7 +395,7 @@ def _quadratic_form(W: torch.Tensor, H: torch.Tensor, rows: int = 256) -> float:
     H = H.float()
     total = torch.zeros((), dtype=torch.float64, device=W.device)
     for i in range(0, W.shape[0], rows):
-        part = W[i:i + rows]
+        part = W[i : i + rows]
         total += torch.mul(part @ H, part).sum(dtype=torch.float64)
     return total.item()
 
@@ -353,5 +405,5 @@ def _squared_distance(A: torch.Tensor, B: torch.Tensor, rows: int = 256) -> floa
     copy (they were 3x the weight's fp32 size at the peak of a down_proj's solve)."""
     total = torch.zeros((), dtype=torch.float64, device=A.device)
     for i in range(0, A.shape[0], rows):
-        total += torch.linalg.vector_norm(A[i:i + rows] - B[i:i + rows], dtype=torch.float64) ** 2
+        total += torch.linalg.vector_norm(A[i : i + rows] - B[i : i + rows], dtype=torch.float64) ** 2
     return total.item()

@@ -1,4 +1,5 @@
 """Symmetric int8 grids: per output row for weights, per token for activations (SmoothQuant's W8A8)."""
+
 from __future__ import annotations
 
 import torch

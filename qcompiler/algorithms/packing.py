@@ -5,6 +5,7 @@ cut into int32 words: value ``i`` occupies stream bits ``[i·bits, (i+1)·bits)`
 bits this is exactly GPTQ's ``qweight``/``qzeros`` packing (32/bits values per word); for 3 bits it
 is the AutoGPTQ layout where 32 values fill 3 words and some values straddle two words.
 """
+
 from __future__ import annotations
 
 import math
@@ -21,8 +22,9 @@ def packed_length(n: int, bits: int) -> int:
     if bits not in SUPPORTED_BITS:
         raise ValueError(f"bits must be one of {SUPPORTED_BITS}, got {bits}")
     if (n * bits) % 32:
-        raise ValueError(f"{n} values of {bits} bits do not fill whole int32 words "
-                         f"(need a multiple of {32 // math.gcd(bits, 32)})")
+        raise ValueError(
+            f"{n} values of {bits} bits do not fill whole int32 words (need a multiple of {32 // math.gcd(bits, 32)})"
+        )
     return n * bits // 32
 
 
@@ -38,8 +40,9 @@ def pack_rows(codes: torch.Tensor, bits: int) -> torch.Tensor:
     if codes.numel():
         smallest, largest = torch.aminmax(codes)
         if smallest < 0 or largest >= (1 << bits):
-            raise ValueError(f"codes must lie in [0, {1 << bits}) for {bits} bits, "
-                             f"got range [{smallest.item()}, {largest.item()}]")
+            raise ValueError(
+                f"codes must lie in [0, {1 << bits}) for {bits} bits, got range [{smallest.item()}, {largest.item()}]"
+            )
     if 32 % bits == 0:  # 2, 4, 8 bits: whole values per word, OR-ed in int32 (shifts wrap into the sign bit)
         per_word = 32 // bits
         grouped = codes.to(torch.int32).reshape(words, per_word, *codes.shape[1:])

@@ -5,6 +5,7 @@ that always contains 0, ``z = round(−min/s)``. Symmetric: ``z = 2^(b−1)``, r
 Scales are rounded to fp16 *before* codes are chosen, because fp16 is how they are stored: the
 codes then reproduce exactly the weights the algorithm measured its error on.
 """
+
 from __future__ import annotations
 
 from typing import NamedTuple
@@ -16,14 +17,15 @@ __all__ = ["Grid", "fit_grid", "quantize", "dequantize_codes", "fake_quantize"]
 
 class Grid(NamedTuple):
     """An affine quantization grid: ``value = scale * (code - zero)``."""
+
     scale: torch.Tensor  # [rows, 1] float32 holding fp16-representable values
-    zero: torch.Tensor   # [rows, 1] float32 holding integers in [0, 2^bits)
+    zero: torch.Tensor  # [rows, 1] float32 holding integers in [0, 2^bits)
 
 
 def fit_grid(w: torch.Tensor, bits: int, sym: bool) -> Grid:
     """Per-row min-max grid for ``w`` ``[rows, cols]``."""
-    maxq = 2 ** bits - 1
-    xmin = w.amin(dim=1, keepdim=True).clamp(max=0)   # amin/amax: no indices (min(dim) was 10x slower)
+    maxq = 2**bits - 1
+    xmin = w.amin(dim=1, keepdim=True).clamp(max=0)  # amin/amax: no indices (min(dim) was 10x slower)
     xmax = w.amax(dim=1, keepdim=True).clamp(min=0)
     if sym:
         xmax = torch.maximum(xmin.abs(), xmax)
@@ -32,7 +34,7 @@ def fit_grid(w: torch.Tensor, bits: int, sym: bool) -> Grid:
     xmin = torch.where(empty, -torch.ones_like(xmin), xmin)
     xmax = torch.where(empty, torch.ones_like(xmax), xmax)
     scale = ((xmax - xmin) / maxq).half().float()
-    scale = torch.where(scale > 0, scale, torch.full_like(scale, 2.0 ** -24))  # fp16 underflow guard
+    scale = torch.where(scale > 0, scale, torch.full_like(scale, 2.0**-24))  # fp16 underflow guard
     if sym:
         zero = torch.full_like(scale, float(2 ** (bits - 1)))
     else:
@@ -42,7 +44,7 @@ def fit_grid(w: torch.Tensor, bits: int, sym: bool) -> Grid:
 
 def quantize(w: torch.Tensor, grid: Grid, bits: int) -> torch.Tensor:
     """Integer codes of ``w`` on ``grid`` (same shape as ``w``, int32)."""
-    return torch.clamp(torch.round(w / grid.scale) + grid.zero, 0, 2 ** bits - 1).to(torch.int32)
+    return torch.clamp(torch.round(w / grid.scale) + grid.zero, 0, 2**bits - 1).to(torch.int32)
 
 
 def dequantize_codes(q: torch.Tensor, grid: Grid) -> torch.Tensor:

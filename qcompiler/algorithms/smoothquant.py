@@ -2,15 +2,16 @@
 
 ``Y = X W^T = (X diag(s)^-1)(W diag(s))^T`` for any ``s > 0``. With
 ``s_j = max|X_j|^α / max|W_j|^(1−α)`` activation outliers move into the weights, where int8 copes.
-Where each ``diag(s)^-1`` goes in a graph is ``qcompiler.smoothing_plan``'s question.
+Where each ``diag(s)^-1`` goes in a graph is ``qcompiler.pipeline.smoothing_plan``'s question.
 """
+
 from __future__ import annotations
 
 from typing import Sequence
 
 import torch
 
-from .int8 import fake_quantize_weight_per_channel, quantize_per_token
+from qcompiler.algorithms.int8 import fake_quantize_weight_per_channel, quantize_per_token
 
 __all__ = ["smoothing_scales", "int8_output_error", "search_alpha", "ALPHA_GRID"]
 
@@ -35,11 +36,12 @@ def int8_output_error(X: torch.Tensor, weights: Sequence[torch.Tensor], s: torch
         ref = X @ W.t()
         num += (ref - Xh @ fake_quantize_weight_per_channel(W * s).t()).pow(2).sum().item()
         den += ref.pow(2).sum().item()
-    return (num / den) ** 0.5 if den > 0 else num ** 0.5
+    return (num / den) ** 0.5 if den > 0 else num**0.5
 
 
-def search_alpha(X: torch.Tensor, weights: Sequence[torch.Tensor], act_absmax: torch.Tensor,
-                 grid: Sequence[float] = ALPHA_GRID) -> tuple[float, float]:
+def search_alpha(
+    X: torch.Tensor, weights: Sequence[torch.Tensor], act_absmax: torch.Tensor, grid: Sequence[float] = ALPHA_GRID
+) -> tuple[float, float]:
     """The α of ``grid`` whose smoothing minimises the consumers' int8 output error on rows ``X``."""
     wmax = torch.stack([W.abs().amax(dim=0) for W in weights]).amax(dim=0)
     best = min(((int8_output_error(X, weights, smoothing_scales(act_absmax, wmax, a)), a) for a in grid))

@@ -16,37 +16,45 @@ changes, each per group of ``β1`` consecutive (permuted) columns:
 
 ``τ`` is relative, as in the reference: ``τ_abs = τ · mean_j(var_rows(W[:, j]) / U_jj²)``.
 """
+
 from __future__ import annotations
 
 from typing import NamedTuple, Optional
 
 import torch
 
-from ..errors import QuantizationError
-from .gptq import _prepare, inverse_hessian_cholesky, lazy_sweep
-from .quant_grid import Grid, fit_grid
+from qcompiler.algorithms.gptq import _prepare, inverse_hessian_cholesky, lazy_sweep
+from qcompiler.algorithms.quant_grid import Grid, fit_grid
+from qcompiler.errors import QuantizationError
 
-__all__ = ["SpQRResult", "spqr_quantize", "spqr_quantize_reference", "leave_one_out_reduction",
-           "quantize_stats", "check_spqr_spec"]
+__all__ = [
+    "SpQRResult",
+    "spqr_quantize",
+    "spqr_quantize_reference",
+    "leave_one_out_reduction",
+    "quantize_stats",
+    "check_spqr_spec",
+]
 
 
 class SpQRResult(NamedTuple):
     """One SpQR layer: dense codes and quantized statistics, outlier mask and values, dequantized weight."""
-    codes: torch.Tensor         # int32 [out, in] weight codes, permuted column order
-    scale_codes: torch.Tensor   # int32 [groups, out] (stat_bits) — or None-like empty when unquantized
-    zero_codes: torch.Tensor    # int32 [groups, out]
-    scale_stats: torch.Tensor   # float16 [groups, out/β2, 2]: (step, minimum) of the scales
-    zero_stats: torch.Tensor    # float16 [groups, out/β2, 2]: (step, minimum) of the zeros
-    scales: torch.Tensor        # float32 [groups, out]: dequantized first-level scales
-    zeros: torch.Tensor         # float32 [groups, out]: dequantized first-level zeros
-    perm: torch.Tensor          # int64 [in]: processing order (act-order), identity otherwise
-    outliers: torch.Tensor      # bool [out, in], original column order
+
+    codes: torch.Tensor  # int32 [out, in] weight codes, permuted column order
+    scale_codes: torch.Tensor  # int32 [groups, out] (stat_bits) — or None-like empty when unquantized
+    zero_codes: torch.Tensor  # int32 [groups, out]
+    scale_stats: torch.Tensor  # float16 [groups, out/β2, 2]: (step, minimum) of the scales
+    zero_stats: torch.Tensor  # float16 [groups, out/β2, 2]: (step, minimum) of the zeros
+    scales: torch.Tensor  # float32 [groups, out]: dequantized first-level scales
+    zeros: torch.Tensor  # float32 [groups, out]: dequantized first-level zeros
+    perm: torch.Tensor  # int64 [in]: processing order (act-order), identity otherwise
+    outliers: torch.Tensor  # bool [out, in], original column order
     outlier_values: torch.Tensor  # float16 [out, in]: w − dense(w) where outliers, else 0
-    dense: torch.Tensor         # float32 [out, in]: the dense branch's weight, original order
-    dequantized: torch.Tensor   # float32 [out, in]: dense + outliers (what the layer computes)
+    dense: torch.Tensor  # float32 [out, in]: the dense branch's weight, original order
+    dequantized: torch.Tensor  # float32 [out, in]: dense + outliers (what the layer computes)
     damp: float
     damp_steps: int
-    threshold: float            # absolute τ used
+    threshold: float  # absolute τ used
 
 
 def check_spqr_spec(bits: int, group_size: int, stat_bits: Optional[int], stat_group_size: int) -> None:
@@ -68,18 +76,19 @@ def quantize_stats(v: torch.Tensor, bits: int, group: int) -> tuple[torch.Tensor
     """
     runs = v.float().reshape(-1, group)
     lo, hi = runs.min(dim=1).values, runs.max(dim=1).values
-    step = ((hi - lo) / (2 ** bits - 1)).half()
+    step = ((hi - lo) / (2**bits - 1)).half()
     minimum = lo.half()
     s, m = step.float().unsqueeze(1), minimum.float().unsqueeze(1)
-    codes = torch.where(s > 0, torch.round((runs - m) / torch.where(s > 0, s, torch.ones_like(s))),
-                        torch.zeros_like(runs)).clamp(0, 2 ** bits - 1)
+    codes = torch.where(
+        s > 0, torch.round((runs - m) / torch.where(s > 0, s, torch.ones_like(s))), torch.zeros_like(runs)
+    ).clamp(0, 2**bits - 1)
     v_hat = (s * codes + m).reshape(-1)
     return codes.reshape(-1).to(torch.int32), torch.stack([step, minimum], dim=1), v_hat
 
 
 def _grid_quant(w: torch.Tensor, grid: Grid, bits: int) -> torch.Tensor:
     """Dequantized ``w`` on a grid whose zero may be fractional (bi-level statistics)."""
-    q = torch.clamp(torch.round(w / grid.scale + grid.zero), 0, 2 ** bits - 1)
+    q = torch.clamp(torch.round(w / grid.scale + grid.zero), 0, 2**bits - 1)
     return grid.scale * (q - grid.zero), q
 
 
@@ -88,22 +97,30 @@ def leave_one_out_reduction(G: torch.Tensor, d: torch.Tensor, bits: int) -> torc
     ``1/d``) drops when that weight is left out of the min-max fit and not quantized."""
     out, k = G.shape
     idx = torch.arange(k, device=G.device)
-    others = torch.stack([torch.cat([idx[:i], idx[i + 1:]]) for i in range(k)])      # [k, k-1]
-    loo = G[:, others]                                                               # [out, k, k-1]
+    others = torch.stack([torch.cat([idx[:i], idx[i + 1 :]]) for i in range(k)])  # [k, k-1]
+    loo = G[:, others]  # [out, k, k-1]
     flat = loo.reshape(-1, k - 1)
     grid = fit_grid(flat, bits, sym=False)
     rec, _ = _grid_quant(flat, grid, bits)
-    loo_err = ((rec - flat).reshape(out, k, k - 1) / d[others]).pow(2).sum(-1)       # [out, k]
+    loo_err = ((rec - flat).reshape(out, k, k - 1) / d[others]).pow(2).sum(-1)  # [out, k]
     base_rec, _ = _grid_quant(G, fit_grid(G, bits, sym=False), bits)
-    base_err = ((base_rec - G) / d).pow(2).sum(-1, keepdim=True)                     # [out, 1]
+    base_err = ((base_rec - G) / d).pow(2).sum(-1, keepdim=True)  # [out, 1]
     return base_err - loo_err
 
 
 class _GroupState:
     """Fits one group's statistics (outlier-aware, optionally bi-level) and remembers them."""
 
-    def __init__(self, n_out: int, n_groups: int, bits: int, stat_bits: Optional[int], stat_group: int, tau: float,
-                 device: torch.device):
+    def __init__(
+        self,
+        n_out: int,
+        n_groups: int,
+        bits: int,
+        stat_bits: Optional[int],
+        stat_group: int,
+        tau: float,
+        device: torch.device,
+    ):
         self.bits, self.stat_bits, self.stat_group, self.tau = bits, stat_bits, stat_group, tau
         self.scales = torch.zeros(n_groups, n_out, device=device)
         self.zeros = torch.zeros(n_groups, n_out, device=device)
@@ -146,8 +163,10 @@ def _setup(W, H, bits, group_size, stat_bits, stat_group_size, outlier_threshold
     if stat_bits is not None and n_out % stat_group_size:
         raise QuantizationError(f"out_features={n_out} is not a multiple of stat_group_size={stat_group_size}")
     if not outlier_threshold > 0:
-        raise QuantizationError(f"outlier_threshold={outlier_threshold} selects every weight as an outlier; "
-                                f"use a positive relative threshold (0.1-1.0 is typical) or outlier_fraction")
+        raise QuantizationError(
+            f"outlier_threshold={outlier_threshold} selects every weight as an outlier; "
+            f"use a positive relative threshold (0.1-1.0 is typical) or outlier_fraction"
+        )
     Wp, Hp, perm = _prepare(W, H, act_order)
     perm = torch.arange(n_in, device=Wp.device) if perm is None else perm
     U, damp_used, steps = inverse_hessian_cholesky(Hp, damp)
@@ -164,17 +183,42 @@ def _finish(codes, dense, residual, outlier, perm, state, tau, damp, steps) -> S
     deq = dense_o + residual_o.float()
     if outlier_o.all():
         raise QuantizationError("the outlier threshold selected every weight; raise it")
-    return SpQRResult(codes.to(torch.int32), state.scale_codes, state.zero_codes, state.scale_stats,
-                      state.zero_stats, state.scales, state.zeros, perm, outlier_o, residual_o, dense_o, deq,
-                      damp, steps, tau)
+    return SpQRResult(
+        codes.to(torch.int32),
+        state.scale_codes,
+        state.zero_codes,
+        state.scale_stats,
+        state.zero_stats,
+        state.scales,
+        state.zeros,
+        perm,
+        outlier_o,
+        residual_o,
+        dense_o,
+        deq,
+        damp,
+        steps,
+        tau,
+    )
 
 
-def spqr_quantize(W: torch.Tensor, H: torch.Tensor, *, bits: int = 3, group_size: int = 16,
-                  stat_bits: Optional[int] = 3, stat_group_size: int = 16, outlier_threshold: float = 0.2,
-                  act_order: bool = True, damp: float = 0.01, block_size: int = 128) -> SpQRResult:
+def spqr_quantize(
+    W: torch.Tensor,
+    H: torch.Tensor,
+    *,
+    bits: int = 3,
+    group_size: int = 16,
+    stat_bits: Optional[int] = 3,
+    stat_group_size: int = 16,
+    outlier_threshold: float = 0.2,
+    act_order: bool = True,
+    damp: float = 0.01,
+    block_size: int = 128,
+) -> SpQRResult:
     """SpQR with lazy batch updates (blocks hold whole groups)."""
-    Wp, U, perm, state, tau, damp_used, steps = _setup(W, H, bits, group_size, stat_bits, stat_group_size,
-                                                        outlier_threshold, act_order, damp)
+    Wp, U, perm, state, tau, damp_used, steps = _setup(
+        W, H, bits, group_size, stat_bits, stat_group_size, outlier_threshold, act_order, damp
+    )
     n_out, n_in = Wp.shape
     block_size = max(group_size, block_size // group_size * group_size)
     codes, dense = torch.zeros_like(Wp), torch.zeros_like(Wp)
@@ -184,7 +228,7 @@ def spqr_quantize(W: torch.Tensor, H: torch.Tensor, *, bits: int = 3, group_size
 
     def step(j: int, i: int, W1: torch.Tensor, U1: torch.Tensor) -> torch.Tensor:
         if j % group_size == 0:
-            grid[:] = [state.fit(j // group_size, W1[:, i:i + group_size], torch.diagonal(U1)[i:i + group_size])]
+            grid[:] = [state.fit(j // group_size, W1[:, i : i + group_size], torch.diagonal(U1)[i : i + group_size])]
         w = W1[:, i]
         column = _quantize_column(w, grid[0], bits, U1[i, i].item(), tau)
         dense[:, j], codes[:, j], outlier[:, j], residual[:, j] = column
@@ -194,21 +238,31 @@ def spqr_quantize(W: torch.Tensor, H: torch.Tensor, *, bits: int = 3, group_size
     return _finish(codes, dense, residual, outlier, perm, state, tau, damp_used, steps)
 
 
-def spqr_quantize_reference(W: torch.Tensor, H: torch.Tensor, *, bits: int = 3, group_size: int = 16,
-                            stat_bits: Optional[int] = 3, stat_group_size: int = 16, outlier_threshold: float = 0.2,
-                            act_order: bool = True, damp: float = 0.01) -> SpQRResult:
+def spqr_quantize_reference(
+    W: torch.Tensor,
+    H: torch.Tensor,
+    *,
+    bits: int = 3,
+    group_size: int = 16,
+    stat_bits: Optional[int] = 3,
+    stat_group_size: int = 16,
+    outlier_threshold: float = 0.2,
+    act_order: bool = True,
+    damp: float = 0.01,
+) -> SpQRResult:
     """The same algorithm written straightforwardly: every column updates all later columns."""
-    Wp, U, perm, state, tau, damp_used, steps = _setup(W, H, bits, group_size, stat_bits, stat_group_size,
-                                                        outlier_threshold, act_order, damp)
+    Wp, U, perm, state, tau, damp_used, steps = _setup(
+        W, H, bits, group_size, stat_bits, stat_group_size, outlier_threshold, act_order, damp
+    )
     n_out, n_in = Wp.shape
     codes, dense = torch.zeros_like(Wp), torch.zeros_like(Wp)
     residual = torch.zeros_like(Wp, dtype=torch.float16)
     outlier = torch.zeros_like(Wp, dtype=torch.bool)
     for j in range(n_in):
         if j % group_size == 0:
-            grid = state.fit(j // group_size, Wp[:, j:j + group_size], torch.diagonal(U)[j:j + group_size])
+            grid = state.fit(j // group_size, Wp[:, j : j + group_size], torch.diagonal(U)[j : j + group_size])
         w = Wp[:, j].clone()
         dense[:, j], codes[:, j], outlier[:, j], residual[:, j] = _quantize_column(w, grid, bits, U[j, j].item(), tau)
         err = (w - (dense[:, j] + residual[:, j].float())) / U[j, j]
-        Wp[:, j + 1:] -= err.unsqueeze(1) * U[j, j + 1:].unsqueeze(0)
+        Wp[:, j + 1 :] -= err.unsqueeze(1) * U[j, j + 1 :].unsqueeze(0)
     return _finish(codes, dense, residual, outlier, perm, state, tau, damp_used, steps)

@@ -1,4 +1,5 @@
 """What every checkpoint exporter needs: the quantized layers of a graph and its remaining FP tensors."""
+
 from __future__ import annotations
 
 import json
@@ -11,17 +12,25 @@ import torch
 from safetensors.torch import save_file
 from torch.fx import GraphModule, Node
 
-from ..atomic import publish_directory
-from ..data import ByteTokenizer
-from ..errors import QCompilerError
-from ..graph import get_tensor
-from ..op_registry import OpArgs, args_of, implementation, quantized_layer_path, spec_of
-from ..ops import GPTQ_TENSORS
-from ..sharding import DEFAULT_SHARD_BYTES, plan_shards, shard_names
+from qcompiler.data import ByteTokenizer
+from qcompiler.errors import QCompilerError
+from qcompiler.ir.op_registry import OpArgs, args_of, implementation, quantized_layer_path, spec_of
+from qcompiler.ir.ops import GPTQ_TENSORS
+from qcompiler.ir.tensors import get_tensor
+from qcompiler.store.atomic import publish_directory
+from qcompiler.store.sharding import DEFAULT_SHARD_BYTES, plan_shards, shard_names
 
-__all__ = ["ExportError", "QuantLayer", "layer_writers", "gptq_layer", "fp_tensors", "write_checkpoint",
-           "model_config_of",
-           "source_files", "TOKENIZER_FILES"]
+__all__ = [
+    "ExportError",
+    "QuantLayer",
+    "layer_writers",
+    "gptq_layer",
+    "fp_tensors",
+    "write_checkpoint",
+    "model_config_of",
+    "source_files",
+    "TOKENIZER_FILES",
+]
 
 
 class ExportError(QCompilerError):
@@ -31,7 +40,8 @@ class ExportError(QCompilerError):
 @dataclass
 class QuantLayer:
     """One GPTQ-layout layer as a checkpoint stores it."""
-    path: str                      # HF module path, e.g. "model.layers.0.self_attn.q_proj"
+
+    path: str  # HF module path, e.g. "model.layers.0.self_attn.q_proj"
     node: Node
     tensors: dict[str, torch.Tensor]
     bits: int
@@ -60,8 +70,9 @@ def layer_writers(gm: GraphModule, target: str, fmt: str) -> list[tuple[OpArgs, 
 
 def gptq_layer(gm: GraphModule, a: OpArgs, path: str) -> QuantLayer:
     """A ``qc.quant_linear`` node's tensors and settings, as GPTQ checkpoints store them."""
-    return QuantLayer(path, a.node, dict(zip(GPTQ_TENSORS, a.tensors(gm, *GPTQ_TENSORS))), int(a.bits),
-                      int(a.group_size))
+    return QuantLayer(
+        path, a.node, dict(zip(GPTQ_TENSORS, a.tensors(gm, *GPTQ_TENSORS))), int(a.bits), int(a.group_size)
+    )
 
 
 def fp_tensors(gm: GraphModule, consumed: set[str]) -> dict[str, torch.Tensor]:
@@ -69,9 +80,14 @@ def fp_tensors(gm: GraphModule, consumed: set[str]) -> dict[str, torch.Tensor]:
     Left out: what the capture recorded as transient (non-persistent buffers, export's lifted
     constants: vLLM refuses a checkpoint holding a name its model does not have) and ``_…`` names."""
     transient = set(getattr(gm.meta.get("qcompiler"), "transient", ()))
-    return {node.target: get_tensor(gm, node.target).detach() for node in gm.graph.nodes
-            if node.op == "get_attr" and node.target not in consumed and node.target not in transient
-            and not any(part.startswith("_") for part in node.target.split("."))}
+    return {
+        node.target: get_tensor(gm, node.target).detach()
+        for node in gm.graph.nodes
+        if node.op == "get_attr"
+        and node.target not in consumed
+        and node.target not in transient
+        and not any(part.startswith("_") for part in node.target.split("."))
+    }
 
 
 def model_config_of(gm: GraphModule) -> dict:
@@ -79,8 +95,10 @@ def model_config_of(gm: GraphModule) -> dict:
     info = gm.meta.get("qcompiler")
     config = getattr(info, "model_config", None)
     if not config:
-        raise ExportError("the graph was not captured from a transformers model (no model config recorded), "
-                          "so there is no config.json to write; use cm.save or ONNX export instead")
+        raise ExportError(
+            "the graph was not captured from a transformers model (no model config recorded), "
+            "so there is no config.json to write; use cm.save or ONNX export instead"
+        )
     config = dict(config)
     if not config.get("architectures"):  # a model built in code, not loaded: name its class for loaders
         config["architectures"] = [info.model_class]
@@ -88,9 +106,18 @@ def model_config_of(gm: GraphModule) -> dict:
 
 
 # What a loader needs beside the weights, copied from the folder the model came from.
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
-                   "vocab.json", "vocab.txt", "merges.txt", "added_tokens.json", "generation_config.json",
-                   "chat_template.jinja")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "tokenizer.model",
+    "vocab.json",
+    "vocab.txt",
+    "merges.txt",
+    "added_tokens.json",
+    "generation_config.json",
+    "chat_template.jinja",
+)
 
 
 def source_files(gm: GraphModule) -> dict[str, Path]:
@@ -136,10 +163,19 @@ def _write_shards(tmp: Path, tensors: dict[str, torch.Tensor], shards: list[list
     return names
 
 
-def write_checkpoint(out_dir, tensors: dict[str, torch.Tensor], config: dict,
-                     extra_files: Optional[dict[str, dict]] = None, *, kind: str, gm: GraphModule,
-                     overwrite: bool = False, protect=(), max_shard_bytes: int = DEFAULT_SHARD_BYTES,
-                     progress=None) -> Path:
+def write_checkpoint(
+    out_dir,
+    tensors: dict[str, torch.Tensor],
+    config: dict,
+    extra_files: Optional[dict[str, dict]] = None,
+    *,
+    kind: str,
+    gm: GraphModule,
+    overwrite: bool = False,
+    protect=(),
+    max_shard_bytes: int = DEFAULT_SHARD_BYTES,
+    progress=None,
+) -> Path:
     """The weights (one ``model.safetensors``, or shards of at most ``max_shard_bytes`` with an
     index) + ``config.json`` (+ extra JSON files, + the tokenizer and generation files of ``gm``'s
     source folder), published atomically and only over an earlier export of the same ``kind``."""
@@ -151,7 +187,7 @@ def write_checkpoint(out_dir, tensors: dict[str, torch.Tensor], config: dict,
         write_tokenizer_files(tmp, gm, copy_files)
         files = _write_shards(tmp, tensors, shards)
         if progress is not None and len(files) > 1:
-            progress(f"{len(files)} safetensors shards of at most {max_shard_bytes / 1024 ** 3:.3g} GiB, with an index")
+            progress(f"{len(files)} safetensors shards of at most {max_shard_bytes / 1024**3:.3g} GiB, with an index")
         for name, data in (extra_files or {}).items():
             (tmp / name).write_text(json.dumps(data, indent=2) + "\n")
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")

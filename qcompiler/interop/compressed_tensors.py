@@ -10,15 +10,23 @@ Not expressible, and refused with the layer named: act-order with scattered grou
 removed ``actorder: group``; static groups are fine), groups that do not divide ``in_features``,
 SmoothQuant scales that could not be folded into a producer (BERT's post-LN blocks), SpQR.
 """
+
 from __future__ import annotations
 
 import torch
 
-from ..graph import find_linears
-from ..op_registry import OpArgs, implement, refuse, register_target
-from ..ops import GPTQ_TENSORS
-from ..algorithms.packing import unpack_cols
-from .checkpoint import DEFAULT_SHARD_BYTES, ExportError, fp_tensors, layer_writers, model_config_of, write_checkpoint
+from qcompiler.algorithms.packing import unpack_cols
+from qcompiler.interop.checkpoint import (
+    DEFAULT_SHARD_BYTES,
+    ExportError,
+    fp_tensors,
+    layer_writers,
+    model_config_of,
+    write_checkpoint,
+)
+from qcompiler.ir.graph import find_linears
+from qcompiler.ir.op_registry import OpArgs, implement, refuse, register_target
+from qcompiler.ir.ops import GPTQ_TENSORS
 
 __all__ = ["export_compressed_tensors"]
 
@@ -40,26 +48,38 @@ def _gptq_layer(gm, a: OpArgs, path: str) -> tuple[dict, dict]:
         group_size = -1
     if group_size != -1:
         if n_in % group_size:
-            raise ExportError(f"layer {path}: in_features={n_in} is not a multiple of group_size={group_size}, "
-                              f"which compressed-tensors requires")
+            raise ExportError(
+                f"layer {path}: in_features={n_in} is not a multiple of group_size={group_size}, "
+                f"which compressed-tensors requires"
+            )
         if not torch.equal(g_idx.long(), torch.arange(n_in) // group_size):
-            raise ExportError(f"layer {path}: act-order with scattered groups (g_idx) has no compressed-tensors form "
-                              f"(actorder 'group' was removed); use static groups, e.g. recipe gptq-w4g128-static")
+            raise ExportError(
+                f"layer {path}: act-order with scattered groups (g_idx) has no compressed-tensors form "
+                f"(actorder 'group' was removed); use static groups, e.g. recipe gptq-w4g128-static"
+            )
     zeros = unpack_cols(qzeros, bits, n_out)
     sym = bool((zeros == (1 << (bits - 1))).all())
-    tensors = {"weight_packed": qweight.t().contiguous(), "weight_scale": scales.t().contiguous(),
-               "weight_shape": torch.tensor([n_out, n_in], dtype=torch.int64)}
+    tensors = {
+        "weight_packed": qweight.t().contiguous(),
+        "weight_scale": scales.t().contiguous(),
+        "weight_shape": torch.tensor([n_out, n_in], dtype=torch.int64),
+    }
     if not sym:
         tensors["weight_zero_point"] = qzeros.t().contiguous()
-    return tensors, {"format": "pack-quantized", "weights": _weights_scheme(bits, group_size, sym),
-                     "input_activations": None}
+    return tensors, {
+        "format": "pack-quantized",
+        "weights": _weights_scheme(bits, group_size, sym),
+        "input_activations": None,
+    }
 
 
 def _int8_layer(gm, a: OpArgs, path: str) -> tuple[dict, dict]:
     weight, weight_scale = a.tensors(gm, "weight", "weight_scale")
     if a.smooth_inv is not None:
-        raise ExportError(f"layer {path}: its SmoothQuant scales are applied inside the activation quantizer "
-                          f"(no producer could absorb them), which compressed-tensors cannot express")
+        raise ExportError(
+            f"layer {path}: its SmoothQuant scales are applied inside the activation quantizer "
+            f"(no producer could absorb them), which compressed-tensors cannot express"
+        )
     tensors = {"weight": weight, "weight_scale": weight_scale.reshape(-1, 1).float()}
     acts = {"num_bits": 8, "type": "int", "symmetric": True, "observer": None}
     if a.act_scale is None:
@@ -67,24 +87,34 @@ def _int8_layer(gm, a: OpArgs, path: str) -> tuple[dict, dict]:
     else:
         acts.update(strategy="tensor", dynamic=False)
         tensors["input_scale"] = a.tensor(gm, "act_scale").float().reshape(1)
-    return tensors, {"format": "int-quantized", "weights": _weights_scheme(8, -1, True) | {"strategy": "channel"},
-                     "input_activations": acts}
+    return tensors, {
+        "format": "int-quantized",
+        "weights": _weights_scheme(8, -1, True) | {"strategy": "channel"},
+        "input_activations": acts,
+    }
 
 
 register_target("compressed-tensors", "exporter: compressed-tensors checkpoint folders (transformers, vLLM)")
 implement("compressed-tensors", "quant_linear", _gptq_layer, kind="writer", label="pack-quantized")
 implement("compressed-tensors", "int8_linear", _int8_layer, kind="writer", label="int-quantized")
-_NO_FORM = ("compressed-tensors cannot express it (supported: GPTQ/RTN weight-only and W8A8 layers); export this "
-            "recipe to ONNX or save it with cm.save")
-refuse("compressed-tensors", "quant_experts_linear", "mixture-of-experts checkpoints in compressed-tensors are not "
-                                                     "written yet; export this recipe to ONNX or save it with cm.save")
+_NO_FORM = (
+    "compressed-tensors cannot express it (supported: GPTQ/RTN weight-only and W8A8 layers); export this "
+    "recipe to ONNX or save it with cm.save"
+)
+refuse(
+    "compressed-tensors",
+    "quant_experts_linear",
+    "mixture-of-experts checkpoints in compressed-tensors are not "
+    "written yet; export this recipe to ONNX or save it with cm.save",
+)
 refuse("compressed-tensors", "spqr_dense_linear", _NO_FORM)
 refuse("compressed-tensors", "sparse_outlier_linear", _NO_FORM)
 refuse("compressed-tensors", "spqr_experts_linear", _NO_FORM)
 
 
-def export_compressed_tensors(cm, out_dir, *, progress=print, overwrite: bool = False,
-                              max_shard_bytes: int = DEFAULT_SHARD_BYTES):
+def export_compressed_tensors(
+    cm, out_dir, *, progress=print, overwrite: bool = False, max_shard_bytes: int = DEFAULT_SHARD_BYTES
+):
     """Write ``cm`` as a compressed-tensors checkpoint folder (atomic)."""
     gm = cm.graph_module if hasattr(cm, "graph_module") else cm
     config = model_config_of(gm)
@@ -97,14 +127,29 @@ def export_compressed_tensors(cm, out_dir, *, progress=print, overwrite: bool = 
         groups.setdefault(key, (scheme, []))[1].append(path)
     tensors.update(fp_tensors(gm, consumed))
     formats = {scheme["format"] for scheme, _ in groups.values()}
-    config_groups = {f"group_{i}": {"targets": sorted(paths), **{k: v for k, v in scheme.items()}}
-                     for i, (scheme, paths) in enumerate(groups.values())}
-    config["quantization_config"] = {
-        "quant_method": "compressed-tensors", "format": formats.pop() if len(formats) == 1 else "mixed-precision",
-        "quantization_status": "compressed", "config_groups": config_groups,
-        "ignore": sorted(layer.path for layer in find_linears(gm)), "kv_cache_scheme": None,
+    config_groups = {
+        f"group_{i}": {"targets": sorted(paths), **{k: v for k, v in scheme.items()}}
+        for i, (scheme, paths) in enumerate(groups.values())
     }
-    progress(f"compressed-tensors checkpoint: {sum(len(p) for _, p in groups.values())} layers in "
-             f"{len(groups)} scheme group(s)")
-    return write_checkpoint(out_dir, tensors, config, kind="compressed-tensors", gm=gm,
-                            overwrite=overwrite, max_shard_bytes=max_shard_bytes, progress=progress)
+    config["quantization_config"] = {
+        "quant_method": "compressed-tensors",
+        "format": formats.pop() if len(formats) == 1 else "mixed-precision",
+        "quantization_status": "compressed",
+        "config_groups": config_groups,
+        "ignore": sorted(layer.path for layer in find_linears(gm)),
+        "kv_cache_scheme": None,
+    }
+    progress(
+        f"compressed-tensors checkpoint: {sum(len(p) for _, p in groups.values())} layers in "
+        f"{len(groups)} scheme group(s)"
+    )
+    return write_checkpoint(
+        out_dir,
+        tensors,
+        config,
+        kind="compressed-tensors",
+        gm=gm,
+        overwrite=overwrite,
+        max_shard_bytes=max_shard_bytes,
+        progress=progress,
+    )

@@ -14,28 +14,41 @@ stores the real zero, as qcompiler does internally. ``zero_format="auto"`` write
 is ≥ 1 and v2 otherwise, and says which; ``"v1"`` refuses (naming the layer) rather than write a
 checkpoint that loads wrong.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
-from ..algorithms.packing import unpack_cols
-from ..op_registry import args_of, implement, refuse, register_target
-from ..ops import GPTQ_TENSORS
-from .checkpoint import (DEFAULT_SHARD_BYTES, ExportError, fp_tensors, gptq_layer, layer_writers, model_config_of,
-                         write_checkpoint)
-from .gptq_format import read_gptq_checkpoint, zeros_from_v1, zeros_to_v1
+from qcompiler.algorithms.packing import unpack_cols
+from qcompiler.interop.checkpoint import (
+    DEFAULT_SHARD_BYTES,
+    ExportError,
+    fp_tensors,
+    gptq_layer,
+    layer_writers,
+    model_config_of,
+    write_checkpoint,
+)
+from qcompiler.interop.gptq_format import zeros_from_v1, zeros_to_v1
+from qcompiler.ir.op_registry import args_of, implement, refuse, register_target
+from qcompiler.ir.ops import GPTQ_TENSORS
 
-__all__ = ["export_gptq", "import_gptq", "zeros_to_v1", "zeros_from_v1"]
+__all__ = ["export_gptq", "zeros_to_v1", "zeros_from_v1"]
 
 register_target("gptq", "exporter: GPTQ checkpoint folders (transformers, GPTQModel, vLLM)")
 implement("gptq", "quant_linear", gptq_layer, kind="writer", label="qweight/qzeros/scales/g_idx")
-_ONLY_GPTQ = ("the GPTQ format holds only weight-only GPTQ/RTN layers (qc.quant_linear); export this recipe to "
-              "ONNX or save it with cm.save")
-refuse("gptq", "quant_experts_linear", "GPTQ checkpoints of mixture-of-experts models are not written yet; "
-                                       "export this recipe to ONNX or save it with cm.save")
+_ONLY_GPTQ = (
+    "the GPTQ format holds only weight-only GPTQ/RTN layers (qc.quant_linear); export this recipe to "
+    "ONNX or save it with cm.save"
+)
+refuse(
+    "gptq",
+    "quant_experts_linear",
+    "GPTQ checkpoints of mixture-of-experts models are not written yet; "
+    "export this recipe to ONNX or save it with cm.save",
+)
 refuse("gptq", "int8_linear", _ONLY_GPTQ)
 refuse("gptq", "spqr_dense_linear", _ONLY_GPTQ)
 refuse("gptq", "sparse_outlier_linear", _ONLY_GPTQ)
@@ -48,8 +61,15 @@ def _is_act_order(g_idx: torch.Tensor, group_size: int) -> bool:
     return not torch.equal(g_idx.long(), torch.arange(g_idx.numel()) // group_size)
 
 
-def export_gptq(cm, out_dir, *, zero_format: str = "auto", progress=print, overwrite: bool = False,
-                max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> Path:
+def export_gptq(
+    cm,
+    out_dir,
+    *,
+    zero_format: str = "auto",
+    progress=print,
+    overwrite: bool = False,
+    max_shard_bytes: int = DEFAULT_SHARD_BYTES,
+) -> Path:
     """Write ``cm``'s GPTQ/RTN layers as a GPTQ Hugging Face checkpoint folder (atomic)."""
     if zero_format not in ("auto", "v1", "v2"):
         raise ValueError(f"zero_format must be 'auto', 'v1' or 'v2', got {zero_format!r}")
@@ -58,14 +78,20 @@ def export_gptq(cm, out_dir, *, zero_format: str = "auto", progress=print, overw
     layers = [write(gm, a, path) for a, path, write in layer_writers(gm, "gptq", "GPTQ")]
     settings = {(layer.bits, layer.group_size) for layer in layers}
     if len(settings) > 1:
-        raise ExportError(f"a GPTQ checkpoint has one bits/group_size for all layers; this graph mixes "
-                          f"{sorted(settings)}")
+        raise ExportError(
+            f"a GPTQ checkpoint has one bits/group_size for all layers; this graph mixes {sorted(settings)}"
+        )
     bits, group_size = settings.pop()
-    zero_layers = [layer.path for layer in layers
-                   if (unpack_cols(layer.tensors["qzeros"], bits, layer.tensors["scales"].shape[1]) == 0).any()]
+    zero_layers = [
+        layer.path
+        for layer in layers
+        if (unpack_cols(layer.tensors["qzeros"], bits, layer.tensors["scales"].shape[1]) == 0).any()
+    ]
     if zero_format == "v1" and zero_layers:
-        raise ExportError(f"layer {zero_layers[0]} has zero points equal to 0, which the v1 format (stored zero − 1) "
-                          f"cannot hold; use zero_format='v2' (GPTQModel) or a symmetric recipe")
+        raise ExportError(
+            f"layer {zero_layers[0]} has zero points equal to 0, which the v1 format (stored zero − 1) "
+            f"cannot hold; use zero_format='v2' (GPTQModel) or a symmetric recipe"
+        )
     v1 = zero_format == "v1" or (zero_format == "auto" and not zero_layers)
     tensors = fp_tensors(gm, {getattr(args_of(layer.node), name).target for layer in layers for name in GPTQ_TENSORS})
     for layer in layers:
@@ -74,52 +100,34 @@ def export_gptq(cm, out_dir, *, zero_format: str = "auto", progress=print, overw
             t["qzeros"] = zeros_to_v1(t["qzeros"], bits, t["scales"].shape[1])
         tensors.update({f"{layer.path}.{name}": value for name, value in t.items()})
     desc_act = any(_is_act_order(layer.tensors["g_idx"], group_size) for layer in layers)
-    sym = all(bool((unpack_cols(layer.tensors["qzeros"], bits, layer.tensors["scales"].shape[1])
-                    == (1 << (bits - 1))).all()) for layer in layers)
-    quant = {"quant_method": "gptq", "bits": bits, "group_size": group_size, "desc_act": desc_act, "sym": sym,
-             "checkpoint_format": "gptq" if v1 else "gptq_v2", "pack_dtype": "int32",
-             "lm_head": any(layer.path.rsplit(".", 1)[-1] in ("lm_head", "embed_out") for layer in layers),
-             "meta": {"quantizer": ["qcompiler"], "zero_points": "stored minus 1 (v1)" if v1 else "real (v2)"}}
+    sym = all(
+        bool((unpack_cols(layer.tensors["qzeros"], bits, layer.tensors["scales"].shape[1]) == (1 << (bits - 1))).all())
+        for layer in layers
+    )
+    quant = {
+        "quant_method": "gptq",
+        "bits": bits,
+        "group_size": group_size,
+        "desc_act": desc_act,
+        "sym": sym,
+        "checkpoint_format": "gptq" if v1 else "gptq_v2",
+        "pack_dtype": "int32",
+        "lm_head": any(layer.path.rsplit(".", 1)[-1] in ("lm_head", "embed_out") for layer in layers),
+        "meta": {"quantizer": ["qcompiler"], "zero_points": "stored minus 1 (v1)" if v1 else "real (v2)"},
+    }
     config["quantization_config"] = quant
-    progress(f"GPTQ checkpoint: {len(layers)} layers, {bits}-bit, group {group_size}, "
-             f"{'v1' if v1 else 'v2'} zero points{'' if v1 else ' (some zeros are 0: v1 cannot hold them)'}")
-    return write_checkpoint(out_dir, tensors, config, {"quantize_config.json": quant}, kind="gptq",
-                            gm=gm, overwrite=overwrite, max_shard_bytes=max_shard_bytes, progress=progress)
-
-
-def import_gptq(folder, backend: str = "eager", *, progress: bool = False):
-    """A CompiledModel whose quantized layers are the checkpoint's packed tensors, unchanged: the
-    model is built from ``config.json``, its other weights loaded, and compiled with the
-    ``LoadGPTQCheckpoint`` pass (so a causal LM keeps its KV cache and generates)."""
-    from transformers import AutoConfig
-
-    from ..compiler import compile
-    from ..models import _check_folder, loaded_from_model
-    from ..passes import LoadGPTQCheckpoint
-    from ..recipes import Recipe
-
-    folder = Path(folder)
-    _check_folder(folder)
-    ckpt = read_gptq_checkpoint(folder)
-    raw = dict(ckpt.config)
-    config = AutoConfig.for_model(raw.pop("model_type"), **raw)
-    loaded = loaded_from_model(folder.name, config, folder)
-    model = loaded.model
-    packed = ckpt.packed_keys()  # read by the pass, where they are used: not here too
-    state = {}
-    for file in sorted(folder.glob("*.safetensors")):
-        with safe_open(str(file), framework="pt") as f:
-            state.update({k: f.get_tensor(k) for k in f.keys() if k not in packed})
-    missing, _ = model.load_state_dict(state, strict=False)
-    quantized_weights = {f"{p}.weight" for p in ckpt.layers}
-    missing = [k for k in missing if k not in quantized_weights and not _tied(model, k)]
-    if missing:
-        raise ExportError(f"{folder}: tensors missing from the checkpoint: {', '.join(missing[:5])}")
-    if getattr(config, "tie_word_embeddings", False):
-        model.tie_weights()
-    recipe = Recipe("gptq-checkpoint", (LoadGPTQCheckpoint(str(folder)),), f"imported from {folder}")
-    return compile(model, loaded.example_inputs(), recipe=recipe, backend=backend, progress=progress)
-
-
-def _tied(model, key: str) -> bool:
-    return key.endswith("lm_head.weight") and getattr(model.config, "tie_word_embeddings", False)
+    progress(
+        f"GPTQ checkpoint: {len(layers)} layers, {bits}-bit, group {group_size}, "
+        f"{'v1' if v1 else 'v2'} zero points{'' if v1 else ' (some zeros are 0: v1 cannot hold them)'}"
+    )
+    return write_checkpoint(
+        out_dir,
+        tensors,
+        config,
+        {"quantize_config.json": quant},
+        kind="gptq",
+        gm=gm,
+        overwrite=overwrite,
+        max_shard_bytes=max_shard_bytes,
+        progress=progress,
+    )

@@ -3,6 +3,7 @@
 Zero points: ``checkpoint_format: "gptq"`` (v1: AutoGPTQ, transformers, vLLM) stores ``zero − 1``
 wrapped to ``bits`` bits; ``"gptq_v2"`` (GPTQModel) stores the real zero, as ``qc.quant_linear`` does.
 """
+
 from __future__ import annotations
 
 import json
@@ -12,9 +13,9 @@ from typing import NamedTuple
 import torch
 from safetensors import safe_open
 
-from ..algorithms.packing import pack_cols, unpack_cols
-from ..ops import GPTQ_TENSORS
-from .checkpoint import ExportError
+from qcompiler.algorithms.packing import pack_cols, unpack_cols
+from qcompiler.interop.checkpoint import ExportError
+from qcompiler.ir.ops import GPTQ_TENSORS
 
 __all__ = ["GPTQCheckpoint", "read_gptq_checkpoint", "zeros_to_v1", "zeros_from_v1"]
 
@@ -33,13 +34,14 @@ def zeros_from_v1(qzeros: torch.Tensor, bits: int, n_out: int) -> torch.Tensor:
 
 class GPTQCheckpoint(NamedTuple):
     """A GPTQ checkpoint folder as read: its quantization config, settings and tensors."""
+
     folder: Path
-    config: dict          # config.json without its quantization_config
-    quant: dict           # the quantization_config
+    config: dict  # config.json without its quantization_config
+    quant: dict  # the quantization_config
     bits: int
     group_size: int
-    v1: bool              # zero points stored minus one
-    layers: dict          # module path -> the safetensors file holding its packed tensors
+    v1: bool  # zero points stored minus one
+    layers: dict  # module path -> the safetensors file holding its packed tensors
 
     def packed(self, path: str) -> dict[str, torch.Tensor]:
         """``path``'s four tensors in ``qc.quant_linear``'s layout (v1 zero points converted)."""
@@ -74,5 +76,6 @@ def read_gptq_checkpoint(folder) -> GPTQCheckpoint:
             layers.update({key[: -len(".qweight")]: file for key in f.keys() if key.endswith(".qweight")})
     if not layers:
         raise ExportError(f"{folder} has no '*.qweight' tensors: not a GPTQ checkpoint")
-    return GPTQCheckpoint(folder, config, quant, bits, group_size,
-                          quant.get("checkpoint_format", "gptq") == "gptq", layers)
+    return GPTQCheckpoint(
+        folder, config, quant, bits, group_size, quant.get("checkpoint_format", "gptq") == "gptq", layers
+    )

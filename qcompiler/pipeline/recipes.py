@@ -1,0 +1,128 @@
+"""Built-in recipes: named, ordered lists of passes (list them with :func:`list_recipes`).
+
+A recipe is data: a name, a description and the passes it runs. ``compile()`` accepts a recipe
+name, a :class:`Recipe`, or a plain list of passes (including user-written ones).
+"""
+
+from __future__ import annotations
+
+import difflib
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+from qcompiler.errors import RecipeError
+from qcompiler.pipeline.pass_base import Pass
+
+__all__ = ["Recipe", "register_recipe", "get_recipe", "list_recipes"]
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """A named, ordered list of passes."""
+
+    name: str
+    passes: tuple[Pass, ...]
+    description: str = ""
+
+
+_REGISTRY: dict[str, tuple[str, Callable[[], Sequence[Pass]]]] = {}
+
+
+def register_recipe(name: str, description: str, factory: Callable[[], Sequence[Pass]]) -> None:
+    """Make ``name`` usable in ``compile(recipe=name)``; ``factory`` builds fresh pass instances."""
+    _REGISTRY[name] = (description, factory)
+
+
+def get_recipe(name: str) -> Recipe:
+    """The built-in or registered recipe ``name`` (fresh pass instances), or an error suggesting a name."""
+    _register_builtins()
+    if name not in _REGISTRY:
+        close = difflib.get_close_matches(name, _REGISTRY, n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        raise RecipeError(f"unknown recipe {name!r}{hint} Known recipes: {', '.join(sorted(_REGISTRY))}")
+    description, factory = _REGISTRY[name]
+    return Recipe(name, tuple(factory()), description)
+
+
+def list_recipes() -> list[Recipe]:
+    """Every registered recipe."""
+    _register_builtins()
+    return [get_recipe(name) for name in _REGISTRY]
+
+
+_BUILTINS_DONE = False
+
+
+def _register_builtins() -> None:
+    """Built-ins are registered lazily so that importing qcompiler does not import every pass."""
+    global _BUILTINS_DONE
+    if _BUILTINS_DONE:
+        return
+    _BUILTINS_DONE = True
+    from qcompiler import passes as P
+
+    register_recipe("none", "no passes: the captured FP graph (a baseline)", lambda: [])
+    for name, (method, kw) in _WEIGHT_ONLY.items():
+        cls = getattr(P, method)
+        register_recipe(name, _describe(cls, kw), (lambda cls=cls, kw=kw: [cls(**kw)]))
+    register_recipe(
+        "spqr-w3g16",
+        "SpQR: 3-bit weights in groups of 16, 3-bit statistics (beta2=16), "
+        "act-order, outliers (relative tau 1.0) in fp16 CSR",
+        lambda: [P.SpQR()],
+    )
+    register_recipe(
+        "spqr-w4g16",
+        "SpQR, higher quality: 4-bit weights in groups of 16, 3-bit statistics, outliers (relative tau 1.0)",
+        lambda: [P.SpQR(bits=4)],
+    )
+    register_recipe(
+        "w8a8", "int8 weights (per channel) and activations (per token, dynamic), no smoothing", lambda: [P.LowerInt8()]
+    )
+    register_recipe(
+        "w8a8-static",
+        "int8 weights (per channel), static per-tensor int8 activations",
+        lambda: [P.LowerInt8(activations="static_per_tensor")],
+    )
+    register_recipe(
+        "w8a8-smoothquant",
+        "SmoothQuant alpha=0.5, then W8A8 (per-token dynamic activations)",
+        lambda: [P.SmoothQuant(alpha=0.5), P.LowerInt8()],
+    )
+    register_recipe(
+        "w8a8-smoothquant-a0.8", "SmoothQuant alpha=0.8, then W8A8", lambda: [P.SmoothQuant(alpha=0.8), P.LowerInt8()]
+    )
+    register_recipe(
+        "w8a8-smoothquant-auto",
+        "SmoothQuant with alpha searched per producer group, then W8A8",
+        lambda: [P.SmoothQuant(alpha="auto"), P.LowerInt8()],
+    )
+
+
+def _describe(cls: type, kw: dict) -> str:
+    method = "GPTQ" if cls.__name__ == "GPTQ" else "round-to-nearest"
+    group = "per channel" if kw["group_size"] == -1 else f"groups of {kw['group_size']}"
+    extra = (", act-order" if kw.get("act_order") else "") + (", lm_head in 4 bits (RTN)" if kw.get("lm_head") else "")
+    return f"{method} W{kw['bits']}A16, {group}, asymmetric{extra}"
+
+
+# name -> (pass class in qcompiler.passes, its settings). Asymmetric grids: measured clearly better
+# than symmetric on MiniLM (docs/methods/gptq.md).
+_WEIGHT_ONLY = {
+    "rtn-w4g128": ("RTN", dict(bits=4, group_size=128, sym=False)),
+    "rtn-w3g128": ("RTN", dict(bits=3, group_size=128, sym=False)),
+    "rtn-w2g128": ("RTN", dict(bits=2, group_size=128, sym=False)),
+    "rtn-w3": ("RTN", dict(bits=3, group_size=-1, sym=False)),
+    "gptq-w4g128": ("GPTQ", dict(bits=4, group_size=128, sym=False)),
+    "gptq-w3g128": ("GPTQ", dict(bits=3, group_size=128, sym=False)),
+    "gptq-w2g128": ("GPTQ", dict(bits=2, group_size=128, sym=False)),
+    "gptq-w3": ("GPTQ", dict(bits=3, group_size=-1, sym=False)),
+    "gptq-w3-act": ("GPTQ", dict(bits=3, group_size=-1, sym=False, act_order=True)),
+    "gptq-w4g128-act": ("GPTQ", dict(bits=4, group_size=128, sym=False, act_order=True)),
+    "gptq-w3g128-act": ("GPTQ", dict(bits=3, group_size=128, sym=False, act_order=True)),
+    "gptq-w2g128-act": ("GPTQ", dict(bits=2, group_size=128, sym=False, act_order=True)),
+    "gptq-w4g128-static": ("GPTQ", dict(bits=4, group_size=128, sym=False, act_order=True, static_groups=True)),
+    # the output head in 4 bits too (RTN), as onnxruntime-genai's int4 builder: faster decoding
+    "rtn-w4g128-head": ("RTN", dict(bits=4, group_size=128, sym=False, lm_head=True)),
+    "gptq-w4g128-head": ("GPTQ", dict(bits=4, group_size=128, sym=False, lm_head=True)),
+}

@@ -1,0 +1,410 @@
+"""Plumbing shared by the weight-rewriting passes (RTN, GPTQ, SpQR): walk blocks, quantize, rewrite.
+
+During calibration a quantized layer's weight is replaced by its dequantized value, so later
+blocks see exactly the outputs the final quantized op produces (sequential calibration); once
+every block is done, each linear node is swapped for the method's op(s).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable, NamedTuple, Optional, Union
+
+import torch
+from torch.fx import GraphModule, Node
+
+from qcompiler.algorithms.finite import all_finite
+from qcompiler.algorithms.gptq import QuantResult, output_error, rtn_quantize
+from qcompiler.algorithms.packing import packed_length
+from qcompiler.calib.calibration import CalibrationEngine
+from qcompiler.calib.host_memory import return_freed_memory
+from qcompiler.errors import QuantizationError
+from qcompiler.frontend import lazy_weights
+from qcompiler.ir.experts import ExpertLinear, find_expert_linears
+from qcompiler.ir.graph import LinearLayer, block_of, find_linears, is_router
+from qcompiler.ir.ops import GPTQ_TENSORS, GPTQWeight, pack_gptq
+from qcompiler.ir.tensors import set_tensor
+from qcompiler.pipeline.folding import replace_experts, replace_linear
+from qcompiler.pipeline.layer_filter import ignore_reason, report_unmatched
+from qcompiler.pipeline.pass_base import PassContext
+from qcompiler.store.spill import Spill
+
+__all__ = [
+    "LayerQuant",
+    "ExpertsFormat",
+    "quantize_block_linears",
+    "is_output_head",
+    "gptq_layer_quant",
+    "rtn_layer_quant",
+    "gptq_experts",
+    "check_packable",
+    "UnpackableLayer",
+]
+
+
+class LayerQuant(NamedTuple):
+    """What a method made of one layer (its tensors may live on the compute device: the caller moves
+    ``tensors`` to where the graph's weights live before ``rewrite`` stores them)."""
+
+    dequantized: torch.Tensor  # [out, in]: what the stored tensors stand for
+    figures: dict  # per-layer report entries
+    tensors: dict  # name -> tensor the rewrite stores
+    rewrite: Callable[[GraphModule, LinearLayer, dict], None]  # swaps the node for the method's op(s)
+    packed: Optional[GPTQWeight] = None  # set when stored in the GPTQ layout
+    damped_error: Optional[tuple[float, float]] = None  # GPTQ's (‖E‖², λ): output_error without a GEMM
+
+
+QuantizeFn = Callable[[LinearLayer, torch.Tensor, Optional[torch.Tensor]], LayerQuant]
+
+
+class ExpertsFormat(NamedTuple):
+    """How a method stores a mixture-of-experts layer: ``stack`` turns the experts' results (in
+    expert order) into one op — its name, the stored tensors, its constant arguments; ``no_tokens``
+    quantizes an expert that no calibration row reached, described as ``no_tokens_name``."""
+
+    stack: Callable[[list[LayerQuant]], tuple[str, dict, dict]]
+    no_tokens: QuantizeFn
+    no_tokens_name: str
+
+
+class UnpackableLayer(QuantizationError):
+    """A layer whose shape the packed layout cannot hold: it is skipped with a note, the rest quantize."""
+
+
+def check_packable(layer: LinearLayer, W: torch.Tensor, bits: int) -> None:
+    """Raise UnpackableLayer when the packed layout cannot hold ``W`` at ``bits``."""
+    for dim, size in (("in_features", W.shape[1]), ("out_features", W.shape[0])):
+        try:
+            packed_length(size, bits)
+        except ValueError as exc:
+            raise UnpackableLayer(
+                f"layer {layer.path}: {dim}={size} cannot be stored in the GPTQ layout at {bits} bits ({exc})"
+            ) from None
+
+
+def _store_dequantized(gm: GraphModule, layer: LinearLayer, W_hat: torch.Tensor, like: torch.Tensor) -> None:
+    """Quantization runs in fp32 (on the compute device); the stored weight keeps the model's dtype
+    (fp16/bf16 models) and stays where the model's weights live."""
+    W_hat = W_hat.t() if layer.transposed else W_hat
+    set_tensor(gm, layer.weight_node.target, W_hat.to(device=like.device, dtype=like.dtype).contiguous())
+
+
+def _check_finite(path: str, W: torch.Tensor) -> None:
+    if not all_finite(W):
+        bad = int((~torch.isfinite(W)).sum())
+        raise QuantizationError(
+            f"layer {path}: {bad} of its {W.numel()} weights are NaN or Inf; the "
+            f"checkpoint is damaged (nothing was written)"
+        )
+
+
+def _release(gm: GraphModule, weight_nodes: list[Node]) -> None:
+    """A calibrated block's dequantized weights (linears and 3-D expert parameters) become
+    placeholders (its nodes are rewritten to the packed tensors at the end; the next block's inputs
+    are already computed), so the copies do not pile up over the model's depth (they did: +1x the
+    model's size at the peak; a streamed MoE model kept every block's experts)."""
+    for node in weight_nodes:
+        if len(node.users) == 1:
+            lazy_weights.release(gm, node.target)
+
+
+def is_output_head(path: str) -> bool:
+    """The output projection to the vocabulary (``lm_head``; GPT-NeoX's ``embed_out``)."""
+    return path.rsplit(".", 1)[-1] in ("lm_head", "embed_out")
+
+
+class _BlockQuantizer:
+    """One weight-quantizing pass's walk: solves each layer (or expert matrix) on the compute
+    device, records it, and keeps what the final rewrite stores."""
+
+    def __init__(
+        self,
+        gm: GraphModule,
+        ctx: PassContext,
+        quantize: QuantizeFn,
+        experts: Optional[ExpertsFormat],
+        ignore: tuple[str, ...],
+    ):
+        self.gm, self.ctx, self.record = gm, ctx, ctx.record
+        self.quantize, self.experts_format, self.ignore = quantize, experts, ignore
+        # (layer, its tensors or a function reading them back from the spill, rewrite)
+        self.done: list[tuple[LinearLayer, Union[dict, Callable[[], dict]], Callable]] = []
+        self._spill = Spill() if lazy_weights.lazy_source(gm) is not None else None  # streamed: a big model
+        self.experts_done: list[tuple[ExpertLinear, str, dict, dict]] = []  # expert, op, tensors, constants
+        self.skipped: list[str] = []
+        self._on_device: list = []  # (Hessian, its compute-device copy): siblings share one copy, so one factor
+
+    def _to_compute(self, H: Optional[torch.Tensor], compute) -> Optional[torch.Tensor]:
+        if H is None:
+            return None
+        if not self._on_device or self._on_device[0] is not H:
+            self._on_device[:] = [H, H.to(compute)]
+        return self._on_device[1]
+
+    def drop_hessians(self) -> None:
+        """Forget the compute-device Hessian: its layers are solved (its factor goes with it)."""
+        self._on_device.clear()
+
+    def skip(self, path: str, why: str) -> None:
+        self.skipped.append(path)
+        self.record.notes.append(f"{path}: kept in full precision ({why})")
+        self.ctx.log(f"  {path}: kept in full precision ({why})")
+
+    @staticmethod
+    def solve(
+        method: QuantizeFn,
+        layer: LinearLayer,
+        path: str,
+        W: torch.Tensor,
+        H: Optional[torch.Tensor],
+        energy: Optional[float] = None,
+    ) -> tuple[Optional[LayerQuant], Union[dict, str]]:
+        """``method`` on one fp32 matrix (on the compute device) and its report figures, or
+        ``(None, why)`` when the packed layout cannot hold it (the caller skips the layer)."""
+        _check_finite(path, W)
+        try:
+            result = method(layer, W, H)
+        except UnpackableLayer as exc:
+            return None, str(exc).split(": ", 1)[-1]
+        except QuantizationError as exc:
+            raise QuantizationError(exc.args[0] if str(exc).startswith("layer ") else f"layer {path}: {exc}") from None
+        figures = dict(result.figures)
+        if H is not None:
+            figures["rel_error"] = output_error(W, result.dequantized, H, result.damped_error, energy)
+        return result, figures
+
+    def linear(
+        self,
+        layer: LinearLayer,
+        H: Optional[torch.Tensor],
+        start: float,
+        *,
+        energy: Optional[float] = None,
+        method: Optional[QuantizeFn] = None,
+        store: bool = True,
+    ) -> None:
+        if is_router(layer.path):
+            return self.skip(layer.path, "mixture-of-experts router")
+        if why := ignore_reason(layer.path, self.ignore):
+            return self.skip(layer.path, why)
+        stored = layer.weight(self.gm)  # read once (a streamed weight comes from disk)
+        compute = self.ctx.device or stored.device
+        result, figures = self.solve(
+            method or self.quantize,
+            layer,
+            layer.path,
+            stored.detach().float().to(compute),
+            self._to_compute(H, compute),
+            energy,
+        )
+        if result is None:
+            return self.skip(layer.path, figures)
+        if store:  # later blocks must see the quantized weights; nothing runs after the head
+            _store_dequantized(self.gm, layer, result.dequantized, stored)
+        figures["seconds"] = round(time.perf_counter() - start, 4)
+        if figures.get("damp_steps"):
+            self.record.notes.append(
+                f"{layer.path}: Hessian needed damping {figures['damp']:g} "
+                f"(raised {figures['damp_steps']}x from the default)"
+            )
+        self.record.layers[layer.path] = figures
+        error = f", relative output error {figures['rel_error']:.3g}" if "rel_error" in figures else ""
+        self.ctx.log(f"  {layer.path}: {figures.get('bits', '?')}-bit{error}, {figures['seconds']:.2f}s")
+        # Only what is stored is kept (on the weights' device), not the fp32 dequantized weight.
+        self.done.append((layer, {k: v.to(stored.device) for k, v in result.tensors.items()}, result.rewrite))
+
+    def experts(self, expert: ExpertLinear, stats: Optional[dict], *, store: bool = True) -> None:
+        """Quantize each expert matrix of one 3-D parameter; later blocks see the dequantized ones.
+        An expert no calibration row reached is quantized by the format's ``no_tokens``, with a note."""
+        fmt = self.experts_format
+        why = ignore_reason(expert.path, self.ignore) or (
+            None if fmt else f"{self.record.name} does not quantize 3-D expert weights"
+        )
+        if why:
+            return self.skip(expert.path, why)
+        start, stored = time.perf_counter(), expert.stored(self.gm)
+        compute = self.ctx.device or stored.device
+        dequantized, results, errors = [], [], []
+        for e in range(expert.num_experts):
+            path = expert.expert_path(e)
+            layer = LinearLayer(expert.node, path, expert.input, expert.weight_node, None, False)
+            st = None if stats is None else stats[path]
+            H = None if st is None or st.rows == 0 else st.hessian.to(compute)
+            method = self.quantize if st is None or H is not None else fmt.no_tokens
+            W = expert.expert_weight(stored, e).detach().float().to(compute)
+            result, figures = self.solve(method, layer, path, W, H)
+            if result is None:
+                return self.skip(expert.path, figures)
+            if st is not None:
+                figures["calib_rows"] = st.rows
+            if "rel_error" in figures:
+                errors.append(figures["rel_error"])
+            elif st is not None:
+                figures["fallback"] = fmt.no_tokens_name
+                self.record.notes.append(f"{path}: received no calibration tokens, quantized with {fmt.no_tokens_name}")
+            self.record.layers[path] = figures
+            dequantized.append(result.dequantized.to(stored.device))
+            results.append(result._replace(dequantized=None))  # the fp32 copy above is the one kept
+        if store:
+            W_hat = torch.stack(dequantized)  # [E, out, in]
+            set_tensor(
+                self.gm,
+                expert.weight_node.target,
+                (W_hat if expert.transposed else W_hat.transpose(1, 2)).to(stored.dtype).contiguous(),
+            )
+        op, tensors, constants = fmt.stack(results)
+        self.experts_done.append((expert, op, {k: v.to(stored.device) for k, v in tensors.items()}, constants))
+        error = f", mean relative output error {sum(errors) / len(errors):.3g}" if errors else ""
+        bits, seconds = results[0].figures.get("bits", "?"), time.perf_counter() - start
+        self.ctx.log(f"  {expert.path}: {expert.num_experts} experts, {bits}-bit{error}, {seconds:.2f}s")
+
+    def block_done(self, start: int, experts_start: int) -> None:
+        """Park the results of ``done[start:]`` and ``experts_done[experts_start:]`` (one block's
+        layers and expert parameters, a file each) on disk when the model is streamed."""
+        if self._spill is None:
+            return
+        for k in range(start, len(self.done)):
+            layer, tensors, rewrite = self.done[k]
+            self.done[k] = (layer, self._spill.park(tensors), rewrite)
+        for k in range(experts_start, len(self.experts_done)):
+            expert, op, tensors, constants = self.experts_done[k]
+            self.experts_done[k] = (expert, op, self._spill.park(tensors), constants)
+
+    def rewrite(self) -> bool:
+        """Swap every solved node for the method's op(s); returns whether anything was quantized."""
+        for layer, tensors, rewrite in self.done:
+            rewrite(self.gm, layer, tensors() if callable(tensors) else tensors)
+        for expert, op, tensors, constants in self.experts_done:
+            replace_experts(self.gm, expert, op, tensors() if callable(tensors) else tensors, constants)
+        if self._spill is not None:
+            self._spill.close()
+        self.gm.graph.eliminate_dead_code()
+        return bool(self.done or self.experts_done)
+
+
+def quantize_block_linears(gm: GraphModule, ctx: PassContext, quantizer) -> bool:
+    """The walk of a ``WeightQuantizer`` (``weight_quantizer.py``): quantize every linear inside a
+    transformer block with ``quantizer.quantize_layer``, and the output head with its
+    ``head_quantizer()`` when it has one (it sees no Hessian: RTN); returns True if any layer was
+    quantized.
+
+    Mixture-of-experts 3-D expert parameters are quantized expert by expert, each from the rows
+    the router sent it, and stored as ``quantizer.experts_format()`` says; an expert that received
+    no calibration rows is quantized by its ``no_tokens`` and named in a note. Without a format
+    they stay in full precision, with a note.
+
+    Layers are solved on ``ctx.device`` (one at a time: only that layer's weight, Hessian and result
+    are there); what is stored goes back to where the graph's weights live."""
+    ignore, head = quantizer.ignored, quantizer.head_quantizer()
+    walk = _BlockQuantizer(gm, ctx, quantizer.quantize_layer, quantizer.experts_format(), ignore)
+    if ctx.calibration is None:
+        if quantizer.needs_hessian:
+            raise QuantizationError("calibration data is required")
+        for layer in find_linears(gm):  # nothing runs the graph: no need to store what stands for the codes
+            if block_of(layer.path) is not None:
+                walk.linear(layer, None, time.perf_counter(), store=False)
+        for expert in find_expert_linears(gm):
+            if block_of(expert.path) is not None:
+                walk.experts(expert, None, store=False)
+    else:
+        _calibrated_walk(walk, CalibrationEngine.for_pass(gm, ctx), quantizer)
+    if head is not None:  # not stored back: a tied embedding keeps reading the FP weight
+        heads = [layer for layer in find_linears(gm) if is_output_head(layer.path)]
+        if not heads:
+            ctx.record.notes.append("asked to quantize the output head, but the graph has no lm_head/embed_out linear")
+        for layer in heads:
+            walk.linear(layer, None, time.perf_counter(), method=head, store=False)
+    report_unmatched(
+        ctx.record.name,
+        ignore,
+        [layer.path for layer in find_linears(gm)] + [expert.path for expert in find_expert_linears(gm)],
+        ctx.record.notes,
+    )
+    if walk.rewrite():
+        return True
+    ctx.record.notes.append(
+        "nothing was quantized: "
+        + (  # the pass contract turns this into the error
+            f"every eligible layer was kept in full precision ({len(walk.skipped)})"
+            if walk.skipped
+            else "no unquantized linear layer inside a transformer block (an earlier pass quantized them, or the "
+            "model's linears lie outside numbered blocks such as model.layers.N; lm_head is never quantized)"
+        )
+    )
+    return False
+
+
+def _calibrated_walk(walk: _BlockQuantizer, engine: CalibrationEngine, quantizer) -> None:
+    """Block by block: the quantizer's ``before_block``, collect the inputs' statistics, solve,
+    ``after_block``, move on with the quantized weights."""
+    previous: list[Node] = []
+    for seg in engine.blocks():
+        _release(walk.gm, previous)  # the previous block has run with them: nothing reads them again
+        quantizer.before_block(walk.gm, seg, engine, walk.ctx)
+        first, first_expert = len(walk.done), len(walk.experts_done)
+        for group in seg.sibling_groups() if quantizer.sequential_groups else [seg.linears]:
+            if not group:
+                continue
+            start = time.perf_counter()
+            stats = engine.collect(seg, group)
+            return_freed_memory()
+            for layer in group:  # popped: a Hessian (and its factor) goes once its last reader is solved
+                st = stats.pop(layer.path)
+                walk.linear(layer, st.hessian, start, energy=st.reference_energy(layer.path))
+                if not any(other is st for other in stats.values()):
+                    walk.drop_hessians()
+                return_freed_memory()
+            del stats, st  # nothing of this collect lives into the next one
+        for expert in seg.experts:  # one at a time: down_proj sees the quantized gate_up_proj
+            walk.experts(expert, engine.collect(seg, [], experts=[expert]) if walk.experts_format else None)
+        quantizer.after_block(walk.gm, seg, walk.ctx)
+        previous = [layer.weight_node for layer in seg.linears if layer.path in walk.record.layers] + [
+            expert.weight_node for expert, *_ in walk.experts_done[first_expert:]
+        ]  # quantized, not skipped
+        walk.block_done(first, first_expert)
+
+
+def gptq_layer_quant(layer: LinearLayer, W: torch.Tensor, res: QuantResult, bits: int, group_size: int) -> LayerQuant:
+    """A GPTQ/RTN result as a layer rewrite to ``qc.quant_linear`` (GPTQ checkpoint layout).
+    ``group_size`` is the recipe's, also when the width is not a multiple of it (the last group
+    is shorter) or is one group: every layer of a recipe records the same setting."""
+    check_packable(layer, W, bits)
+    packed = pack_gptq(res.codes, res.scales, res.zeros, res.g_idx, bits, group_size)
+    figures = {"bits": bits}
+    if res.damp:
+        figures.update(damp=res.damp, damp_steps=res.damp_steps)
+
+    stored_bits, stored_group = packed.bits, packed.group_size  # not ``packed``: the closure would keep its tensors
+
+    def rewrite(gm: GraphModule, layer: LinearLayer, tensors: dict) -> None:
+        replace_linear(
+            gm,
+            layer,
+            "quant_linear",
+            tensors,
+            lambda x, a: dict(x=x, **a, bias=layer.bias_node, bits=stored_bits, group_size=stored_group),
+        )
+
+    return LayerQuant(
+        res.dequantized, figures, {f: getattr(packed, f) for f in GPTQ_TENSORS}, rewrite, packed, res.damped_error
+    )
+
+
+def rtn_layer_quant(layer: LinearLayer, W: torch.Tensor, bits: int, group_size: int, sym: bool) -> LayerQuant:
+    """Round-to-nearest on the GPTQ grid, stored like GPTQ: RTN's layers, and GPTQ's head and its
+    experts that no calibration row reached."""
+    return gptq_layer_quant(layer, W, rtn_quantize(W, bits=bits, group_size=group_size, sym=sym), bits, group_size)
+
+
+def gptq_experts(no_tokens: QuantizeFn) -> ExpertsFormat:
+    """GPTQ-layout experts (``qc.quant_experts_linear``: each ``quant_linear`` tensor stacked on a
+    leading expert dim); an expert without calibration rows is quantized by ``no_tokens`` (RTN)."""
+
+    def stack(results: list[LayerQuant]) -> tuple[str, dict, dict]:
+        packs = [r.packed for r in results]
+        if any(p is None for p in packs):
+            raise QuantizationError("an expert's result is not in the GPTQ layout")
+        tensors = {f: torch.stack([getattr(p, f) for p in packs]) for f in GPTQ_TENSORS}
+        return "quant_experts_linear", tensors, dict(bits=packs[0].bits, group_size=packs[0].group_size)
+
+    return ExpertsFormat(stack, no_tokens, "RTN")

@@ -1,0 +1,1 @@
+"""Artifacts on disk: the graph as data, safetensors, atomic output folders, the spill of finished blocks."""
