@@ -43,11 +43,14 @@ class GPTQ(WeightQuantizer):
     bits: int = 4
     group_size: int = 128
     sym: bool = False
-    act_order: bool = False  # process columns by decreasing diag(H)
-    static_groups: bool = False  # with act_order: grids fixed up front, groups contiguous
+    # Defaults: the best measured on the bundled models (benchmarks/gptq_defaults.py, docs/methods/gptq.md):
+    # act-order with static groups (contiguous groups, no g_idx gather at run time) and the searched grid.
+    act_order: bool = True  # process columns by decreasing diag(H)
+    static_groups: bool = True  # with act_order: grids fixed up front, groups contiguous
     damp: float = 0.01  # λ = damp · mean(diag H), raised ×10 while H is not PD
     block_size: int = 128  # lazy-batch width
     true_sequential: bool = False  # True: q/k/v, then o, then gate/up, then down, re-running inputs between
+    grid: str = "mse"  # each group's range searched for the least 1/[H⁻¹]_jj-weighted error; "minmax": the paper's
     lm_head: bool = False  # also the output head, by RTN on the same grid (it has no block Hessian)
     ignore: tuple[str, ...] = ()  # module paths kept in full precision: globs, or 're:' + a regex
 
@@ -55,14 +58,22 @@ class GPTQ(WeightQuantizer):
     provides = WeightQuantizer.provides
     needs_calibration: ClassVar = True
     needs_hessian: ClassVar = True
+    config_version: ClassVar = 2  # 2: the grid field (version 1 artifacts were made with min-max grids)
 
     def __post_init__(self):
-        check_spec(self.bits, self.group_size)
+        check_spec(self.bits, self.group_size, self.grid)
         super().__post_init__()
         if not 0 < self.damp < 1:
             raise QuantizationError(f"damp must be in (0, 1), got {self.damp}")
         if self.block_size < 1:
             raise QuantizationError(f"block_size must be positive, got {self.block_size}")
+
+    @classmethod
+    def migrate_config(cls, config: dict, version: int) -> dict:
+        """Version 1 had no ``grid``: its artifacts were made on min-max grids."""
+        if version == 1:
+            return {"grid": "minmax", **config}
+        return super().migrate_config(config, version)
 
     def quantize_layer(self, layer, W, H):
         """GPTQ on one layer, with the factor of its (shared) Hessian computed once."""
@@ -77,12 +88,13 @@ class GPTQ(WeightQuantizer):
             damp=self.damp,
             block_size=self.block_size,
             factor=_factor(H, self.damp, self.act_order),
+            grid=self.grid,
         )
         return gptq_layer_quant(layer, W, res, self.bits, self.group_size)
 
     def _rtn(self, layer, W, H):
         """The head and experts no calibration row reached: RTN on the same grid."""
-        return rtn_layer_quant(layer, W, self.bits, self.group_size, self.sym)
+        return rtn_layer_quant(layer, W, self.bits, self.group_size, self.sym, self.grid, H)
 
     def head_quantizer(self):
         """The head is quantized by RTN on the same grid when ``lm_head`` is set."""

@@ -22,6 +22,7 @@ class RTN(WeightQuantizer):
     bits: int = 4
     group_size: int = 128
     sym: bool = False
+    grid: str = "minmax"  # "mse": each group's range searched for the least error (Hessian-diagonal weighted)
     lm_head: bool = False  # also the output head (RTN), as onnxruntime-genai's int4 builder does
     ignore: tuple[str, ...] = ()  # module paths kept in full precision: globs, or 're:' + a regex
 
@@ -29,13 +30,13 @@ class RTN(WeightQuantizer):
     provides = WeightQuantizer.provides
 
     def __post_init__(self):
-        check_spec(self.bits, self.group_size)
+        check_spec(self.bits, self.group_size, self.grid)
         super().__post_init__()
 
     def quantize_layer(self, layer, W, H):
         """Round-to-nearest on the min-max grid of each group."""
         # With calibration data the report gets each layer's output error on it; without, none.
-        return rtn_layer_quant(layer, W, self.bits, self.group_size, self.sym)
+        return rtn_layer_quant(layer, W, self.bits, self.group_size, self.sym, self.grid, H)
 
     def head_quantizer(self):
         """The head is quantized like the block layers when ``lm_head`` is set."""

@@ -32,9 +32,26 @@ def page() -> str:
     for r in qc.list_recipes():
         passes = ", ".join(f"`{p!r}`" for p in r.passes) or "-"
         lines.append(f"| `{r.name}` | {r.description} | {passes} |")
+    auto = qc.get_recipe("auto:3.25")
     lines += [
         "",
-        "## Recipe files",
+        "## Automatic mixed precision: `auto:B`",
+        "",
+        '`recipe="auto:3.25"` (`--recipe auto:3.25`) runs '
+        + ", ".join(f"`{p!r}`" for p in auto.passes)
+        + ": every candidate is tried on every block linear alone and its effect on the model's final output "
+        "measured on calibration samples; one candidate per layer is then chosen to fit B bits per parameter "
+        "(every stored tensor counted, as the report counts them) with the least summed damage, and the "
+        "plan is quantized as `MixedPrecision`. B is in (0, 16]; a B below the cheapest allocation of the "
+        "candidates is an error naming both. To fix a plan by hand, use `MixedPrecision` in a recipe file:",
+        "",
+        "```yaml",
+        "name: mixed",
+        "passes:",
+        "  - pass: MixedPrecision",
+        "    default: gptq-w4g128",
+        "    plan: [[model.layers.0.mlp.down_proj, gptq-w8g128], [model.layers.1.self_attn.q_proj, gptq-w3g32]]",
+        "```",
         "",
         "```yaml",
         "name: w4-act",

@@ -139,7 +139,7 @@ def test_v1_zero_points_round_trip(bits):
 @pytest.mark.parametrize(
     "recipe,zero_format,desc_act",
     [
-        ([qc.passes.GPTQ(bits=4, group_size=32, act_order=True)], "auto", True),
+        ([qc.passes.GPTQ(bits=4, group_size=32, act_order=True, static_groups=False)], "auto", True),
         ("rtn-w3g128", "v2", False),
         ("gptq-w2g128", "auto", False),
     ],

@@ -16,7 +16,7 @@ import torch
 
 from qcompiler.algorithms.finite import all_finite
 from qcompiler.algorithms.packing import SUPPORTED_BITS
-from qcompiler.algorithms.quant_grid import Grid, dequantize_codes, fit_grid, quantize
+from qcompiler.algorithms.quant_grid import GRID_KINDS, Grid, dequantize_codes, fit, quantize
 from qcompiler.errors import QuantizationError
 
 __all__ = [
@@ -48,8 +48,10 @@ class QuantResult(NamedTuple):
     damped_error: Optional[tuple[float, float]] = None
 
 
-def check_spec(bits: int, group_size: int) -> None:
-    """Refuse bit widths and group sizes the packed layout and kernels cannot hold."""
+def check_spec(bits: int, group_size: int, grid: str = "minmax") -> None:
+    """Refuse bit widths, group sizes and grid kinds the packed layout and kernels cannot hold."""
+    if grid not in GRID_KINDS:
+        raise QuantizationError(f"grid={grid!r} is not a grid kind; choose one of {GRID_KINDS}")
     if bits not in SUPPORTED_BITS:
         raise QuantizationError(f"bits={bits} is not supported; choose one of {SUPPORTED_BITS}")
     if group_size != -1 and group_size < 1:
@@ -158,8 +160,12 @@ class _Groups:
         static: bool,
         perm: Optional[torch.Tensor],
         original: Optional[torch.Tensor] = None,
+        grid: str = "minmax",
+        importance: Optional[torch.Tensor] = None,
     ):
+        """``importance`` [in], processing order: what an error in each column costs ("mse" grids)."""
         self.bits, self.group_size, self.sym = bits, group_size, sym
+        self.kind, self.importance = grid, importance
         self.maxq = 2**bits - 1
         n_in = W0.shape[1]
         self.static = static and group_size != -1
@@ -172,13 +178,23 @@ class _Groups:
         self.zeros = torch.zeros(n_groups, W0.shape[0], device=W0.device)
         if self.static:  # every grid from the original weights, groups contiguous in original order
             W_orig = original if original is not None else W0 if perm is None else W0[:, torch.argsort(perm)]
+            imp = importance if importance is None or perm is None else importance[torch.argsort(perm)]
             whole = n_in // group_size  # the whole groups' grids in one call, the partial last one alone
             if whole:
-                grid = fit_grid(W_orig[:, : whole * group_size].reshape(-1, group_size), bits, sym)
+                cut = whole * group_size
+                tiled = None if imp is None else imp[:cut].view(1, whole, group_size).expand(W0.shape[0], -1, -1)
+                grid = fit(
+                    W_orig[:, :cut].reshape(-1, group_size),
+                    bits,
+                    sym,
+                    grid,
+                    None if tiled is None else tiled.reshape(-1, group_size),
+                )
                 self.scales[:whole] = grid.scale.view(-1, whole).t()
                 self.zeros[:whole] = grid.zero.view(-1, whole).t()
             if whole < n_groups:
-                self._store(whole, fit_grid(W_orig[:, whole * group_size :], bits, sym))
+                rest = None if imp is None else imp[whole * group_size :]
+                self._store(whole, fit(W_orig[:, whole * group_size :], bits, sym, grid, rest))
         self._rows: list = [None] * n_groups
         if self.static:
             self._rows = list(zip(self.scales.unbind(0), (-self.zeros).unbind(0), (self.maxq - self.zeros).unbind(0)))
@@ -192,7 +208,8 @@ class _Groups:
         starts_group = j == 0 or self.col_group[j - 1] != g
         if not self.static and starts_group:
             width = upcoming.shape[1] if self.group_size == -1 else min(self.group_size, upcoming.shape[1])
-            self._store(g, fit_grid(upcoming[:, :width], self.bits, self.sym))
+            imp = None if self.importance is None else self.importance[j : j + width]
+            self._store(g, fit(upcoming[:, :width], self.bits, self.sym, self.kind, imp))
         return Grid(self.scales[g].unsqueeze(1), self.zeros[g].unsqueeze(1))
 
     def sweep_rows(self, j: int, upcoming: Callable[[], torch.Tensor]) -> tuple[torch.Tensor, ...]:
@@ -206,6 +223,12 @@ class _Groups:
             scale, zero = grid.scale[:, 0], grid.zero[:, 0]
             rows = self._rows[g] = (scale, -zero, self.maxq - zero)
         return rows
+
+
+def _column_cost(U: torch.Tensor, grid: str) -> Optional[torch.Tensor]:
+    """What an error in each column costs GPTQ once later columns compensate it: ``1/[H⁻¹]_jj``
+    = ``1/U_jj²`` (processing order); None for min-max grids, which need no weights."""
+    return None if grid == "minmax" else 1.0 / torch.diagonal(U).square()
 
 
 def _finish(Q: torch.Tensor, codes: torch.Tensor, perm, groups: _Groups, damp: float, steps: int) -> QuantResult:
@@ -247,6 +270,7 @@ def gptq_quantize(
     damp: float = 0.01,
     block_size: int = 128,
     factor: Optional[HessianFactor] = None,
+    grid: str = "minmax",
 ) -> QuantResult:
     """GPTQ with lazy batch updates. ``W`` ``[out, in]``, ``H`` ``[in, in]`` (undamped, fp32).
 
@@ -255,8 +279,9 @@ def gptq_quantize(
     temporaries), the block's spill onto later columns one ``addmm_``. Same arithmetic as
     ``gptq_quantize_reference``, column by column. ``factor``: ``hessian_factor(H, damp,
     act_order)`` computed once for several linears with the same ``H`` (then ``H`` may be None).
+    ``grid="mse"``: each group's range searched for the least error weighted by ``1/[H⁻¹]_jj``.
     """
-    check_spec(bits, group_size)
+    check_spec(bits, group_size, grid)
     f = factor if factor is not None else hessian_factor(H, damp, act_order)
     perm, U = f.perm, f.U
     W = W.detach().float()
@@ -269,7 +294,7 @@ def gptq_quantize(
     # user's parameter)
     WT = W.t().clone(memory_format=torch.contiguous_format) if perm is None else W.t().contiguous()[perm]
     n_out, n_in = W.shape
-    groups = _Groups(WT.t(), bits, group_size, sym, static_groups, perm, original=W)
+    groups = _Groups(WT.t(), bits, group_size, sym, static_groups, perm, W, grid, _column_cost(U, grid))
     del W
     if group_size != -1 and not groups.static:  # blocks hold whole groups
         block_size = max(group_size, block_size // group_size * group_size)
@@ -325,13 +350,14 @@ def gptq_quantize_reference(
     act_order: bool = False,
     static_groups: bool = False,
     damp: float = 0.01,
+    grid: str = "minmax",
 ) -> QuantResult:
     """The same algorithm written straightforwardly: after each column, update every later column."""
-    check_spec(bits, group_size)
+    check_spec(bits, group_size, grid)
     W, H, perm = _prepare(W, H, act_order)
     n_out, n_in = W.shape
-    groups = _Groups(W, bits, group_size, sym, static_groups, perm)
     U, damp_used, steps = inverse_hessian_cholesky(H, damp)
+    groups = _Groups(W, bits, group_size, sym, static_groups, perm, None, grid, _column_cost(U, grid))
     Q = torch.zeros_like(W)
     codes = torch.zeros(n_out, n_in, dtype=torch.int32, device=W.device)
     for j in range(n_in):
@@ -344,13 +370,23 @@ def gptq_quantize_reference(
     return _finish(Q, codes, perm, groups, damp_used, steps)
 
 
-def rtn_quantize(W: torch.Tensor, *, bits: int, group_size: int = 128, sym: bool = False) -> QuantResult:
-    """Round-to-nearest on the same grid and groups: the baseline every method is measured against."""
-    check_spec(bits, group_size)
+def rtn_quantize(
+    W: torch.Tensor,
+    *,
+    bits: int,
+    group_size: int = 128,
+    sym: bool = False,
+    grid: str = "minmax",
+    importance: Optional[torch.Tensor] = None,
+) -> QuantResult:
+    """Round-to-nearest on the same grid and groups: the baseline every method is measured against.
+    ``grid="mse"`` searches each group's range for the least squared error, weighted per input column by
+    ``importance`` (the Hessian's diagonal when calibrating)."""
+    check_spec(bits, group_size, grid)
     W = W.detach().float()
-    groups = _Groups(W, bits, group_size, sym, static=group_size != -1, perm=None)
+    groups = _Groups(W, bits, group_size, sym, group_size != -1, None, None, grid, importance)
     if group_size == -1:
-        groups._store(0, fit_grid(W, bits, sym))
+        groups._store(0, fit(W, bits, sym, grid, importance))
     g_idx = groups.g_idx.to(W.device)
     g = g_idx.long()
     scale, zero = groups.scales[g].t(), groups.zeros[g].t()  # [out, in]

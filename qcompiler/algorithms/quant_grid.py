@@ -4,15 +4,30 @@ Asymmetric: ``q = clamp(round(w/s) + z, 0, 2^b − 1)``, ``s = (max − min)/(2^
 that always contains 0, ``z = round(−min/s)``. Symmetric: ``z = 2^(b−1)``, range ``±max|w|``.
 Scales are rounded to fp16 *before* codes are chosen, because fp16 is how they are stored: the
 codes then reproduce exactly the weights the algorithm measured its error on.
+
+``search_grid`` is the error-minimizing grid: the min-max range shrunk by each of a few factors, and
+per row the one whose rounding error, weighted per column by the importance of that input (the
+Hessian's diagonal for RTN; ``1/[H⁻¹]_jj``, GPTQ's own cost of a column's error, for GPTQ), is
+smallest. Clipping a few large weights buys a finer step for all the others.
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
 import torch
 
-__all__ = ["Grid", "fit_grid", "quantize", "dequantize_codes", "fake_quantize"]
+__all__ = [
+    "Grid",
+    "fit_grid",
+    "search_grid",
+    "fit",
+    "quantize",
+    "dequantize_codes",
+    "fake_quantize",
+    "GRID_KINDS",
+    "CLIP_SHRINKS",
+]
 
 
 class Grid(NamedTuple):
@@ -24,9 +39,14 @@ class Grid(NamedTuple):
 
 def fit_grid(w: torch.Tensor, bits: int, sym: bool) -> Grid:
     """Per-row min-max grid for ``w`` ``[rows, cols]``."""
+    # amin/amax: no indices (min(dim) was 10x slower)
+    return _grid_for_range(w.amin(dim=1, keepdim=True), w.amax(dim=1, keepdim=True), bits, sym)
+
+
+def _grid_for_range(lo: torch.Tensor, hi: torch.Tensor, bits: int, sym: bool) -> Grid:
+    """The grid covering ``[lo, hi]`` per row (widened to contain 0)."""
     maxq = 2**bits - 1
-    xmin = w.amin(dim=1, keepdim=True).clamp(max=0)  # amin/amax: no indices (min(dim) was 10x slower)
-    xmax = w.amax(dim=1, keepdim=True).clamp(min=0)
+    xmin, xmax = lo.clamp(max=0), hi.clamp(min=0)
     if sym:
         xmax = torch.maximum(xmin.abs(), xmax)
         xmin = -xmax
@@ -55,3 +75,42 @@ def dequantize_codes(q: torch.Tensor, grid: Grid) -> torch.Tensor:
 def fake_quantize(w: torch.Tensor, grid: Grid, bits: int) -> torch.Tensor:
     """``w`` rounded onto the grid, in float."""
     return dequantize_codes(quantize(w, grid, bits), grid)
+
+
+GRID_KINDS = ("minmax", "mse")
+# Range factors tried by the "mse" grid: 1 (min-max) down to 0.5 in steps of 0.025. Measured on the bundled
+# models (docs/methods/gptq.md): at 3 bits the chosen factor is below 0.8 for a fifth of the groups.
+CLIP_SHRINKS = tuple(1.0 - 0.025 * i for i in range(21))
+
+
+def search_grid(
+    w: torch.Tensor, bits: int, sym: bool, importance: Optional[torch.Tensor] = None, shrinks=CLIP_SHRINKS
+) -> Grid:
+    """Per row, the grid among ``fit_grid(w · p)`` for p in ``shrinks`` whose rounding of ``w`` has the
+    least error ``Σ_j importance_j (w_j − ŵ_j)²`` (``importance`` ``[cols]`` or ``[rows, cols]``, ≥ 0;
+    None: plain squared error). Never worse than min-max, which is the first candidate."""
+    lo, hi = w.amin(dim=1, keepdim=True), w.amax(dim=1, keepdim=True)
+    best = _grid_for_range(lo, hi, bits, sym)
+    best_err = _row_error(w, best, bits, importance)
+    for p in shrinks[1:]:
+        grid = _grid_for_range(lo * p, hi * p, bits, sym)
+        err = _row_error(w, grid, bits, importance)
+        better = err < best_err
+        best = Grid(torch.where(better, grid.scale, best.scale), torch.where(better, grid.zero, best.zero))
+        best_err = torch.where(better, err, best_err)
+    return best
+
+
+def fit(w: torch.Tensor, bits: int, sym: bool, kind: str = "minmax", importance=None) -> Grid:
+    """The grid of ``kind`` ("minmax" or "mse", see GRID_KINDS) for ``w``."""
+    return fit_grid(w, bits, sym) if kind == "minmax" else search_grid(w, bits, sym, importance)
+
+
+def _row_error(w: torch.Tensor, grid: Grid, bits: int, importance) -> torch.Tensor:
+    # (w/s − clamp(round(w/s) + z, 0, maxq) + z)² s²: one buffer, in place
+    d = torch.div(w, grid.scale)
+    q = torch.round(d).add_(grid.zero).clamp_(0, 2**bits - 1).sub_(grid.zero)
+    d.sub_(q).square_()
+    if importance is not None:
+        d.mul_(importance)
+    return d.sum(dim=1, keepdim=True).mul_(grid.scale.square())

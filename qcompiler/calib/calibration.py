@@ -62,6 +62,10 @@ def _mirror_upper(H: torch.Tensor) -> None:
         diagonal.copy_(torch.triu(diagonal) + torch.triu(diagonal, 1).t())
 
 
+# What Hessians accumulate in. float32 by default: float64 changed no measured result on the bundled
+# models (benchmarks/gptq_defaults.py, docs/methods/gptq.md) and costs twice the memory and time.
+HESSIAN_DTYPE = torch.float32
+
 _CHUNK_ELEMENTS = 1 << 22  # rows are upcast to float32 in chunks of 16 MB, not a copy of the whole batch
 
 
@@ -117,7 +121,8 @@ class LayerStats:
             self.sample = extra if self.sample is None else torch.cat([self.sample, extra])
         if self.want_hessian:
             if self._hessian is None:
-                self._hessian = torch.zeros(self.in_features, self.in_features, device=x.device)
+                self._hessian = torch.zeros(self.in_features, self.in_features, device=x.device, dtype=HESSIAN_DTYPE)
+            x = x.to(self._hessian.dtype)
             # running mean of 2 x xᵀ (no scaled copy of the rows)
             beta, alpha = self.rows / (self.rows + m), 2.0 / (self.rows + m)
             if self.in_features >= _BLOCKED_FROM:

@@ -47,8 +47,19 @@ def _suggest(word: str, options) -> str:
 def _check_type(where: str, field: dataclasses.Field, value: Any, hints: dict) -> Any:
     """Values from a file arrive as YAML/TOML scalars; catch the mismatches the pass would not."""
     expected = hints.get(field.name, field.type)
-    if typing.get_origin(expected) is tuple:  # a list of strings in the file (ignore patterns)
-        if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
+    if typing.get_origin(expected) is tuple:
+        inner = typing.get_args(expected)[0] if typing.get_args(expected) else str
+        if typing.get_origin(inner) is tuple:  # a list of string pairs (MixedPrecision's plan)
+            width = len(typing.get_args(inner))
+            ok = isinstance(value, (list, tuple)) and all(
+                isinstance(v, (list, tuple)) and len(v) == width and all(isinstance(s, str) for s in v) for v in value
+            )
+            if not ok:
+                raise RecipeError(
+                    f"{where}: {field.name}={value!r} must be a list of [{', '.join(['string'] * width)}]"
+                )
+            return tuple(tuple(v) for v in value)
+        if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):  # ignore patterns
             raise RecipeError(f"{where}: {field.name}={value!r} must be a list of strings")
         return tuple(value)
     allowed = typing.get_args(expected) or (expected,)

@@ -33,15 +33,37 @@ def register_recipe(name: str, description: str, factory: Callable[[], Sequence[
     _REGISTRY[name] = (description, factory)
 
 
+AUTO_PREFIX = "auto:"  # auto:B — the AutoBits pass at a budget of B bits per parameter
+
+
 def get_recipe(name: str) -> Recipe:
-    """The built-in or registered recipe ``name`` (fresh pass instances), or an error suggesting a name."""
+    """The built-in or registered recipe ``name`` (fresh pass instances), or an error suggesting a name.
+    ``auto:B`` is automatic mixed precision at ``B`` bits per parameter (passes/auto_bits.py)."""
     _register_builtins()
+    if name.startswith(AUTO_PREFIX):
+        return _auto_recipe(name)
     if name not in _REGISTRY:
         close = difflib.get_close_matches(name, _REGISTRY, n=1)
         hint = f"; did you mean {close[0]!r}?" if close else ""
         raise RecipeError(f"unknown recipe {name!r}{hint} Known recipes: {', '.join(sorted(_REGISTRY))}")
     description, factory = _REGISTRY[name]
     return Recipe(name, tuple(factory()), description)
+
+
+def _auto_recipe(name: str) -> Recipe:
+    from qcompiler import passes as P
+
+    text = name[len(AUTO_PREFIX) :]
+    try:
+        budget = float(text)
+    except ValueError:
+        raise RecipeError(f"recipe {name!r}: {text!r} is not a number of bits per parameter (e.g. auto:3.25)") from None
+    return Recipe(
+        name,
+        (P.AutoBits(budget=budget),),
+        f"automatic mixed precision: GPTQ 2/3/4/8 bits x groups 32/128 per layer, chosen from each layer's measured "
+        f"effect on the output to fit {budget:g} bits per parameter",
+    )
 
 
 def list_recipes() -> list[Recipe]:
@@ -100,10 +122,18 @@ def _register_builtins() -> None:
 
 
 def _describe(cls: type, kw: dict) -> str:
+    p = cls(**kw)  # the settings as they run: the recipe's, and the class defaults for the rest
     method = "GPTQ" if cls.__name__ == "GPTQ" else "round-to-nearest"
-    group = "per channel" if kw["group_size"] == -1 else f"groups of {kw['group_size']}"
-    extra = (", act-order" if kw.get("act_order") else "") + (", lm_head in 4 bits (RTN)" if kw.get("lm_head") else "")
-    return f"{method} W{kw['bits']}A16, {group}, asymmetric{extra}"
+    group = "per channel" if p.group_size == -1 else f"groups of {p.group_size}"
+    order = getattr(p, "act_order", False)
+    extra = (
+        (", act-order" + (" (static groups)" if p.static_groups and p.group_size != -1 else " (g_idx)"))
+        if order
+        else ""
+    )
+    extra += ", searched (mse) grid" if p.grid == "mse" else ", min-max grid"
+    extra += ", lm_head in 4 bits (RTN)" if p.lm_head else ""
+    return f"{method} W{p.bits}A16, {group}, asymmetric{extra}"
 
 
 # name -> (pass class in qcompiler.passes, its settings). Asymmetric grids: measured clearly better
@@ -117,11 +147,21 @@ _WEIGHT_ONLY = {
     "gptq-w3g128": ("GPTQ", dict(bits=3, group_size=128, sym=False)),
     "gptq-w2g128": ("GPTQ", dict(bits=2, group_size=128, sym=False)),
     "gptq-w3": ("GPTQ", dict(bits=3, group_size=-1, sym=False)),
-    "gptq-w3-act": ("GPTQ", dict(bits=3, group_size=-1, sym=False, act_order=True)),
-    "gptq-w4g128-act": ("GPTQ", dict(bits=4, group_size=128, sym=False, act_order=True)),
-    "gptq-w3g128-act": ("GPTQ", dict(bits=3, group_size=128, sym=False, act_order=True)),
-    "gptq-w2g128-act": ("GPTQ", dict(bits=2, group_size=128, sym=False, act_order=True)),
+    "gptq-w3-act": ("GPTQ", dict(bits=3, group_size=-1, sym=False, act_order=True, static_groups=False)),
+    # act-order with groups along the processing order (a g_idx gather at run time)
+    "gptq-w4g128-act": ("GPTQ", dict(bits=4, group_size=128, sym=False, act_order=True, static_groups=False)),
+    "gptq-w3g128-act": ("GPTQ", dict(bits=3, group_size=128, sym=False, act_order=True, static_groups=False)),
+    "gptq-w2g128-act": ("GPTQ", dict(bits=2, group_size=128, sym=False, act_order=True, static_groups=False)),
     "gptq-w4g128-static": ("GPTQ", dict(bits=4, group_size=128, sym=False, act_order=True, static_groups=True)),
+    # the 2022 paper's settings (natural column order, min-max grids): the baseline the defaults are measured on
+    "gptq-w4g128-plain": (
+        "GPTQ",
+        dict(bits=4, group_size=128, sym=False, act_order=False, static_groups=False, grid="minmax"),
+    ),
+    "gptq-w3g128-plain": (
+        "GPTQ",
+        dict(bits=3, group_size=128, sym=False, act_order=False, static_groups=False, grid="minmax"),
+    ),
     # the output head in 4 bits too (RTN), as onnxruntime-genai's int4 builder: faster decoding
     "rtn-w4g128-head": ("RTN", dict(bits=4, group_size=128, sym=False, lm_head=True)),
     "gptq-w4g128-head": ("GPTQ", dict(bits=4, group_size=128, sym=False, lm_head=True)),

@@ -39,6 +39,7 @@ __all__ = [
     "gptq_experts",
     "check_packable",
     "UnpackableLayer",
+    "store_dequantized",
 ]
 
 
@@ -82,7 +83,7 @@ def check_packable(layer: LinearLayer, W: torch.Tensor, bits: int) -> None:
             ) from None
 
 
-def _store_dequantized(gm: GraphModule, layer: LinearLayer, W_hat: torch.Tensor, like: torch.Tensor) -> None:
+def store_dequantized(gm: GraphModule, layer: LinearLayer, W_hat: torch.Tensor, like: torch.Tensor) -> None:
     """Quantization runs in fp32 (on the compute device); the stored weight keeps the model's dtype
     (fp16/bf16 models) and stays where the model's weights live."""
     W_hat = W_hat.t() if layer.transposed else W_hat
@@ -200,7 +201,7 @@ class _BlockQuantizer:
         if result is None:
             return self.skip(layer.path, figures)
         if store:  # later blocks must see the quantized weights; nothing runs after the head
-            _store_dequantized(self.gm, layer, result.dequantized, stored)
+            store_dequantized(self.gm, layer, result.dequantized, stored)
         figures["seconds"] = round(time.perf_counter() - start, 4)
         if figures.get("damp_steps"):
             self.record.notes.append(
@@ -390,10 +391,21 @@ def gptq_layer_quant(layer: LinearLayer, W: torch.Tensor, res: QuantResult, bits
     )
 
 
-def rtn_layer_quant(layer: LinearLayer, W: torch.Tensor, bits: int, group_size: int, sym: bool) -> LayerQuant:
+def rtn_layer_quant(
+    layer: LinearLayer,
+    W: torch.Tensor,
+    bits: int,
+    group_size: int,
+    sym: bool,
+    grid: str = "minmax",
+    H: Optional[torch.Tensor] = None,
+) -> LayerQuant:
     """Round-to-nearest on the GPTQ grid, stored like GPTQ: RTN's layers, and GPTQ's head and its
-    experts that no calibration row reached."""
-    return gptq_layer_quant(layer, W, rtn_quantize(W, bits=bits, group_size=group_size, sym=sym), bits, group_size)
+    experts that no calibration row reached. An "mse" grid weighs each column by ``diag(H)`` when
+    there is an ``H`` (plain squared error without)."""
+    importance = None if H is None else torch.diagonal(H).float()
+    res = rtn_quantize(W, bits=bits, group_size=group_size, sym=sym, grid=grid, importance=importance)
+    return gptq_layer_quant(layer, W, res, bits, group_size)
 
 
 def gptq_experts(no_tokens: QuantizeFn) -> ExpertsFormat:

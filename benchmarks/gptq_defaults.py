@@ -1,0 +1,116 @@
+"""Which GPTQ settings are the defaults: each choice measured with and without, on both bundled models.
+
+    python benchmarks/gptq_defaults.py                    # w4g128 and w3g128, MiniLM and tinylm (~15 min)
+    python benchmarks/gptq_defaults.py --models minilm --bits 3 --quick
+
+Variants (one change from plain GPTQ each, then together): true-sequential calibration inside a
+block, act-order with static groups (no g_idx gather at run time), the error-minimizing ("mse")
+grid, and Hessians accumulated in float64. Same calibration for every row; the loss is 1 − cosine
+(MiniLM) or the relative perplexity increase (tinylm) on held-out data; bits per weight counted from
+the stored tensors. Prints a table and writes benchmarks/results/gptq_defaults.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+
+import torch
+from results_file import results_file
+
+import qcompiler as qc
+from qcompiler import models
+from qcompiler.calib import calibration as calibration_engine
+from qcompiler.evaluation.eval import bits_per_parameter
+from qcompiler.evaluation.quality import QualityJudge
+from qcompiler.store.atomic import write_text_atomically
+
+VARIANTS = {
+    "plain": dict(),
+    "true-sequential": dict(true_sequential=True),
+    "act-order+static": dict(act_order=True, static_groups=True),
+    "act-order": dict(act_order=True),
+    "mse-grid": dict(grid="mse"),
+    "hessian-fp64": dict(),  # the engine's HESSIAN_DTYPE, set around the compile
+    "all": dict(true_sequential=True, act_order=True, static_groups=True, grid="mse"),
+}
+
+
+def run(model_names, bits_list, variants, calib: int) -> list[dict]:
+    rows = []
+    for name in model_names:
+        loaded = models.load(name)
+        judge = QualityJudge(loaded)
+        calibration = loaded.calibration(calib, 256 if loaded.kind == "causal-lm" else 128)
+        fp32 = judge.score(loaded.model)
+        for bits in bits_list:
+            for variant in variants:
+                settings = dict(bits=bits, group_size=128, **VARIANTS[variant])
+                calibration_engine.HESSIAN_DTYPE = torch.float64 if variant == "hessian-fp64" else torch.float32
+                torch.manual_seed(0)
+                start = time.perf_counter()
+                cm = qc.compile(
+                    loaded.model,
+                    loaded.example_inputs(),
+                    recipe=[qc.passes.GPTQ(**settings)],
+                    calibration=calibration,
+                    progress=False,
+                )
+                seconds = time.perf_counter() - start
+                calibration_engine.HESSIAN_DTYPE = torch.float32
+                value = judge.score(cm)
+                row = dict(
+                    model=name,
+                    bits=bits,
+                    variant=variant,
+                    metric=judge.metric,
+                    value=value,
+                    loss=judge.loss(fp32, value),
+                    bits_per_weight=bits_per_parameter(cm.graph_module),
+                    quant_seconds=seconds,
+                )
+                rows.append(row)
+                print(f"{name:7s} w{bits}g128 {variant:18s} loss {row['loss']:.5f}  {seconds:.1f}s", file=sys.stderr)
+    return rows
+
+
+def print_table(rows: list[dict]) -> None:
+    print("| model | bits | variant | loss vs FP32 | vs plain | bits/weight | quantize s |")
+    print("|---|---|---|---|---|---|---|")
+    plain = {(r["model"], r["bits"]): r["loss"] for r in rows if r["variant"] == "plain"}
+    for r in rows:
+        base = plain.get((r["model"], r["bits"]))
+        ratio = f"{r['loss'] / base:.3f}x" if base else "-"
+        print(
+            f"| {r['model']} | {r['bits']} | {r['variant']} | {r['loss']:.5f} | {ratio} | "
+            f"{r['bits_per_weight']:.3f} | {r['quant_seconds']:.1f} |"
+        )
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", nargs="+", default=["minilm", "tinylm"])
+    ap.add_argument("--bits", nargs="+", type=int, default=[4, 3])
+    ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    ap.add_argument("--calib", type=int, default=128, help="calibration windows (tinylm) / sentences (minilm)")
+    ap.add_argument("--quick", action="store_true", help="write under results/quick/ (not the committed JSON)")
+    args = ap.parse_args()
+    rows = run(args.models, args.bits, args.variants, args.calib)
+    meta = dict(
+        calibration=args.calib,
+        torch=torch.__version__,
+        machine=platform.machine(),
+        threads=torch.get_num_threads(),
+        date=time.strftime("%Y-%m-%d"),
+    )
+    out = results_file("gptq_defaults", args.quick)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    write_text_atomically(out, json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
+    print_table(rows)
+
+
+if __name__ == "__main__":
+    main()

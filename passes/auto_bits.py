@@ -1,0 +1,113 @@
+"""Automatic mixed precision under a bit budget (``recipe="auto:3.25"``).
+
+Three steps, each visible in the report:
+1. **Measure**: every candidate (method × bits × group size) on every block linear, alone, and its
+   effect on the model's final output on calibration samples (``qcompiler/calib/sensitivity.py``).
+2. **Allocate**: one candidate per layer, least summed damage with stored bits within
+   ``budget × parameters`` — a multiple-choice knapsack solved exactly
+   (``qcompiler/algorithms/allocation.py``). Bits are counted from the tensors each candidate stores,
+   as ``bits_per_parameter`` counts them, so the budget is met as the report measures it.
+3. **Quantize**: the plan run as ``MixedPrecision`` (true-sequential: each layer calibrated on the
+   outputs of the already quantized ones), one graph with per-node bits that every backend runs.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+from typing import ClassVar
+
+from qcompiler.algorithms.allocation import allocate
+from qcompiler.calib.sensitivity import measure_sensitivities
+from qcompiler.errors import QuantizationError
+from qcompiler.ir.graph import find_linears, is_router
+from qcompiler.passes.mixed_precision import MixedPrecision, candidate_quantizer
+from qcompiler.pipeline.layer_filter import ignore_reason
+from qcompiler.pipeline.weight_only import quantize_block_linears
+from qcompiler.pipeline.weight_quantizer import WeightQuantizer
+
+__all__ = ["AutoBits", "DEFAULT_CANDIDATES", "MAX_BUDGET"]
+
+DEFAULT_CANDIDATES = (
+    "gptq-w2g32",
+    "gptq-w2g128",
+    "gptq-w3g32",
+    "gptq-w3g128",
+    "gptq-w4g32",
+    "gptq-w4g128",
+    "gptq-w8g128",
+)
+MAX_BUDGET = 16.0  # bits per parameter: above it a quantized layer is larger than its fp16 weight
+
+
+@dataclass(frozen=True)
+class AutoBits(WeightQuantizer):
+    """Chooses a candidate per block linear to meet ``budget`` bits per parameter with the least output damage."""
+
+    budget: float = 4.0  # bits per parameter over all quantized layers, every stored tensor counted
+    candidates: tuple[str, ...] = DEFAULT_CANDIDATES
+    samples: int = 8  # calibration samples each sensitivity is measured on
+    ignore: tuple[str, ...] = ()  # module paths kept in full precision: globs, or 're:' + a regex
+
+    requires = frozenset()
+    provides = WeightQuantizer.provides
+    needs_calibration: ClassVar = True
+    needs_hessian: ClassVar = True
+
+    def __post_init__(self):
+        super().__post_init__()
+        object.__setattr__(self, "candidates", tuple(self.candidates))
+        if not isinstance(self.budget, (int, float)) or not 0 < self.budget <= MAX_BUDGET:
+            raise QuantizationError(f"auto: budget {self.budget!r} bits per parameter is outside (0, {MAX_BUDGET:g}]")
+        if not self.candidates:
+            raise QuantizationError("auto: the candidate list is empty")
+        for name in self.candidates:
+            candidate_quantizer(name)
+        if self.samples < 1:
+            raise QuantizationError(f"auto: samples must be at least 1, got {self.samples}")
+
+    def run(self, gm, ctx) -> bool:
+        """Measure, allocate, then quantize the plan (the three steps of the module docstring)."""
+        if ctx.calibration is None:
+            raise QuantizationError("auto: calibration data is required to measure each layer's sensitivity")
+        info = gm.meta.get("qcompiler")
+        kl = info is not None and (info.cache is not None or info.model_class.endswith(("ForCausalLM", "LMHeadModel")))
+        ctx.log(
+            f"auto:{self.budget:g}: measuring {len(self.candidates)} candidates per layer on {self.samples} samples"
+        )
+        table = measure_sensitivities(
+            gm,
+            ctx,
+            {name: candidate_quantizer(name).quantize_layer for name in self.candidates},
+            samples=self.samples,
+            kl=kl,
+            eligible=lambda path: not is_router(path) and ignore_reason(path, self.ignore) is None,
+        )
+        if not table:
+            ctx.record.notes.append("nothing was quantized: no eligible linear layer inside a transformer block")
+            return False
+        paths = list(table)
+        names = [list(table[p]) for p in paths]
+        params = {layer.path: layer.weight(gm).numel() for layer in find_linears(gm) if layer.path in table}
+        total = sum(params.values())
+        cheapest = sum(min(s.bits for s in table[p].values()) for p in paths) / total
+        if self.budget < cheapest:
+            raise QuantizationError(
+                f"auto: budget {self.budget:g} bits per parameter is below the smallest allocation "
+                f"these candidates allow ({cheapest:.4f})"
+            )
+        pick = allocate(
+            [[table[p][n].bits for n in row] for p, row in zip(paths, names)],
+            [[table[p][n].distance for n in row] for p, row in zip(paths, names)],
+            self.budget * total,
+        )
+        plan = tuple((p, row[c]) for p, row, c in zip(paths, names, pick))
+        planned_bits = sum(table[p][n].bits for p, n in plan) / total
+        mix = ", ".join(f"{n} x{k}" for n, k in sorted(Counter(n for _p, n in plan).items()))
+        ctx.record.notes.append(f"allocation for {self.budget:g} bits per parameter: {planned_bits:.4f} ({mix})")
+        ctx.log(f"auto:{self.budget:g}: {planned_bits:.4f} bits per parameter: {mix}")
+        changed = quantize_block_linears(gm, ctx, MixedPrecision(plan=plan))
+        for p, n in plan:
+            if p in ctx.record.layers:
+                ctx.record.layers[p]["sensitivity"] = table[p][n].distance
+        return changed

@@ -1,0 +1,78 @@
+"""Mixed precision: each linear quantized by its own method and width, as a plan names them.
+
+A plan is data — ``(("model.layers.0.self_attn.q_proj", "gptq-w4g128"), ...)`` — so it can be written
+by hand in a recipe file, or chosen under a bit budget by ``AutoBits`` (passes/auto_bits.py). Every
+candidate name is ``METHOD-wBITSgGROUP`` with METHOD ``rtn``, ``gptq`` or ``spqr``; the result is one
+graph whose ``qc.quant_linear`` nodes carry their own bits and group size (SpQR layers: its dense +
+sparse ops), which every backend runs node by node.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import ClassVar
+
+from qcompiler.errors import QuantizationError
+from qcompiler.passes.gptq import GPTQ
+from qcompiler.passes.rtn import RTN
+from qcompiler.passes.spqr import SpQR
+from qcompiler.pipeline.weight_quantizer import WeightQuantizer
+
+__all__ = ["MixedPrecision", "candidate_quantizer", "CANDIDATE_FORMAT"]
+
+CANDIDATE_FORMAT = "METHOD-wBITSgGROUP (METHOD rtn, gptq or spqr; e.g. gptq-w4g128, rtn-w8g128, spqr-w3g16)"
+_CANDIDATE = re.compile(r"^(rtn|gptq|spqr)-w(\d+)g(\d+)$")
+
+
+@lru_cache(maxsize=None)
+def candidate_quantizer(name: str) -> WeightQuantizer:
+    """The weight quantizer a candidate name stands for, with the project's measured best settings
+    (GPTQ: act-order with static groups and the error-minimizing grid, docs/methods/gptq.md)."""
+    match = _CANDIDATE.match(name)
+    if match is None:
+        raise QuantizationError(f"candidate {name!r} is not {CANDIDATE_FORMAT}")
+    method, bits, group = match.group(1), int(match.group(2)), int(match.group(3))
+    if method == "rtn":
+        return RTN(bits=bits, group_size=group, grid="mse")
+    if method == "gptq":
+        return GPTQ(bits=bits, group_size=group)
+    return SpQR(bits=bits, group_size=group)
+
+
+@dataclass(frozen=True)
+class MixedPrecision(WeightQuantizer):
+    """Quantizes each block linear with the candidate its plan names (``default`` for the others)."""
+
+    plan: tuple[tuple[str, str], ...] = ()  # (module path, candidate name)
+    default: str = ""  # candidate for layers the plan does not name; "" = a layer it misses is an error
+    true_sequential: bool = False  # True: q/k/v, o, gate/up, down calibrated in turn (measured: no gain)
+
+    requires = frozenset()
+    provides = WeightQuantizer.provides
+    needs_calibration: ClassVar = True
+    needs_hessian: ClassVar = True
+
+    def __post_init__(self):
+        super().__post_init__()
+        object.__setattr__(self, "plan", tuple((str(p), str(c)) for p, c in self.plan))
+        for _path, name in self.plan:
+            candidate_quantizer(name)
+        if self.default:
+            candidate_quantizer(self.default)
+        if not self.plan and not self.default:
+            raise QuantizationError("MixedPrecision needs a plan of (layer, candidate) pairs or a default candidate")
+
+    def candidate_of(self, path: str) -> str:
+        """The candidate name for layer ``path``."""
+        chosen = dict(self.plan).get(path, self.default)
+        if not chosen:
+            raise QuantizationError(f"layer {path} is not in the MixedPrecision plan and there is no default")
+        return chosen
+
+    def quantize_layer(self, layer, W, H):
+        """The layer's planned candidate on it; the report names the candidate."""
+        name = self.candidate_of(layer.path)
+        result = candidate_quantizer(name).quantize_layer(layer, W, H)
+        return result._replace(figures={**result.figures, "candidate": name})

@@ -1,0 +1,143 @@
+"""How much each layer's quantization candidate moves the model's final output.
+
+For every block linear and every candidate: quantize that layer alone (from its Hessian on the FP
+model's calibration inputs), run the whole graph on a few calibration samples, and measure the
+output's distance from the FP output — KL divergence of the next-token distributions for a causal
+LM, relative squared error of the output tensor otherwise (padding positions left out). This is the
+damage the allocator (passes/auto_bits.py) weighs against each candidate's stored bits; it sees what
+a layer's own output error cannot: how much the rest of the network amplifies or absorbs it.
+
+Cost: one forward pass over the sensitivity samples per layer and candidate, plus one solve per layer
+and candidate. The weights must be in memory (a streamed graph has no weights to run whole).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+from torch.fx import GraphModule
+from torch.utils._pytree import tree_leaves, tree_map
+
+from qcompiler.calib.calibration import CalibrationEngine
+from qcompiler.errors import QuantizationError
+from qcompiler.frontend import lazy_weights
+from qcompiler.ir.graph import LinearLayer
+from qcompiler.ir.op_registry import storage_ops
+from qcompiler.ir.tensors import get_raw_tensor, set_tensor
+from qcompiler.pipeline.pass_base import PassContext
+from qcompiler.pipeline.weight_only import LayerQuant, UnpackableLayer, store_dequantized
+
+__all__ = ["CandidateScore", "measure_sensitivities", "output_distance", "stored_bits"]
+
+
+@dataclass(frozen=True)
+class CandidateScore:
+    """One candidate on one layer: its stored size and the output distance it caused alone."""
+
+    bits: float  # stored bits of the layer's tensors under this candidate
+    distance: float  # output distance from FP with only this layer quantized this way
+
+
+def stored_bits(result: LayerQuant) -> float:
+    """Bits of the tensors a layer's result stores, counted as ``bits_per_parameter`` counts them
+    (the ops' storage arguments: codes, scales, zeros, outliers; not per-column indices)."""
+    storage = {name for spec in storage_ops() for name in spec.storage}
+    return float(sum(t.numel() * t.element_size() * 8 for k, t in result.tensors.items() if k in storage))
+
+
+def output_distance(reference: torch.Tensor, output: torch.Tensor, mask: Optional[torch.Tensor], kl: bool) -> float:
+    """Mean KL(reference ‖ output) over positions (``kl``: logits), or ‖output − reference‖² / ‖reference‖²,
+    over the positions ``mask`` keeps."""
+    ref, out = reference.float(), output.float()
+    if mask is not None and mask.shape == ref.shape[: mask.dim()]:
+        ref, out = ref[mask.bool()], out[mask.bool()]
+    if kl:
+        log_p, log_q = F.log_softmax(ref, dim=-1), F.log_softmax(out, dim=-1)
+        return float((log_p.exp() * (log_p - log_q)).sum(-1).mean())
+    den = ref.double().square().sum()
+    return float((out.double() - ref.double()).square().sum() / den) if den > 0 else 0.0
+
+
+def _first_rows(batch: tuple[tuple, dict], n: int) -> tuple[tuple, dict]:
+    """The first ``n`` samples of a calibration batch (every tensor with the batch's leading size)."""
+    args, kwargs = batch
+    leading = next(t.shape[0] for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) and t.dim())
+    take = lambda t: t[:n] if isinstance(t, torch.Tensor) and t.dim() and t.shape[0] == leading else t  # noqa: E731
+    return tree_map(take, args), tree_map(take, kwargs)
+
+
+def _samples(calibration: list, n: int) -> list[tuple[tuple, dict]]:
+    picked, have = [], 0
+    for batch in calibration:
+        if have >= n:
+            break
+        args, kwargs = _first_rows(batch, n - have)
+        picked.append((args, kwargs))
+        have += next(t.shape[0] for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) and t.dim())
+    return picked
+
+
+def _first_output(out) -> torch.Tensor:
+    return next(t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.is_floating_point())
+
+
+def measure_sensitivities(
+    gm: GraphModule,
+    ctx: PassContext,
+    candidates: dict[str, Callable[[LinearLayer, torch.Tensor, Optional[torch.Tensor]], LayerQuant]],
+    *,
+    samples: int,
+    kl: bool,
+    eligible: Callable[[str], bool] = lambda _path: True,
+) -> dict[str, dict[str, CandidateScore]]:
+    """``{layer path: {candidate: score}}`` for every eligible block linear; a candidate the layer's
+    shape cannot take is left out of its row. The graph's weights are unchanged afterwards."""
+    if lazy_weights.lazy_source(gm) is not None:
+        raise QuantizationError(
+            "measuring each layer's effect on the output runs the whole model, and this graph's weights are "
+            "streamed from disk; load the model in memory (without --stream) for an automatic bit allocation"
+        )
+    batches = _samples(ctx.calibration, samples)
+    masks = [kwargs.get("attention_mask") for _args, kwargs in batches]
+    reference = [_first_output(gm(*args, **kwargs)) for args, kwargs in batches]
+
+    def distance() -> float:
+        outs = [_first_output(gm(*args, **kwargs)) for args, kwargs in batches]
+        return sum(output_distance(r, o, m, kl) for r, o, m in zip(reference, outs, masks)) / len(outs)
+
+    engine = CalibrationEngine.for_pass(gm, ctx)
+    table: dict[str, dict[str, CandidateScore]] = {}
+    for seg in engine.blocks():
+        layers = [layer for layer in seg.linears if eligible(layer.path)]
+        if not layers:
+            continue
+        stats = engine.collect(seg, layers)  # FP inputs: nothing is quantized while measuring
+        for layer in layers:
+            start = time.perf_counter()
+            original = get_raw_tensor(gm, layer.weight_node.target)
+            W = layer.weight(gm).detach().float().to(ctx.device or original.device)
+            H = stats[layer.path].hessian
+            H = None if H is None else H.to(W.device)
+            row = {}
+            for name, quantize in candidates.items():
+                try:
+                    result = quantize(layer, W, H)
+                except (UnpackableLayer, QuantizationError):
+                    continue  # this candidate cannot hold this layer's shape
+                store_dequantized(gm, layer, result.dequantized, original)
+                row[name] = CandidateScore(stored_bits(result), distance())
+            set_tensor(gm, layer.weight_node.target, original, parameter=isinstance(original, torch.nn.Parameter))
+            if not row:
+                raise QuantizationError(f"layer {layer.path}: no candidate can quantize its shape {tuple(W.shape)}")
+            table[layer.path] = row
+            best = min(row, key=lambda c: row[c].distance)
+            ctx.log(
+                f"  sensitivity {layer.path}: {len(row)} candidates, "
+                f"least damage {best} {row[best].distance:.3g}, {time.perf_counter() - start:.1f}s"
+            )
+        del stats
+    return table

@@ -1,0 +1,166 @@
+"""Automatic mixed precision: the knapsack is optimal, the error-minimizing grid is never worse than
+min-max, and ``auto:B`` meets its budget exactly as the report counts bits, in one graph that reloads."""
+
+import itertools
+import random
+
+import pytest
+import torch
+from tiny_models import example_inputs, main_output, make_model
+
+import qcompiler as qc
+from qcompiler.algorithms.allocation import allocate, allocate_reference
+from qcompiler.algorithms.gptq import gptq_quantize, gptq_quantize_reference, output_error, rtn_quantize
+from qcompiler.algorithms.quant_grid import _row_error, fit_grid, search_grid
+from qcompiler.errors import QCompilerError, QuantizationError, RecipeError
+from qcompiler.evaluation.eval import bits_per_parameter
+
+QL = torch.ops.qc.quant_linear.default
+SMALL = ("gptq-w2g64", "gptq-w2g32", "gptq-w3g32", "gptq-w4g32", "gptq-w8g32", "rtn-w4g32")
+
+
+def calib(n=2, seq=16):
+    return [{"input_ids": torch.randint(0, 96, (4, seq), generator=torch.Generator().manual_seed(i))} for i in range(n)]
+
+
+def test_knapsack_finds_the_least_distortion_within_the_budget():
+    rng = random.Random(0)
+    for _ in range(60):
+        layers, cands = rng.randint(1, 5), rng.randint(1, 4)
+        cost = [[rng.uniform(1, 10) for _ in range(cands)] for _ in range(layers)]
+        dist = [[rng.uniform(0, 1) for _ in range(cands)] for _ in range(layers)]
+        budget = rng.uniform(sum(map(min, cost)), sum(map(max, cost)) + 1)
+        fast, slow = allocate(cost, dist, budget), allocate_reference(cost, dist, budget)
+        assert sum(cost[i][c] for i, c in enumerate(fast)) <= budget
+        assert sum(dist[i][c] for i, c in enumerate(fast)) == pytest.approx(
+            sum(dist[i][c] for i, c in enumerate(slow)), abs=1e-12
+        )
+
+
+def test_knapsack_refuses_a_budget_below_the_cheapest_allocation():
+    with pytest.raises(QuantizationError, match=r"no allocation fits 2 bits: the cheapest candidates need 3"):
+        allocate([[1.0, 2.0], [2.0, 3.0]], [[1.0, 0.0], [1.0, 0.0]], 2.0)
+
+
+@pytest.mark.parametrize("bits,sym", list(itertools.product([2, 3, 4], [False, True])))
+def test_error_minimizing_grid_is_never_worse_than_min_max_per_row(bits, sym):
+    torch.manual_seed(bits)
+    w = torch.randn(64, 32) * torch.rand(64, 1) * 3
+    w[::7, 3] *= 10  # outliers: clipping them pays
+    imp = torch.rand(32) + 0.1
+    minmax, searched = fit_grid(w, bits, sym), search_grid(w, bits, sym, imp)
+    before, after = _row_error(w, minmax, bits, imp), _row_error(w, searched, bits, imp)
+    assert bool((after <= before * (1 + 1e-6)).all())
+    assert after.sum() < before.sum()  # and strictly better somewhere (a clipped range pays on some row)
+
+
+def test_mse_grid_gptq_equals_its_reference_twin_and_lowers_the_output_error():
+    torch.manual_seed(0)
+    X = torch.randn(1024, 128) * torch.linspace(0.2, 3, 128)
+    W = torch.randn(48, 128)
+    W[:, :2] *= 8
+    H = 2 * X.t() @ X / X.shape[0]
+    for kw in [dict(), dict(act_order=True), dict(act_order=True, static_groups=True)]:
+        fast = gptq_quantize(W, H, bits=3, group_size=32, grid="mse", **kw)
+        ref = gptq_quantize_reference(W, H, bits=3, group_size=32, grid="mse", **kw)
+        assert torch.allclose(fast.dequantized, ref.dequantized, atol=1e-5), kw
+        plain = gptq_quantize(W, H, bits=3, group_size=32, **kw)
+        assert output_error(W, fast.dequantized, H) < 0.95 * output_error(W, plain.dequantized, H), kw
+    rtn_plain = rtn_quantize(W, bits=3, group_size=32)
+    rtn_mse = rtn_quantize(W, bits=3, group_size=32, grid="mse", importance=torch.diagonal(H))
+    assert output_error(W, rtn_mse.dequantized, H) < 0.95 * output_error(W, rtn_plain.dequantized, H)
+
+
+@pytest.fixture(scope="module")
+def llama():
+    return make_model("llama")
+
+
+@pytest.mark.parametrize("budget", [2.5, 3.25, 4.5])
+def test_auto_meets_its_budget_as_the_report_counts_bits(llama, budget):
+    recipe = [qc.passes.AutoBits(budget=budget, candidates=SMALL, samples=4)]
+    cm = qc.compile(llama, example_inputs("llama"), recipe=recipe, calibration=calib(), progress=False)
+    bits = bits_per_parameter(cm.graph_module)
+    assert budget - 0.02 <= bits <= budget, bits
+    layers = cm.report.passes[0].layers
+    assert all("candidate" in f and "sensitivity" in f for f in layers.values())
+    widths = {
+        n.kwargs.get("bits", n.args[6] if len(n.args) > 6 else None)
+        for n in cm.graph_module.graph.nodes
+        if n.target is QL
+    }
+    assert len(widths) > 1, widths  # a real mix, not one width everywhere
+
+
+def test_more_bits_never_measure_worse_on_the_allocators_own_objective(llama):
+    """The allocation's summed sensitivity falls as the budget grows (the knapsack is monotone)."""
+    damage = []
+    for budget in (2.5, 3.0, 3.5, 4.5):
+        recipe = [qc.passes.AutoBits(budget=budget, candidates=SMALL, samples=4)]
+        cm = qc.compile(llama, example_inputs("llama"), recipe=recipe, calibration=calib(), progress=False)
+        damage.append(sum(f["sensitivity"] for f in cm.report.passes[0].layers.values()))
+    assert damage == sorted(damage, reverse=True), damage
+
+
+def test_auto_artifact_reloads_bit_identical(llama, tmp_path):
+    cm = qc.compile(
+        llama,
+        example_inputs("llama"),
+        recipe=[qc.passes.AutoBits(budget=3.0, candidates=SMALL, samples=2)],
+        calibration=calib(),
+        progress=False,
+    )
+    cm.save(tmp_path / "art")
+    back = qc.load(tmp_path / "art")
+    x = example_inputs("llama")
+    assert torch.equal(main_output(cm(**x)), main_output(back(**x)))
+    assert back.recipe.passes[0] == qc.passes.AutoBits(budget=3.0, candidates=SMALL, samples=2)
+
+
+def test_mixed_precision_plan_is_followed_layer_by_layer(llama):
+    plan = (("model.layers.0.mlp.down_proj", "gptq-w8g32"), ("model.layers.1.self_attn.q_proj", "rtn-w2g32"))
+    p = qc.passes.MixedPrecision(plan=plan, default="gptq-w4g32")
+    cm = qc.compile(llama, example_inputs("llama"), recipe=[p], calibration=calib(), progress=False)
+    layers = cm.report.passes[0].layers
+    assert layers["model.layers.0.mlp.down_proj"]["candidate"] == "gptq-w8g32"
+    assert layers["model.layers.1.self_attn.q_proj"]["candidate"] == "rtn-w2g32"
+    assert layers["model.layers.1.mlp.up_proj"]["candidate"] == "gptq-w4g32"
+    assert {f["bits"] for f in layers.values()} == {2, 4, 8}
+
+
+@pytest.mark.parametrize(
+    "recipe,message",
+    [
+        ("auto:abc", r"'abc' is not a number of bits per parameter"),
+        ("auto:17", r"budget 17.0 bits per parameter is outside \(0, 16\]"),
+        ("auto:0", r"budget 0.0 bits per parameter is outside"),
+        ("auto:1.0", r"budget 1 bits per parameter is below the smallest allocation these candidates allow \(2\.\d+\)"),
+    ],
+)
+def test_bad_budgets_are_one_line_errors_naming_the_value(llama, recipe, message):
+    with pytest.raises((QCompilerError, RecipeError), match=message) as info:
+        qc.compile(llama, example_inputs("llama"), recipe=recipe, calibration=calib(), progress=False)
+    assert "\n" not in str(info.value)
+
+
+def test_auto_without_calibration_is_refused_before_any_work(llama):
+    with pytest.raises(QCompilerError, match="calibration"):
+        qc.compile(llama, example_inputs("llama"), recipe="auto:3", progress=False)
+
+
+def test_a_mixed_plan_from_a_recipe_file_runs_and_its_artifact_reloads(llama, tmp_path):
+    (tmp_path / "mixed.yaml").write_text(
+        "name: mixed\npasses:\n  - pass: MixedPrecision\n    default: gptq-w4g32\n"
+        "    plan: [[model.layers.0.mlp.down_proj, gptq-w8g32], [model.layers.1.self_attn.q_proj, gptq-w2g32]]\n"
+    )
+    cm = qc.compile(llama, example_inputs("llama"), recipe=str(tmp_path / "mixed.yaml"), calibration=calib(),
+                    progress=False)
+    assert cm.report.passes[0].layers["model.layers.0.mlp.down_proj"]["bits"] == 8
+    cm.save(tmp_path / "art")
+    back = qc.load(tmp_path / "art")
+    assert back.recipe.passes == cm.recipe.passes
+    x = example_inputs("llama")
+    assert torch.equal(main_output(cm(**x)), main_output(back(**x)))
+    (tmp_path / "bad.yaml").write_text("name: bad\npasses:\n  - pass: MixedPrecision\n    plan: [[a.b, gptq-w4g32, x]]\n")
+    with pytest.raises(RecipeError, match=r"plan=\[\['a.b', 'gptq-w4g32', 'x'\]\] must be a list of \[string, string\]"):
+        qc.compile(llama, example_inputs("llama"), recipe=str(tmp_path / "bad.yaml"), calibration=calib())
