@@ -1,6 +1,7 @@
 """Built-in passes, one per file. Each is a ``qc.Pass`` like any user-written pass."""
 
 from qcompiler.passes.auto_bits import AutoBits
+from qcompiler.passes.awq import AWQ
 from qcompiler.passes.gptq import GPTQ
 from qcompiler.passes.gptq_checkpoint import LoadGPTQCheckpoint
 from qcompiler.passes.lower_int8 import LowerInt8
@@ -9,4 +10,4 @@ from qcompiler.passes.rtn import RTN
 from qcompiler.passes.smoothquant import SmoothQuant
 from qcompiler.passes.spqr import SpQR
 
-__all__ = ["GPTQ", "RTN", "SmoothQuant", "LowerInt8", "SpQR", "LoadGPTQCheckpoint", "MixedPrecision", "AutoBits"]
+__all__ = ["GPTQ", "RTN", "SmoothQuant", "LowerInt8", "SpQR", "LoadGPTQCheckpoint", "MixedPrecision", "AutoBits", "AWQ"]

@@ -20,8 +20,7 @@ from qcompiler.algorithms.smoothquant import ALPHA_GRID, search_alpha, smoothing
 from qcompiler.calib.calibration import CalibrationEngine
 from qcompiler.errors import QuantizationError
 from qcompiler.ir.graph import LinearLayer, find_linears
-from qcompiler.ir.tensors import get_tensor
-from qcompiler.pipeline.folding import insert_smoothing_multiply, replace_tensor, scale_input_columns, scale_output_rows
+from qcompiler.pipeline.folding import fold_channel_scales, insert_pending_multiplies
 from qcompiler.pipeline.layer_filter import check_patterns, ignore_reason, report_unmatched
 from qcompiler.pipeline.pass_base import GraphProperty, Pass, PassContext
 from qcompiler.pipeline.smoothing_plan import SmoothingPlan, plan_smoothing
@@ -71,10 +70,7 @@ class SmoothQuant(Pass):
                     continue
                 self._apply(gm, group, plan, stats[group[0].path], record, pending)
                 changed = True
-        for group, inv, label in pending:
-            insert_smoothing_multiply(gm, group, inv, label)
-            for layer in group:
-                scale_input_columns(gm, layer, 1.0 / inv)
+        insert_pending_multiplies(gm, pending)
         report_unmatched(self.name, self.ignore, [layer.path for layer in all_layers], record.notes)
         if not changed:
             record.notes.append("no producer group could be smoothed; the graph is unchanged")
@@ -99,20 +95,7 @@ class SmoothQuant(Pass):
             alpha, err = float(self.alpha), None
         wmax = torch.stack([W.abs().amax(dim=0) for W in weights]).amax(dim=0)
         s = smoothing_scales(act, wmax, alpha).to(home)
-        inv = 1.0 / s
-        if plan.form == "norm":
-            weight = plan.norm.weight_node.target
-            replace_tensor(gm, weight, get_tensor(gm, weight).detach() * inv)
-            if plan.norm.bias_node is not None:
-                bias = plan.norm.bias_node.target
-                replace_tensor(gm, bias, get_tensor(gm, bias).detach() * inv)
-        elif plan.form == "linear":
-            scale_output_rows(gm, plan.producer, inv)
-        else:
-            pending.append((group, inv, plan.label))
-        if plan.form != "explicit":
-            for layer in group:
-                scale_input_columns(gm, layer, s)
+        fold_channel_scales(gm, group, plan, s, pending)
         figures = {
             "form": plan.form,
             "consumers": ",".join(layer.path.rsplit(".", 1)[-1] for layer in group),

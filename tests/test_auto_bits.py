@@ -153,14 +153,19 @@ def test_a_mixed_plan_from_a_recipe_file_runs_and_its_artifact_reloads(llama, tm
         "name: mixed\npasses:\n  - pass: MixedPrecision\n    default: gptq-w4g32\n"
         "    plan: [[model.layers.0.mlp.down_proj, gptq-w8g32], [model.layers.1.self_attn.q_proj, gptq-w2g32]]\n"
     )
-    cm = qc.compile(llama, example_inputs("llama"), recipe=str(tmp_path / "mixed.yaml"), calibration=calib(),
-                    progress=False)
+    cm = qc.compile(
+        llama, example_inputs("llama"), recipe=str(tmp_path / "mixed.yaml"), calibration=calib(), progress=False
+    )
     assert cm.report.passes[0].layers["model.layers.0.mlp.down_proj"]["bits"] == 8
     cm.save(tmp_path / "art")
     back = qc.load(tmp_path / "art")
     assert back.recipe.passes == cm.recipe.passes
     x = example_inputs("llama")
     assert torch.equal(main_output(cm(**x)), main_output(back(**x)))
-    (tmp_path / "bad.yaml").write_text("name: bad\npasses:\n  - pass: MixedPrecision\n    plan: [[a.b, gptq-w4g32, x]]\n")
-    with pytest.raises(RecipeError, match=r"plan=\[\['a.b', 'gptq-w4g32', 'x'\]\] must be a list of \[string, string\]"):
+    (tmp_path / "bad.yaml").write_text(
+        "name: bad\npasses:\n  - pass: MixedPrecision\n    plan: [[a.b, gptq-w4g32, x]]\n"
+    )
+    with pytest.raises(
+        RecipeError, match=r"plan=\[\['a.b', 'gptq-w4g32', 'x'\]\] must be a list of \[string, string\]"
+    ):
         qc.compile(llama, example_inputs("llama"), recipe=str(tmp_path / "bad.yaml"), calibration=calib())

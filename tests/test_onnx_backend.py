@@ -27,6 +27,13 @@ EXTRA = {
     "rtn-2bit": [qc.passes.RTN(bits=2, group_size=32)],
     "rtn-8bit-channel": [qc.passes.RTN(bits=8, group_size=-1)],
     "w8a8-static": "w8a8-static",
+    # one graph, three widths and two methods: MatMulNBits takes bits per node
+    "mixed": [
+        qc.passes.MixedPrecision(
+            plan=(("model.layers.0.mlp.down_proj", "gptq-w8g32"), ("model.layers.1.self_attn.q_proj", "rtn-w2g32")),
+            default="gptq-w3g32",
+        )
+    ],
 }
 
 

@@ -30,6 +30,7 @@ __all__ = [
     "rtn_quantize",
     "group_index",
     "output_error",
+    "quadratic_form",
     "lazy_sweep",
 ]
 
@@ -411,7 +412,7 @@ def output_error(
     ``tr(W H Wᵀ)`` without its GEMM."""
     W = W.float()
     if damped_error is None:
-        num = max(_quadratic_form(W - W_hat.float(), H), 0.0)
+        num = max(quadratic_form(W - W_hat.float(), H), 0.0)
     else:
         dead = torch.diagonal(H) == 0
         swept_sq = _squared_distance(W, W_hat)
@@ -421,11 +422,11 @@ def output_error(
             swept_sq += dead_sq - _squared_distance(W[:, dead], W_hat[:, dead])
         error_sq, lam = damped_error
         num = max(error_sq - lam * swept_sq - dead_sq, 0.0)
-    den = _quadratic_form(W, H) if energy is None else energy
+    den = quadratic_form(W, H) if energy is None else energy
     return (num / den) ** 0.5 if den > 0 else num**0.5
 
 
-def _quadratic_form(W: torch.Tensor, H: torch.Tensor, rows: int = 256) -> float:
+def quadratic_form(W: torch.Tensor, H: torch.Tensor, rows: int = 256) -> float:
     """``tr(W H Wᵀ)`` in float32 GEMMs with the row dot products summed in float64, a few rows of
     ``W`` at a time (no out x in product in memory)."""
     H = H.float()

@@ -14,6 +14,7 @@ from qcompiler.ir.experts import ExpertLinear
 from qcompiler.ir.graph import LinearLayer, aten
 from qcompiler.ir.op_registry import call_op
 from qcompiler.ir.tensors import drop_attr_if_unused, get_tensor, set_tensor
+from qcompiler.pipeline.smoothing_plan import SmoothingPlan
 
 __all__ = [
     "SMOOTH_META",
@@ -23,6 +24,8 @@ __all__ = [
     "insert_smoothing_multiply",
     "replace_linear",
     "replace_experts",
+    "fold_channel_scales",
+    "insert_pending_multiplies",
 ]
 
 SMOOTH_META = "qc_smooth_inv"  # marks an explicit 1/s multiply node; value: its buffer's target
@@ -65,6 +68,35 @@ def insert_smoothing_multiply(gm: GraphModule, consumers: list[LinearLayer], inv
             made[x] = mul
         idx = 1 if layer.node.target is aten.addmm.default else 0
         layer.node.update_arg(idx, made[x])
+
+
+def fold_channel_scales(gm: GraphModule, group: list[LinearLayer], plan: SmoothingPlan, s: torch.Tensor, pending: list):
+    """``Y = (X diag(s)⁻¹)(W diag(s))ᵀ``, exactly: ``diag(s)`` into every consumer's weight columns and
+    ``diag(s)⁻¹`` where ``plan`` says (a norm's weight and bias, a producer linear's output rows). An
+    ``explicit`` plan is queued on ``pending`` for :func:`insert_pending_multiplies` (SmoothQuant and AWQ
+    calibrate on a fixed node list, so new nodes go in once they are done)."""
+    inv = 1.0 / s
+    if plan.form == "norm":
+        weight = plan.norm.weight_node.target
+        replace_tensor(gm, weight, get_tensor(gm, weight).detach() * inv)
+        if plan.norm.bias_node is not None:
+            bias = plan.norm.bias_node.target
+            replace_tensor(gm, bias, get_tensor(gm, bias).detach() * inv)
+    elif plan.form == "linear":
+        scale_output_rows(gm, plan.producer, inv)
+    else:
+        pending.append((group, inv, plan.label))
+        return
+    for layer in group:
+        scale_input_columns(gm, layer, s)
+
+
+def insert_pending_multiplies(gm: GraphModule, pending: list) -> None:
+    """The explicit ``x · diag(s)⁻¹`` nodes :func:`fold_channel_scales` queued, and their consumers' ``diag(s)``."""
+    for group, inv, label in pending:
+        insert_smoothing_multiply(gm, group, inv, label)
+        for layer in group:
+            scale_input_columns(gm, layer, 1.0 / inv)
 
 
 def replace_experts(

@@ -98,6 +98,17 @@ def _register_builtins() -> None:
         "SpQR, higher quality: 4-bit weights in groups of 16, 3-bit statistics, outliers (relative tau 1.0)",
         lambda: [P.SpQR(bits=4)],
     )
+    for bits in (4, 3):
+        register_recipe(
+            f"awq-w{bits}g128",
+            f"AWQ activation-aware scales (searched for {bits}-bit g128), then round-to-nearest W{bits}A16 g128",
+            (lambda bits=bits: [P.AWQ(bits=bits, group_size=128), P.RTN(bits=bits, group_size=128)]),
+        )
+        register_recipe(
+            f"awq-gptq-w{bits}g128",
+            f"AWQ activation-aware scales (searched for {bits}-bit g128), then GPTQ W{bits}A16 g128 (its defaults)",
+            (lambda bits=bits: [P.AWQ(bits=bits, group_size=128), P.GPTQ(bits=bits, group_size=128)]),
+        )
     register_recipe(
         "w8a8", "int8 weights (per channel) and activations (per token, dynamic), no smoothing", lambda: [P.LowerInt8()]
     )
