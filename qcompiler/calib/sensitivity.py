@@ -8,7 +8,9 @@ damage the allocator (passes/auto_bits.py) weighs against each candidate's store
 a layer's own output error cannot: how much the rest of the network amplifies or absorbs it.
 
 Cost: one forward pass over the sensitivity samples per layer and candidate, plus one solve per layer
-and candidate. The weights must be in memory (a streamed graph has no weights to run whole).
+and candidate. The graph runs through an interpreter that reads every weight with ``get_tensor``, so a
+streamed model's weights come from its checkpoint on each pass (the page cache keeps that cheap while
+the model fits in memory).
 """
 
 from __future__ import annotations
@@ -18,16 +20,16 @@ from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
+import torch.fx._pytree as fx_pytree
 import torch.nn.functional as F
-from torch.fx import GraphModule
+from torch.fx import GraphModule, Interpreter
 from torch.utils._pytree import tree_leaves, tree_map
 
 from qcompiler.calib.calibration import CalibrationEngine
 from qcompiler.errors import QuantizationError
-from qcompiler.frontend import lazy_weights
 from qcompiler.ir.graph import LinearLayer
 from qcompiler.ir.op_registry import storage_ops
-from qcompiler.ir.tensors import get_raw_tensor, set_tensor
+from qcompiler.ir.tensors import get_raw_tensor, get_tensor, set_tensor
 from qcompiler.pipeline.pass_base import PassContext
 from qcompiler.pipeline.weight_only import LayerQuant, UnpackableLayer, store_dequantized
 
@@ -81,7 +83,16 @@ def _samples(calibration: list, n: int) -> list[tuple[tuple, dict]]:
     return picked
 
 
-def _first_output(out) -> torch.Tensor:
+class _StoredWeights(Interpreter):
+    """Runs the whole graph reading each weight through ``get_tensor`` (a streamed one from disk)."""
+
+    def fetch_attr(self, target: str):
+        return get_tensor(self.module, target)
+
+
+def _first_output(gm: GraphModule, batch: tuple[tuple, dict]) -> torch.Tensor:
+    args, kwargs = batch
+    out = _StoredWeights(gm).run(*fx_pytree.tree_flatten_spec((args, kwargs), gm._in_spec))
     return next(t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.is_floating_point())
 
 
@@ -96,17 +107,12 @@ def measure_sensitivities(
 ) -> dict[str, dict[str, CandidateScore]]:
     """``{layer path: {candidate: score}}`` for every eligible block linear; a candidate the layer's
     shape cannot take is left out of its row. The graph's weights are unchanged afterwards."""
-    if lazy_weights.lazy_source(gm) is not None:
-        raise QuantizationError(
-            "measuring each layer's effect on the output runs the whole model, and this graph's weights are "
-            "streamed from disk; load the model in memory (without --stream) for an automatic bit allocation"
-        )
     batches = _samples(ctx.calibration, samples)
     masks = [kwargs.get("attention_mask") for _args, kwargs in batches]
-    reference = [_first_output(gm(*args, **kwargs)) for args, kwargs in batches]
+    reference = [_first_output(gm, batch) for batch in batches]
 
     def distance() -> float:
-        outs = [_first_output(gm(*args, **kwargs)) for args, kwargs in batches]
+        outs = [_first_output(gm, batch) for batch in batches]
         return sum(output_distance(r, o, m, kl) for r, o, m in zip(reference, outs, masks)) / len(outs)
 
     engine = CalibrationEngine.for_pass(gm, ctx)

@@ -61,8 +61,8 @@ def _auto_recipe(name: str) -> Recipe:
     return Recipe(
         name,
         (P.AutoBits(budget=budget),),
-        f"automatic mixed precision: GPTQ 2/3/4/8 bits x groups 32/128 per layer, chosen from each layer's measured "
-        f"effect on the output to fit {budget:g} bits per parameter",
+        f"automatic mixed precision: per layer GPTQ 2/3/4/8 bits x groups 32/64/128 or SpQR 3/4 bits, chosen from "
+        f"each layer's measured effect on the output to fit {budget:g} bits per parameter",
     )
 
 
