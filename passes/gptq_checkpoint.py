@@ -52,15 +52,16 @@ class LoadGPTQCheckpoint(Pass):
         )
         for path in sorted(ckpt.layers):
             layer = layers[path]
+            bits, group_size = ckpt.settings(path)  # per-module overrides (``dynamic``) or the base
             replace_linear(
                 gm,
                 layer,
                 "quant_linear",
                 ckpt.packed(path),
-                lambda x, a, layer=layer: dict(
-                    x=x, **a, bias=layer.bias_node, bits=ckpt.bits, group_size=ckpt.group_size
+                lambda x, a, layer=layer, bits=bits, group_size=group_size: dict(
+                    x=x, **a, bias=layer.bias_node, bits=bits, group_size=group_size
                 ),
             )
-            ctx.record.layers[path] = {"bits": ckpt.bits}
+            ctx.record.layers[path] = {"bits": bits, "group_size": group_size}
         ctx.record.notes.append(f"packed tensors from {self.folder} ({ckpt.quant.get('checkpoint_format', 'gptq')})")
         return True

@@ -14,13 +14,13 @@ import qcompiler as qc
 from qcompiler.models import load
 
 
-def quantized_tinylm():
-    """The bundled LM and its gptq-w4g128 compile (8 x 128 calibration tokens)."""
+def quantized_tinylm(recipe="gptq-w4g128"):
+    """The bundled LM and its compile with ``recipe`` (8 x 128 calibration tokens)."""
     tinylm = load("tinylm")
     cm = qc.compile(
         tinylm.model,
         tinylm.example_inputs(),
-        recipe="gptq-w4g128",
+        recipe=recipe,
         calibration=tinylm.calibration(8, 128),
         progress=False,
     )

@@ -169,3 +169,36 @@ def test_a_mixed_plan_from_a_recipe_file_runs_and_its_artifact_reloads(llama, tm
         RecipeError, match=r"plan=\[\['a.b', 'gptq-w4g32', 'x'\]\] must be a list of \[string, string\]"
     ):
         qc.compile(llama, example_inputs("llama"), recipe=str(tmp_path / "bad.yaml"), calibration=calib())
+
+
+def test_a_mixed_graph_exports_gptq_with_per_module_overrides_and_imports_bit_identical(llama, tmp_path):
+    import json
+
+    from qcompiler import import_gptq
+    from qcompiler.interop import export_compressed_tensors, export_gptq
+
+    plan = (("model.layers.0.mlp.down_proj", "gptq-w8g32"), ("model.layers.1.self_attn.q_proj", "rtn-w2g64"))
+    cm = qc.compile(
+        llama,
+        example_inputs("llama"),
+        recipe=[qc.passes.MixedPrecision(plan=plan, default="gptq-w4g32")],
+        calibration=calib(),
+        progress=False,
+    )
+    export_gptq(cm, tmp_path / "gptq", progress=lambda _: None)
+    quant = json.loads((tmp_path / "gptq" / "config.json").read_text())["quantization_config"]
+    assert (quant["bits"], quant["group_size"]) == (4, 32)  # the setting holding the most weights
+    assert quant["dynamic"] == {
+        r"+:model\.layers\.0\.mlp\.down_proj$": {"bits": 8, "group_size": 32},
+        r"+:model\.layers\.1\.self_attn\.q_proj$": {"bits": 2, "group_size": 64},
+    }
+    back = import_gptq(tmp_path / "gptq")
+    x = example_inputs("llama")
+    assert torch.equal(main_output(cm(**x)), main_output(back(**x)))
+    assert {p: f["bits"] for p, f in back.report.passes[0].layers.items()} == {
+        p: f["bits"] for p, f in cm.report.passes[0].layers.items()
+    }
+    export_compressed_tensors(cm, tmp_path / "ct", progress=lambda _: None)
+    groups = json.loads((tmp_path / "ct" / "config.json").read_text())["quantization_config"]["config_groups"]
+    widths = sorted((g["weights"]["num_bits"], g["weights"]["group_size"], len(g["targets"])) for g in groups.values())
+    assert widths == [(2, None, 1), (4, 32, 12), (8, 32, 1)]  # one group of 64 spans the row: channel strategy

@@ -14,6 +14,7 @@ import pytest
 import torch
 from client_runtimes import greedy_gaps, quantized_tinylm, run_client
 
+import qcompiler as qc
 from qcompiler.interop import export_gptq
 
 GPTQMODEL_PYTHON = os.environ.get("QC_GPTQMODEL_PYTHON")
@@ -35,10 +36,25 @@ _CLIENT = textwrap.dedent("""
 """)
 
 
+# A mixed-precision plan (what auto:B makes): 8, 4 and 3 bits, groups 128 and 64, written with
+# GPTQModel's per-module ``dynamic`` overrides.
+MIXED = [
+    qc.passes.MixedPrecision(
+        plan=(
+            ("model.layers.0.mlp.down_proj", "gptq-w8g128"),
+            ("model.layers.1.self_attn.q_proj", "gptq-w3g64"),
+            ("model.layers.2.mlp.gate_proj", "gptq-w3g128"),
+        ),
+        default="gptq-w4g128",
+    )
+]
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(not GPTQMODEL_PYTHON, reason="set QC_GPTQMODEL_PYTHON to a python with gptqmodel (see .ci/run)")
-def test_gptqmodel_loads_the_export_with_the_same_outputs(tmp_path):
-    tinylm, cm = quantized_tinylm()
+@pytest.mark.parametrize("recipe", ["gptq-w4g128", MIXED], ids=["w4g128", "mixed"])
+def test_gptqmodel_loads_the_export_with_the_same_outputs(tmp_path, recipe):
+    tinylm, cm = quantized_tinylm(recipe)
     # GPTQModel refuses asymmetric checkpoints in the v1 zero-point format from other quantizers
     # (an old AutoGPTQ bug), so asymmetric grids travel as v2 (real zero points).
     export_gptq(cm, tmp_path / "ckpt", zero_format="v2", progress=lambda _m: None)

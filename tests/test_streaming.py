@@ -66,6 +66,18 @@ def test_streamed_compile_equals_full_load(folder, recipe):
     assert torch.equal(main_output(got(**x)), main_output(want(**x))), f"{recipe}: streamed differs from full load"
 
 
+def test_streamed_auto_bits_equals_full_load(folder):
+    """The sensitivity runs read a streamed model's weights from disk: same plan, same tensors."""
+    full, streamed = load(folder), load(folder, stream=True)
+    x = full.example_inputs()
+    recipe = [qc.passes.AutoBits(budget=3.5, candidates=("gptq-w2g32", "gptq-w4g32", "gptq-w8g32"), samples=2)]
+    want = qc.compile(full.model, x, recipe=recipe, calibration=_calibration(), progress=False, device=None)
+    got = qc.compile(streamed.model, x, recipe=recipe, calibration=_calibration(), progress=False, device=None)
+    plan = {p: f["candidate"] for p, f in want.report.passes[0].layers.items()}
+    assert len(set(plan.values())) > 1 and plan == {p: f["candidate"] for p, f in got.report.passes[0].layers.items()}
+    assert torch.equal(main_output(got(**x)), main_output(want(**x)))
+
+
 def test_finished_blocks_wait_on_disk_and_the_spill_is_removed(folder, tmp_path, monkeypatch):
     """A streamed model's packed layers are parked in a temporary folder per block instead of held
     in memory, and read back by the final rewrite (the result is the full load's: test above); the

@@ -124,8 +124,9 @@ def measure_sensitivities(
         stats = engine.collect(seg, layers)  # FP inputs: nothing is quantized while measuring
         for layer in layers:
             start = time.perf_counter()
-            original = get_raw_tensor(gm, layer.weight_node.target)
-            W = layer.weight(gm).detach().float().to(ctx.device or original.device)
+            original = get_raw_tensor(gm, layer.weight_node.target)  # a streamed weight: its placeholder
+            stored = layer.weight(gm)  # read (from disk when streamed): dtype and device of what is stored
+            W = stored.detach().float().to(ctx.device or stored.device)
             H = stats[layer.path].hessian
             H = None if H is None else H.to(W.device)
             row = {}
@@ -134,7 +135,7 @@ def measure_sensitivities(
                     result = quantize(layer, W, H)
                 except (UnpackableLayer, QuantizationError):
                     continue  # this candidate cannot hold this layer's shape
-                store_dequantized(gm, layer, result.dequantized, original)
+                store_dequantized(gm, layer, result.dequantized, stored)
                 row[name] = CandidateScore(stored_bits(result), distance())
             set_tensor(gm, layer.weight_node.target, original, parameter=isinstance(original, torch.nn.Parameter))
             if not row:

@@ -17,6 +17,8 @@ checkpoint that loads wrong.
 
 from __future__ import annotations
 
+import re
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -76,17 +78,23 @@ def export_gptq(
     gm = cm.graph_module if hasattr(cm, "graph_module") else cm
     config = model_config_of(gm)
     layers = [write(gm, a, path) for a, path, write in layer_writers(gm, "gptq", "GPTQ")]
-    settings = {(layer.bits, layer.group_size) for layer in layers}
-    if len(settings) > 1:
-        raise ExportError(
-            f"a GPTQ checkpoint has one bits/group_size for all layers; this graph mixes {sorted(settings)}"
-        )
-    bits, group_size = settings.pop()
-    zero_layers = [
-        layer.path
+    if not layers:
+        raise ExportError("the graph has no GPTQ/RTN layer (qc.quant_linear) to write")
+    # One base setting (the one holding the most weights); the others as GPTQModel's per-module overrides.
+    weights = Counter()
+    for layer in layers:
+        weights[(layer.bits, layer.group_size)] += layer.tensors["g_idx"].numel() * layer.tensors["scales"].shape[1]
+    bits, group_size = weights.most_common(1)[0][0]
+    dynamic = {
+        f"+:{re.escape(layer.path)}$": {"bits": layer.bits, "group_size": layer.group_size}
         for layer in layers
-        if (unpack_cols(layer.tensors["qzeros"], bits, layer.tensors["scales"].shape[1]) == 0).any()
-    ]
+        if (layer.bits, layer.group_size) != (bits, group_size)
+    }
+
+    def zeros(layer) -> torch.Tensor:
+        return unpack_cols(layer.tensors["qzeros"], layer.bits, layer.tensors["scales"].shape[1])
+
+    zero_layers = [layer.path for layer in layers if (zeros(layer) == 0).any()]
     if zero_format == "v1" and zero_layers:
         raise ExportError(
             f"layer {zero_layers[0]} has zero points equal to 0, which the v1 format (stored zero − 1) "
@@ -97,13 +105,10 @@ def export_gptq(
     for layer in layers:
         t = dict(layer.tensors)
         if v1:
-            t["qzeros"] = zeros_to_v1(t["qzeros"], bits, t["scales"].shape[1])
+            t["qzeros"] = zeros_to_v1(t["qzeros"], layer.bits, t["scales"].shape[1])
         tensors.update({f"{layer.path}.{name}": value for name, value in t.items()})
-    desc_act = any(_is_act_order(layer.tensors["g_idx"], group_size) for layer in layers)
-    sym = all(
-        bool((unpack_cols(layer.tensors["qzeros"], bits, layer.tensors["scales"].shape[1]) == (1 << (bits - 1))).all())
-        for layer in layers
-    )
+    desc_act = any(_is_act_order(layer.tensors["g_idx"], layer.group_size) for layer in layers)
+    sym = all(bool((zeros(layer) == (1 << (layer.bits - 1))).all()) for layer in layers)
     quant = {
         "quant_method": "gptq",
         "bits": bits,
@@ -115,9 +120,13 @@ def export_gptq(
         "lm_head": any(layer.path.rsplit(".", 1)[-1] in ("lm_head", "embed_out") for layer in layers),
         "meta": {"quantizer": ["qcompiler"], "zero_points": "stored minus 1 (v1)" if v1 else "real (v2)"},
     }
+    if dynamic:
+        quant["dynamic"] = dynamic
     config["quantization_config"] = quant
     progress(
-        f"GPTQ checkpoint: {len(layers)} layers, {bits}-bit, group {group_size}, "
+        f"GPTQ checkpoint: {len(layers)} layers, {bits}-bit, group {group_size}"
+        + (f" ({len(dynamic)} with their own settings)" if dynamic else "")
+        + ", "
         f"{'v1' if v1 else 'v2'} zero points{'' if v1 else ' (some zeros are 0: v1 cannot hold them)'}"
     )
     return write_checkpoint(

@@ -2,11 +2,16 @@
 
 Zero points: ``checkpoint_format: "gptq"`` (v1: AutoGPTQ, transformers, vLLM) stores ``zero − 1``
 wrapped to ``bits`` bits; ``"gptq_v2"`` (GPTQModel) stores the real zero, as ``qc.quant_linear`` does.
+
+Per-module settings: GPTQModel's ``dynamic`` (also read by vLLM) maps regular expressions, matched with
+``re.match`` against a module's path in order, to the settings that override the base ``bits`` /
+``group_size`` for it (``+:`` or no prefix); a ``-:`` pattern means the module is not quantized.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import NamedTuple
 
@@ -43,12 +48,19 @@ class GPTQCheckpoint(NamedTuple):
     v1: bool  # zero points stored minus one
     layers: dict  # module path -> the safetensors file holding its packed tensors
 
+    def settings(self, path: str) -> tuple[int, int]:
+        """``(bits, group_size)`` of module ``path``: the first ``dynamic`` pattern matching it, or the base."""
+        for pattern, override in (self.quant.get("dynamic") or {}).items():
+            if not pattern.startswith("-:") and re.match(pattern.removeprefix("+:"), path):
+                return int(override.get("bits", self.bits)), int(override.get("group_size", self.group_size))
+        return self.bits, self.group_size
+
     def packed(self, path: str) -> dict[str, torch.Tensor]:
         """``path``'s four tensors in ``qc.quant_linear``'s layout (v1 zero points converted)."""
         with safe_open(str(self.layers[path]), framework="pt") as f:
             t = {name: f.get_tensor(f"{path}.{name}") for name in GPTQ_TENSORS}
         if self.v1:
-            t["qzeros"] = zeros_from_v1(t["qzeros"], self.bits, t["scales"].shape[1])
+            t["qzeros"] = zeros_from_v1(t["qzeros"], self.settings(path)[0], t["scales"].shape[1])
         return t
 
     def packed_keys(self) -> set[str]:
