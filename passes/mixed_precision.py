@@ -18,6 +18,7 @@ from qcompiler.errors import QuantizationError
 from qcompiler.passes.gptq import GPTQ
 from qcompiler.passes.rtn import RTN
 from qcompiler.passes.spqr import SpQR
+from qcompiler.pipeline.weight_only import stored_bits
 from qcompiler.pipeline.weight_quantizer import WeightQuantizer
 
 __all__ = ["MixedPrecision", "candidate_quantizer", "CANDIDATE_FORMAT"]
@@ -75,4 +76,5 @@ class MixedPrecision(WeightQuantizer):
         """The layer's planned candidate on it; the report names the candidate."""
         name = self.candidate_of(layer.path)
         result = candidate_quantizer(name).quantize_layer(layer, W, H)
-        return result._replace(figures={**result.figures, "candidate": name})
+        bits_per_weight = stored_bits(result) / W.numel()  # as bits_per_parameter counts the stored tensors
+        return result._replace(figures={**result.figures, "candidate": name, "bits_per_weight": bits_per_weight})

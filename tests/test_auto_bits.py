@@ -14,6 +14,7 @@ from qcompiler.algorithms.gptq import gptq_quantize, gptq_quantize_reference, ou
 from qcompiler.algorithms.quant_grid import _row_error, fit_grid, search_grid
 from qcompiler.errors import QCompilerError, QuantizationError, RecipeError
 from qcompiler.evaluation.eval import bits_per_parameter
+from qcompiler.evaluation.report_page import write_report
 
 QL = torch.ops.qc.quant_linear.default
 SMALL = ("gptq-w2g64", "gptq-w2g32", "gptq-w3g32", "gptq-w4g32", "gptq-w8g32", "rtn-w4g32")
@@ -84,12 +85,19 @@ def test_auto_meets_its_budget_as_the_report_counts_bits(llama, budget):
     assert budget - 0.02 <= bits <= budget, bits
     layers = cm.report.passes[0].layers
     assert all("candidate" in f and "sensitivity" in f for f in layers.values())
+    params = {path: _weights(llama, path) for path in layers}
+    total = sum(f["bits_per_weight"] * params[p] for p, f in layers.items()) / sum(params.values())
+    assert total == pytest.approx(bits, rel=1e-9)  # the report's per-layer figures add up to bits_per_parameter
     widths = {
         n.kwargs.get("bits", n.args[6] if len(n.args) > 6 else None)
         for n in cm.graph_module.graph.nodes
         if n.target is QL
     }
     assert len(widths) > 1, widths  # a real mix, not one width everywhere
+
+
+def _weights(model, path):
+    return model.get_submodule(path).weight.numel()
 
 
 def test_more_bits_never_measure_worse_on_the_allocators_own_objective(llama):
@@ -115,6 +123,8 @@ def test_auto_artifact_reloads_bit_identical(llama, tmp_path):
     x = example_inputs("llama")
     assert torch.equal(main_output(cm(**x)), main_output(back(**x)))
     assert back.recipe.passes[0] == qc.passes.AutoBits(budget=3.0, candidates=SMALL, samples=2)
+    page = write_report(tmp_path / "art", tmp_path / "report").read_text()
+    assert "## Allocation" in page and page.count("| `model.layers.") == 14
 
 
 def test_mixed_precision_plan_is_followed_layer_by_layer(llama):

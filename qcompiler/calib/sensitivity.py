@@ -28,12 +28,11 @@ from torch.utils._pytree import tree_leaves, tree_map
 from qcompiler.calib.calibration import CalibrationEngine
 from qcompiler.errors import QuantizationError
 from qcompiler.ir.graph import LinearLayer
-from qcompiler.ir.op_registry import storage_ops
 from qcompiler.ir.tensors import get_raw_tensor, get_tensor, set_tensor
 from qcompiler.pipeline.pass_base import PassContext
-from qcompiler.pipeline.weight_only import LayerQuant, UnpackableLayer, store_dequantized
+from qcompiler.pipeline.weight_only import LayerQuant, UnpackableLayer, store_dequantized, stored_bits
 
-__all__ = ["CandidateScore", "measure_sensitivities", "output_distance", "stored_bits"]
+__all__ = ["CandidateScore", "measure_sensitivities", "output_distance"]
 
 
 @dataclass(frozen=True)
@@ -42,13 +41,6 @@ class CandidateScore:
 
     bits: float  # stored bits of the layer's tensors under this candidate
     distance: float  # output distance from FP with only this layer quantized this way
-
-
-def stored_bits(result: LayerQuant) -> float:
-    """Bits of the tensors a layer's result stores, counted as ``bits_per_parameter`` counts them
-    (the ops' storage arguments: codes, scales, zeros, outliers; not per-column indices)."""
-    storage = {name for spec in storage_ops() for name in spec.storage}
-    return float(sum(t.numel() * t.element_size() * 8 for k, t in result.tensors.items() if k in storage))
 
 
 def output_distance(reference: torch.Tensor, output: torch.Tensor, mask: Optional[torch.Tensor], kl: bool) -> float:

@@ -161,6 +161,25 @@ def _write_page(artifact: Path, manifest: dict, out_dir: Path) -> None:
     if bits:
         _bar(bits, "stored bits per weight", "bits", out_dir / "bits.png")
         lines += ["## Bits per layer", "", "![bits](bits.png)", ""]
+    chosen = {layer: f for p in manifest["report"]["passes"] for layer, f in p["layers"].items() if "candidate" in f}
+    if chosen:
+        counts: dict[str, int] = {}
+        for f in chosen.values():
+            counts[f["candidate"]] = counts.get(f["candidate"], 0) + 1
+        lines += [
+            "## Allocation",
+            "",
+            "Candidates chosen: " + ", ".join(f"`{c}` ×{k}" for c, k in sorted(counts.items())) + ".",
+            "",
+            "| layer | candidate | bits per weight | measured output damage alone |",
+            "|---|---|---|---|",
+        ]
+        lines += [
+            f"| `{layer}` | {f['candidate']} | {f.get('bits_per_weight', float('nan')):.3f} | "
+            + (f"{f['sensitivity']:.3g} |" if "sensitivity" in f else "- |")
+            for layer, f in chosen.items()
+        ]
+        lines.append("")
     if _outlier_heatmap(artifact, manifest, out_dir / "outliers.png"):
         lines += [
             "## SpQR outliers",

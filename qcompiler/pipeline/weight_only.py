@@ -22,6 +22,7 @@ from qcompiler.errors import QuantizationError
 from qcompiler.frontend import lazy_weights
 from qcompiler.ir.experts import ExpertLinear, find_expert_linears
 from qcompiler.ir.graph import LinearLayer, block_of, find_linears, is_router
+from qcompiler.ir.op_registry import storage_ops
 from qcompiler.ir.ops import GPTQ_TENSORS, GPTQWeight, pack_gptq
 from qcompiler.ir.tensors import set_tensor
 from qcompiler.pipeline.folding import replace_experts, replace_linear
@@ -40,6 +41,7 @@ __all__ = [
     "check_packable",
     "UnpackableLayer",
     "store_dequantized",
+    "stored_bits",
 ]
 
 
@@ -70,6 +72,13 @@ class ExpertsFormat(NamedTuple):
 
 class UnpackableLayer(QuantizationError):
     """A layer whose shape the packed layout cannot hold: it is skipped with a note, the rest quantize."""
+
+
+def stored_bits(result: LayerQuant) -> float:
+    """Bits of the tensors a layer's result stores, counted as ``bits_per_parameter`` counts them
+    (the ops' storage arguments: codes, scales, zeros, outliers; not per-column indices)."""
+    storage = {name for spec in storage_ops() for name in spec.storage}
+    return float(sum(t.numel() * t.element_size() * 8 for k, t in result.tensors.items() if k in storage))
 
 
 def check_packable(layer: LinearLayer, W: torch.Tensor, bits: int) -> None:
