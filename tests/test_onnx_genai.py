@@ -23,8 +23,19 @@ def tinylm():
 
 
 # all slow: the default run checks gptq-w4g128 through the CLI (tests/test_cli.py, the same export)
+# a mixed-precision plan (what auto:B makes): MatMulNBits at 8, 3 and 4 bits, and SpQR's ops, in one graph
+MIXED = [
+    qc.passes.MixedPrecision(
+        plan=(("model.layers.0.mlp.down_proj", "gptq-w8g128"), ("model.layers.1.mlp.up_proj", "spqr-w3g16")),
+        default="gptq-w3g64",
+    )
+]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("recipe", ["gptq-w4g128", "w8a8-smoothquant", "spqr-w3g16"])
+@pytest.mark.parametrize(
+    "recipe", ["gptq-w4g128", "w8a8-smoothquant", "spqr-w3g16", MIXED], ids=["gptq", "w8a8", "spqr", "mixed"]
+)
 def test_onnxruntime_genai_generates_the_same_32_greedy_tokens(recipe, tinylm, tmp_path):
     cm = qc.compile(
         tinylm.model, tinylm.example_inputs(), recipe=recipe, calibration=tinylm.calibration(8), progress=False
