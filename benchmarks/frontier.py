@@ -14,21 +14,18 @@ docs/frontier.png (loss vs bits per parameter, log scale).
 from __future__ import annotations
 
 import argparse
-import json
-import platform
 import sys
 import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from results_file import results_file
+from results_file import write_rows
 
 import qcompiler as qc
 from qcompiler import models
 from qcompiler.evaluation.eval import bits_per_parameter
 from qcompiler.evaluation.quality import QualityJudge
-from qcompiler.store.atomic import write_text_atomically
 
 UNIFORM = [
     "rtn-w4g128",
@@ -164,16 +161,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="write under results/quick/ and draw no plot")
     args = ap.parse_args()
     rows = run(args.models, args.recipes, args.budgets, args.calib)
-    meta = dict(
-        calibration=args.calib,
-        torch=torch.__version__,
-        machine=platform.machine(),
-        threads=torch.get_num_threads(),
-        date=time.strftime("%Y-%m-%d"),
-    )
-    out = results_file("frontier", args.quick)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    write_text_atomically(out, json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
+    write_rows("frontier", rows, args.quick, calibration=args.calib)
     if not args.quick:
         plot(rows, PLOT)
     print_table(rows)

@@ -13,20 +13,17 @@ the stored tensors. Prints a table and writes benchmarks/results/gptq_defaults.j
 from __future__ import annotations
 
 import argparse
-import json
-import platform
 import sys
 import time
 
 import torch
-from results_file import results_file
+from results_file import write_rows
 
 import qcompiler as qc
 from qcompiler import models
 from qcompiler.calib import calibration as calibration_engine
 from qcompiler.evaluation.eval import bits_per_parameter
 from qcompiler.evaluation.quality import QualityJudge
-from qcompiler.store.atomic import write_text_atomically
 
 VARIANTS = {
     "plain": dict(),
@@ -99,16 +96,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="write under results/quick/ (not the committed JSON)")
     args = ap.parse_args()
     rows = run(args.models, args.bits, args.variants, args.calib)
-    meta = dict(
-        calibration=args.calib,
-        torch=torch.__version__,
-        machine=platform.machine(),
-        threads=torch.get_num_threads(),
-        date=time.strftime("%Y-%m-%d"),
-    )
-    out = results_file("gptq_defaults", args.quick)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    write_text_atomically(out, json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
+    write_rows("gptq_defaults", rows, args.quick, calibration=args.calib)
     print_table(rows)
 
 

@@ -14,3 +14,26 @@ RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
 def results_file(name: str, quick: bool = False) -> Path:
     return RESULTS_DIR / "quick" / f"{name}.json" if quick else RESULTS_DIR / f"{name}.json"
+
+
+def write_rows(name: str, rows: list, quick: bool = False, **meta) -> Path:
+    """``{"meta": ..., "rows": rows}`` as results/NAME.json (atomically); meta gets the machine's facts."""
+    import json
+    import platform
+    import time
+
+    import torch
+
+    from qcompiler.store.atomic import write_text_atomically
+
+    meta = dict(
+        meta,
+        torch=torch.__version__,
+        machine=platform.machine(),
+        threads=torch.get_num_threads(),
+        date=time.strftime("%Y-%m-%d"),
+    )
+    out = results_file(name, quick)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    write_text_atomically(out, json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
+    return out
