@@ -8,19 +8,20 @@ relative perplexity increase on tinylm's held-out modules) at the bits per param
 stored tensors. Causal LMs also get quality through generation: greedy agreement with the FP model
 over 128 new tokens from 32 held-out prompts (mean leading tokens equal) and the mean next-token KL
 on held-out windows. Prints a table, writes benchmarks/results/frontier.json and draws
-docs/frontier.png (loss vs bits per parameter, log scale).
+docs/frontier.png (MiniLM's loss and the LM's next-token KL vs bits per parameter, log scale).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from results_file import write_rows
+from results_file import results_file, write_rows
 
 import qcompiler as qc
 from qcompiler import models
@@ -138,13 +139,15 @@ def plot(rows: list[dict], out: Path) -> None:
     fig, axes = plt.subplots(1, len(names), figsize=(6 * len(names), 4.5), squeeze=False)
     for ax, name in zip(axes[0], names):
         mine = [r for r in rows if r["model"] == name]
+        # LMs: next-token KL (tinylm's perplexity moves less than its noise at 4 bits and even goes negative)
+        key = "next_token_kl" if "next_token_kl" in mine[0] else "loss"
         for family in sorted({r["family"] for r in mine}):
-            pts = sorted((r["bits_per_parameter"], max(r["loss"], 1e-5)) for r in mine if r["family"] == family)
+            pts = sorted((r["bits_per_parameter"], r[key]) for r in mine if r["family"] == family)
             style = "-o" if family.startswith("auto") else "o"
             ax.plot([p[0] for p in pts], [p[1] for p in pts], style, label=family)
         ax.set_yscale("log")
         ax.set_xlabel("bits per parameter (stored tensors)")
-        ax.set_ylabel("1 − cosine" if mine[0]["metric"] == "cosine" else "perplexity increase")
+        ax.set_ylabel("next-token KL vs FP32" if key == "next_token_kl" else "1 − cosine")
         ax.set_title(name)
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=8)
@@ -159,7 +162,11 @@ def main() -> None:
     ap.add_argument("--budgets", nargs="*", type=float, default=BUDGETS)
     ap.add_argument("--calib", type=int, default=128, help="calibration windows (tinylm) / sentences (minilm)")
     ap.add_argument("--quick", action="store_true", help="write under results/quick/ and draw no plot")
+    ap.add_argument("--plot-only", action="store_true", help="redraw docs/frontier.png from the committed JSON")
     args = ap.parse_args()
+    if args.plot_only:
+        plot(json.loads(results_file("frontier").read_text())["rows"], PLOT)
+        return
     rows = run(args.models, args.recipes, args.budgets, args.calib)
     write_rows("frontier", rows, args.quick, calibration=args.calib)
     if not args.quick:
