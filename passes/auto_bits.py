@@ -20,7 +20,8 @@ from typing import ClassVar
 from qcompiler.algorithms.allocation import allocate
 from qcompiler.calib.sensitivity import measure_sensitivities
 from qcompiler.errors import QuantizationError
-from qcompiler.ir.graph import find_linears, is_router
+from qcompiler.ir.graph import block_of, find_linears, is_router
+from qcompiler.ir.tensors import get_raw_tensor
 from qcompiler.passes.mixed_precision import MixedPrecision, candidate_quantizer
 from qcompiler.pipeline.layer_filter import ignore_reason
 from qcompiler.pipeline.weight_only import quantize_block_linears
@@ -78,6 +79,7 @@ class AutoBits(WeightQuantizer):
             raise QuantizationError("auto: calibration data is required to measure each layer's sensitivity")
         info = gm.meta.get("qcompiler")
         kl = info is not None and (info.cache is not None or info.model_class.endswith(("ForCausalLM", "LMHeadModel")))
+        self._refuse_impossible_budget(gm)  # before minutes of measuring
         ctx.log(
             f"auto:{self.budget:g}: measuring {len(self.candidates)} candidates per layer on {self.samples} samples"
         )
@@ -117,3 +119,31 @@ class AutoBits(WeightQuantizer):
             if p in ctx.record.layers:
                 ctx.record.layers[p]["sensitivity"] = table[p][n].distance
         return changed
+
+    def _refuse_impossible_budget(self, gm) -> None:
+        """A budget below what the cheapest candidates need at the least (codes alone for SpQR; codes,
+        scales and zeros for RTN/GPTQ, exact) is refused from the shapes, with nothing measured."""
+        need = weights = 0
+        for layer in find_linears(gm):
+            if block_of(layer.path) is None or is_router(layer.path) or ignore_reason(layer.path, self.ignore):
+                continue
+            shape = get_raw_tensor(gm, layer.weight_node.target).shape  # a streamed weight: its placeholder
+            n_out, n_in = (shape[1], shape[0]) if layer.transposed else (shape[0], shape[1])
+            need += min(_least_bits(name, n_out, n_in) for name in self.candidates)
+            weights += n_out * n_in
+        if weights and self.budget < need / weights:
+            raise QuantizationError(
+                f"auto: budget {self.budget:g} bits per parameter is below the smallest allocation "
+                f"these candidates allow (at least {need / weights:.4f})"
+            )
+
+
+def _least_bits(name: str, n_out: int, n_in: int) -> float:
+    """Stored bits of a layer under candidate ``name``: exact for RTN/GPTQ (codes, fp16 scales and
+    packed zeros per group), a lower bound (the codes) for SpQR."""
+    method, rest = name.split("-w")
+    bits, group = (int(v) for v in rest.split("g"))
+    if method == "spqr":
+        return bits * n_out * n_in
+    groups = -(-n_in // group)  # the last group may be shorter
+    return bits * n_out * n_in + groups * n_out * (16 + bits)

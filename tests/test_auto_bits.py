@@ -144,7 +144,11 @@ def test_mixed_precision_plan_is_followed_layer_by_layer(llama):
         ("auto:abc", r"'abc' is not a number of bits per parameter"),
         ("auto:17", r"budget 17.0 bits per parameter is outside \(0, 16\]"),
         ("auto:0", r"budget 0.0 bits per parameter is outside"),
-        ("auto:1.0", r"budget 1 bits per parameter is below the smallest allocation these candidates allow \(2\.\d+\)"),
+        (
+            "auto:1.0",
+            r"budget 1 bits per parameter is below the smallest allocation these candidates allow "
+            r"\(at least 2\.\d+\)",
+        ),
     ],
 )
 def test_bad_budgets_are_one_line_errors_naming_the_value(llama, recipe, message):
@@ -212,3 +216,19 @@ def test_a_mixed_graph_exports_gptq_with_per_module_overrides_and_imports_bit_id
     groups = json.loads((tmp_path / "ct" / "config.json").read_text())["quantization_config"]["config_groups"]
     widths = sorted((g["weights"]["num_bits"], g["weights"]["group_size"], len(g["targets"])) for g in groups.values())
     assert widths == [(2, None, 1), (4, 32, 12), (8, 32, 1)]  # one group of 64 spans the row: channel strategy
+
+
+@pytest.mark.parametrize("name", ["gptq-w3g32", "rtn-w2g64", "gptq-w8g128", "spqr-w3g16"])
+def test_the_early_budget_check_counts_what_a_candidate_stores(name):
+    from qcompiler.ir.graph import LinearLayer
+    from qcompiler.passes.auto_bits import _least_bits
+    from qcompiler.passes.mixed_precision import candidate_quantizer
+    from qcompiler.pipeline.weight_only import stored_bits
+
+    W, X = torch.randn(64, 96), torch.randn(512, 96)
+    layer = LinearLayer(None, "x", None, None, None, False)
+    stored = stored_bits(candidate_quantizer(name).quantize_layer(layer, W, 2 * X.t() @ X / 512))
+    if name.startswith("spqr"):
+        assert _least_bits(name, 64, 96) < stored  # a lower bound: its statistics and outliers come on top
+    else:
+        assert _least_bits(name, 64, 96) == stored  # exact: codes, fp16 scales, packed zeros (96 = 1.5 groups of 64)
