@@ -20,7 +20,7 @@ from typing import ClassVar
 from qcompiler.algorithms.allocation import allocate
 from qcompiler.calib.sensitivity import measure_sensitivities
 from qcompiler.errors import QuantizationError
-from qcompiler.ir.graph import block_of, find_linears, is_router
+from qcompiler.ir.graph import block_of, find_linears, is_router, source_of
 from qcompiler.ir.tensors import get_raw_tensor
 from qcompiler.passes.mixed_precision import MixedPrecision, candidate_quantizer
 from qcompiler.pipeline.layer_filter import ignore_reason
@@ -54,6 +54,8 @@ class AutoBits(WeightQuantizer):
     budget: float = 4.0  # bits per parameter over all quantized layers, every stored tensor counted
     candidates: tuple[str, ...] = DEFAULT_CANDIDATES
     samples: int = 8  # calibration samples each sensitivity is measured on
+    # True: linears reading one input (q/k/v, gate/up) share a candidate, as vLLM needs (it fuses them)
+    tie_siblings: bool = False
     ignore: tuple[str, ...] = ()  # module paths kept in full precision: globs, or 're:' + a regex
 
     requires = frozenset()
@@ -94,22 +96,23 @@ class AutoBits(WeightQuantizer):
         if not table:
             ctx.record.notes.append("nothing was quantized: no eligible linear layer inside a transformer block")
             return False
-        paths = list(table)
-        names = [list(table[p]) for p in paths]
         params = {layer.path: layer.weight(gm).numel() for layer in find_linears(gm) if layer.path in table}
         total = sum(params.values())
-        cheapest = sum(min(s.bits for s in table[p].values()) for p in paths) / total
+        items = self._items(gm, table)  # the layers that must share one candidate
+        names = [[n for n in self.candidates if all(n in table[p] for p in item)] for item in items]
+        for item, row in zip(items, names):
+            if not row:
+                raise QuantizationError(f"auto: no candidate fits every layer of {', '.join(item)}")
+        cost = [[sum(table[p][n].bits for p in item) for n in row] for item, row in zip(items, names)]
+        cheapest = sum(min(row) for row in cost) / total
         if self.budget < cheapest:
             raise QuantizationError(
                 f"auto: budget {self.budget:g} bits per parameter is below the smallest allocation "
                 f"these candidates allow ({cheapest:.4f})"
             )
-        pick = allocate(
-            [[table[p][n].bits for n in row] for p, row in zip(paths, names)],
-            [[table[p][n].distance for n in row] for p, row in zip(paths, names)],
-            self.budget * total,
-        )
-        plan = tuple((p, row[c]) for p, row, c in zip(paths, names, pick))
+        damage = [[sum(table[p][n].distance for p in item) for n in row] for item, row in zip(items, names)]
+        pick = allocate(cost, damage, self.budget * total)
+        plan = tuple((p, row[c]) for item, row, c in zip(items, names, pick) for p in item)
         planned_bits = sum(table[p][n].bits for p, n in plan) / total
         mix = ", ".join(f"{n} x{k}" for n, k in sorted(Counter(n for _p, n in plan).items()))
         ctx.record.notes.append(f"allocation for {self.budget:g} bits per parameter: {planned_bits:.4f} ({mix})")
@@ -119,6 +122,14 @@ class AutoBits(WeightQuantizer):
             if p in ctx.record.layers:
                 ctx.record.layers[p]["sensitivity"] = table[p][n].distance
         return changed
+
+    def _items(self, gm, table: dict) -> list[list[str]]:
+        """Knapsack items: each measured layer alone, or (``tie_siblings``) the layers reading one input."""
+        groups: dict = {}
+        for layer in find_linears(gm):
+            if layer.path in table:
+                groups.setdefault(source_of(layer.input) if self.tie_siblings else layer.path, []).append(layer.path)
+        return list(groups.values())
 
     def _refuse_impossible_budget(self, gm) -> None:
         """A budget below what the cheapest candidates need at the least (codes alone for SpQR; codes,

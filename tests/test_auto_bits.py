@@ -96,6 +96,19 @@ def test_auto_meets_its_budget_as_the_report_counts_bits(llama, budget):
     assert len(widths) > 1, widths  # a real mix, not one width everywhere
 
 
+def test_tied_siblings_share_a_candidate_and_stay_within_the_budget(llama):
+    recipe = [qc.passes.AutoBits(budget=3.25, candidates=SMALL, samples=4, tie_siblings=True)]
+    cm = qc.compile(llama, example_inputs("llama"), recipe=recipe, calibration=calib(), progress=False)
+    layers = cm.report.passes[0].layers
+    for block in ("model.layers.0.", "model.layers.1."):  # what vLLM fuses shares one setting
+        for siblings in (
+            ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+            ("mlp.gate_proj", "mlp.up_proj"),
+        ):
+            assert len({layers[block + s]["candidate"] for s in siblings}) == 1, block
+    assert bits_per_parameter(cm.graph_module) <= 3.25
+
+
 def _weights(model, path):
     return model.get_submodule(path).weight.numel()
 

@@ -17,6 +17,7 @@ import textwrap
 import pytest
 from client_runtimes import greedy_gaps, quantized_tinylm, run_client
 
+import qcompiler as qc
 from qcompiler.interop import export_compressed_tensors
 
 VLLM_PYTHON = os.environ.get("QC_VLLM_PYTHON")
@@ -43,10 +44,22 @@ _CLIENT = textwrap.dedent("""
 """)
 
 
+# a mixed-precision plan (what auto:B makes with GPTQ candidates): one config group per setting. 4-bit
+# only: vLLM's CPU kernels take uint4 alone ("Quant type (uint8) not supported by CPUWNA16" for w8); and
+# layers vLLM fuses (q/k/v, gate/up) must share a setting (AutoBits ties them: tie_siblings)
+MIXED = [
+    qc.passes.MixedPrecision(
+        plan=(("model.layers.0.mlp.down_proj", "gptq-w4g32"), ("model.layers.1.self_attn.o_proj", "gptq-w4g64")),
+        default="gptq-w4g128",
+    )
+]
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(not VLLM_PYTHON, reason="set QC_VLLM_PYTHON to a python with vllm (see docs/formats.md)")
-def test_vllm_generates_the_quantized_models_tokens(tmp_path):
-    tinylm, cm = quantized_tinylm()
+@pytest.mark.parametrize("recipe", ["gptq-w4g128", MIXED], ids=["w4g128", "mixed"])
+def test_vllm_generates_the_quantized_models_tokens(tmp_path, recipe):
+    tinylm, cm = quantized_tinylm(recipe)
     export_compressed_tensors(cm, tmp_path / "ct", progress=lambda _m: None)
     prompts = [
         tinylm.encode(p)[0].tolist()
