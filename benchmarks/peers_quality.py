@@ -136,11 +136,11 @@ class _HFModel:
             )
 
 
-def ours(model_name: str, recipe: str, calib: int) -> dict:
-    """One qcompiler row (this process)."""
+def ours(model_name: str, recipes: list, calib: int) -> list[dict]:
+    """qcompiler's rows (this process), with the FP references computed once."""
     from frontier import run
 
-    return run([model_name], [recipe], [], calib)[0]
+    return run([model_name], recipes, [], calib)
 
 
 def main() -> None:
@@ -174,8 +174,7 @@ def main() -> None:
                 continue
             rows.append(json.loads(line[len("RESULT ") :]))
             print(f"{name:7s} {peer:18s} loss {rows[-1]['loss']:.5f}", file=sys.stderr, flush=True)
-        for recipe in args.recipes:
-            rows.append(ours(name, recipe, args.calib))
+        rows += ours(name, args.recipes, args.calib)
 
     write_rows("peers_quality", rows, args.quick, calibration=args.calib)
     print("| model | tool / recipe | bits/param | loss vs FP32 | greedy agreement | next-token KL |")

@@ -13,6 +13,7 @@ Three steps, each visible in the report:
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from dataclasses import dataclass
 from typing import ClassVar
@@ -22,7 +23,7 @@ from qcompiler.calib.sensitivity import measure_sensitivities
 from qcompiler.errors import QuantizationError
 from qcompiler.ir.graph import block_of, find_linears, is_router, source_of
 from qcompiler.ir.tensors import get_raw_tensor
-from qcompiler.passes.mixed_precision import MixedPrecision, candidate_quantizer
+from qcompiler.passes.mixed_precision import MixedPrecision, candidate_quantizer, parse_candidate
 from qcompiler.pipeline.layer_filter import ignore_reason
 from qcompiler.pipeline.weight_only import quantize_block_linears
 from qcompiler.pipeline.weight_quantizer import WeightQuantizer
@@ -96,9 +97,9 @@ class AutoBits(WeightQuantizer):
         if not table:
             ctx.record.notes.append("nothing was quantized: no eligible linear layer inside a transformer block")
             return False
-        params = {layer.path: layer.weight(gm).numel() for layer in find_linears(gm) if layer.path in table}
-        total = sum(params.values())
-        items = self._items(gm, table)  # the layers that must share one candidate
+        measured = [layer for layer in find_linears(gm) if layer.path in table]
+        total = sum(math.prod(_shape(gm, layer)) for layer in measured)
+        items = self._items(measured)  # the layers that must share one candidate
         names = [[n for n in self.candidates if all(n in table[p] for p in item)] for item in items]
         for item, row in zip(items, names):
             if not row:
@@ -123,12 +124,11 @@ class AutoBits(WeightQuantizer):
                 ctx.record.layers[p]["sensitivity"] = table[p][n].distance
         return changed
 
-    def _items(self, gm, table: dict) -> list[list[str]]:
+    def _items(self, measured: list) -> list[list[str]]:
         """Knapsack items: each measured layer alone, or (``tie_siblings``) the layers reading one input."""
         groups: dict = {}
-        for layer in find_linears(gm):
-            if layer.path in table:
-                groups.setdefault(source_of(layer.input) if self.tie_siblings else layer.path, []).append(layer.path)
+        for layer in measured:
+            groups.setdefault(source_of(layer.input) if self.tie_siblings else layer.path, []).append(layer.path)
         return list(groups.values())
 
     def _refuse_impossible_budget(self, gm) -> None:
@@ -138,8 +138,7 @@ class AutoBits(WeightQuantizer):
         for layer in find_linears(gm):
             if block_of(layer.path) is None or is_router(layer.path) or ignore_reason(layer.path, self.ignore):
                 continue
-            shape = get_raw_tensor(gm, layer.weight_node.target).shape  # a streamed weight: its placeholder
-            n_out, n_in = (shape[1], shape[0]) if layer.transposed else (shape[0], shape[1])
+            n_out, n_in = _shape(gm, layer)
             need += min(_least_bits(name, n_out, n_in) for name in self.candidates)
             weights += n_out * n_in
         if weights and self.budget < need / weights:
@@ -149,11 +148,16 @@ class AutoBits(WeightQuantizer):
             )
 
 
+def _shape(gm, layer) -> tuple[int, int]:
+    """``(out, in)`` of a linear's weight from what is stored (a streamed weight's placeholder: not read)."""
+    shape = get_raw_tensor(gm, layer.weight_node.target).shape
+    return (shape[1], shape[0]) if layer.transposed else (shape[0], shape[1])
+
+
 def _least_bits(name: str, n_out: int, n_in: int) -> float:
     """Stored bits of a layer under candidate ``name``: exact for RTN/GPTQ (codes, fp16 scales and
     packed zeros per group), a lower bound (the codes) for SpQR."""
-    method, rest = name.split("-w")
-    bits, group = (int(v) for v in rest.split("g"))
+    method, bits, group = parse_candidate(name)
     if method == "spqr":
         return bits * n_out * n_in
     groups = -(-n_in // group)  # the last group may be shorter

@@ -22,7 +22,7 @@ from qcompiler.calib.calibration import CalibrationEngine
 from qcompiler.errors import QuantizationError
 from qcompiler.ir.graph import LinearLayer, find_linears
 from qcompiler.pipeline.folding import fold_channel_scales, insert_pending_multiplies
-from qcompiler.pipeline.layer_filter import check_patterns, ignore_reason, report_unmatched
+from qcompiler.pipeline.layer_filter import check_patterns, report_unmatched
 from qcompiler.pipeline.pass_base import GraphProperty, Pass, PassContext
 from qcompiler.pipeline.smoothing_plan import SmoothingPlan, plan_smoothing
 
@@ -71,11 +71,7 @@ class AWQ(Pass):
         return changed
 
     def _plan(self, group: list[LinearLayer], all_layers: list[LinearLayer]) -> SmoothingPlan:
-        for layer in group:
-            why = ignore_reason(layer.path, self.ignore)
-            if why:
-                return SmoothingPlan("none", reason=f"{layer.path} is {why}")
-        plan = plan_smoothing(group, all_layers)
+        plan = plan_smoothing(group, all_layers, self.ignore)
         if plan.form == "explicit" and not self.explicit:
             return SmoothingPlan("none", reason=f"{plan.reason} (explicit multiplies are off)")
         return plan

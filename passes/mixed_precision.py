@@ -21,20 +21,25 @@ from qcompiler.passes.spqr import SpQR
 from qcompiler.pipeline.weight_only import stored_bits
 from qcompiler.pipeline.weight_quantizer import WeightQuantizer
 
-__all__ = ["MixedPrecision", "candidate_quantizer", "CANDIDATE_FORMAT"]
+__all__ = ["MixedPrecision", "candidate_quantizer", "parse_candidate", "CANDIDATE_FORMAT"]
 
 CANDIDATE_FORMAT = "METHOD-wBITSgGROUP (METHOD rtn, gptq or spqr; e.g. gptq-w4g128, rtn-w8g128, spqr-w3g16)"
 _CANDIDATE = re.compile(r"^(rtn|gptq|spqr)-w(\d+)g(\d+)$")
+
+
+def parse_candidate(name: str) -> tuple[str, int, int]:
+    """``(method, bits, group size)`` of a candidate name such as ``gptq-w4g128``."""
+    match = _CANDIDATE.match(name)
+    if match is None:
+        raise QuantizationError(f"candidate {name!r} is not {CANDIDATE_FORMAT}")
+    return match.group(1), int(match.group(2)), int(match.group(3))
 
 
 @lru_cache(maxsize=None)
 def candidate_quantizer(name: str) -> WeightQuantizer:
     """The weight quantizer a candidate name stands for, with the project's measured best settings
     (GPTQ: act-order with static groups and the error-minimizing grid, docs/methods/gptq.md)."""
-    match = _CANDIDATE.match(name)
-    if match is None:
-        raise QuantizationError(f"candidate {name!r} is not {CANDIDATE_FORMAT}")
-    method, bits, group = match.group(1), int(match.group(2)), int(match.group(3))
+    method, bits, group = parse_candidate(name)
     if method == "rtn":
         return RTN(bits=bits, group_size=group, grid="mse")
     if method == "gptq":

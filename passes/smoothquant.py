@@ -21,7 +21,7 @@ from qcompiler.calib.calibration import CalibrationEngine
 from qcompiler.errors import QuantizationError
 from qcompiler.ir.graph import LinearLayer, find_linears
 from qcompiler.pipeline.folding import fold_channel_scales, insert_pending_multiplies
-from qcompiler.pipeline.layer_filter import check_patterns, ignore_reason, report_unmatched
+from qcompiler.pipeline.layer_filter import check_patterns, report_unmatched
 from qcompiler.pipeline.pass_base import GraphProperty, Pass, PassContext
 from qcompiler.pipeline.smoothing_plan import SmoothingPlan, plan_smoothing
 
@@ -57,7 +57,7 @@ class SmoothQuant(Pass):
             groups = seg.sibling_groups()
             if not groups:
                 continue
-            plans = [(group, self._plan(group, all_layers)) for group in groups]
+            plans = [(group, plan_smoothing(group, all_layers, self.ignore)) for group in groups]
             active = [layer for group, plan in plans if plan.form != "none" for layer in group]
             stats = (
                 engine.collect(seg, active, hessian=False, keep_rows=self.sample_rows if self.alpha == "auto" else 0)
@@ -75,14 +75,6 @@ class SmoothQuant(Pass):
         if not changed:
             record.notes.append("no producer group could be smoothed; the graph is unchanged")
         return changed
-
-    def _plan(self, group: list[LinearLayer], all_layers: list[LinearLayer]) -> SmoothingPlan:
-        """Smoothing rescales every consumer of the producer: a group with an ignored layer is left alone."""
-        for layer in group:
-            why = ignore_reason(layer.path, self.ignore)
-            if why:
-                return SmoothingPlan("none", reason=f"{layer.path} is {why}")
-        return plan_smoothing(group, all_layers)
 
     def _apply(self, gm: GraphModule, group: list[LinearLayer], plan: SmoothingPlan, st, record, pending: list) -> None:
         act = st.absmax  # on the compute device; the scales found go back to where the weights live

@@ -14,7 +14,7 @@ calibration already streams); the paper uses the mean absolute value.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 
@@ -40,11 +40,17 @@ def _quantized_over_s(W: torch.Tensor, s: torch.Tensor, bits: int, group_size: i
 
 
 def scaled_output_error(
-    weights: Sequence[torch.Tensor], H: torch.Tensor, s: torch.Tensor, bits: int, group_size: int
+    weights: Sequence[torch.Tensor],
+    H: torch.Tensor,
+    s: torch.Tensor,
+    bits: int,
+    group_size: int,
+    energy: Optional[float] = None,
 ) -> float:
-    """Relative output error of the consumers ``weights`` quantized after scaling by ``s``, from ``H``."""
+    """Relative output error of the consumers ``weights`` quantized after scaling by ``s``, from ``H``;
+    ``energy``: their FP output energy ``Σ tr(W H Wᵀ)`` when the caller has it (the α search: once)."""
     num = sum(quadratic_form(W - _quantized_over_s(W, s, bits, group_size), H) for W in weights)
-    den = sum(quadratic_form(W, H) for W in weights)
+    den = sum(quadratic_form(W, H) for W in weights) if energy is None else energy
     return (max(num, 0.0) / den) ** 0.5 if den > 0 else 0.0
 
 
@@ -70,15 +76,16 @@ def search_awq_scales(
 ) -> tuple[torch.Tensor, float, float, float]:
     """The scales of the best ``α``: ``(s, α, error, error without scaling)``."""
     act = (torch.diagonal(H).float().clamp(min=0) / 2).sqrt()
+    energy = sum(quadratic_form(W, H) for W in weights)  # the same for every α
     best = None
     plain = None
     for alpha in alphas:
         s = awq_scales(act, alpha)
-        err = scaled_output_error(weights, H, s, bits, group_size)
+        err = scaled_output_error(weights, H, s, bits, group_size, energy)
         if alpha == 0:
             plain = err
         if best is None or err < best[2]:
             best = (s, alpha, err)
     if plain is None:
-        plain = scaled_output_error(weights, H, torch.ones_like(act), bits, group_size)
+        plain = scaled_output_error(weights, H, torch.ones_like(act), bits, group_size, energy)
     return best[0], best[1], best[2], plain

@@ -56,10 +56,14 @@ def output_distance(reference: torch.Tensor, output: torch.Tensor, mask: Optiona
     return float((out.double() - ref.double()).square().sum() / den) if den > 0 else 0.0
 
 
+def _batch_size(batch: tuple[tuple, dict]) -> int:
+    return next(t.shape[0] for t in tree_leaves(batch) if isinstance(t, torch.Tensor) and t.dim())
+
+
 def _first_rows(batch: tuple[tuple, dict], n: int) -> tuple[tuple, dict]:
     """The first ``n`` samples of a calibration batch (every tensor with the batch's leading size)."""
     args, kwargs = batch
-    leading = next(t.shape[0] for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) and t.dim())
+    leading = _batch_size(batch)
     take = lambda t: t[:n] if isinstance(t, torch.Tensor) and t.dim() and t.shape[0] == leading else t  # noqa: E731
     return tree_map(take, args), tree_map(take, kwargs)
 
@@ -69,9 +73,8 @@ def _samples(calibration: list, n: int) -> list[tuple[tuple, dict]]:
     for batch in calibration:
         if have >= n:
             break
-        args, kwargs = _first_rows(batch, n - have)
-        picked.append((args, kwargs))
-        have += next(t.shape[0] for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) and t.dim())
+        picked.append(_first_rows(batch, n - have))
+        have += _batch_size(picked[-1])
     return picked
 
 
@@ -82,9 +85,8 @@ class _StoredWeights(Interpreter):
         return get_tensor(self.module, target)
 
 
-def _first_output(gm: GraphModule, batch: tuple[tuple, dict]) -> torch.Tensor:
-    args, kwargs = batch
-    out = _StoredWeights(gm).run(*fx_pytree.tree_flatten_spec((args, kwargs), gm._in_spec))
+def _first_output(runner: _StoredWeights, batch: tuple[tuple, dict]) -> torch.Tensor:
+    out = runner.run(*fx_pytree.tree_flatten_spec(batch, runner.module._in_spec))
     return next(t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.is_floating_point())
 
 
@@ -101,10 +103,11 @@ def measure_sensitivities(
     shape cannot take is left out of its row. The graph's weights are unchanged afterwards."""
     batches = _samples(ctx.calibration, samples)
     masks = [kwargs.get("attention_mask") for _args, kwargs in batches]
-    reference = [_first_output(gm, batch) for batch in batches]
+    runner = _StoredWeights(gm)  # one interpreter (it maps each node's last use once) for every forward
+    reference = [_first_output(runner, batch) for batch in batches]
 
     def distance() -> float:
-        outs = [_first_output(gm, batch) for batch in batches]
+        outs = [_first_output(runner, batch) for batch in batches]
         return sum(output_distance(r, o, m, kl) for r, o, m in zip(reference, outs, masks)) / len(outs)
 
     engine = CalibrationEngine.for_pass(gm, ctx)

@@ -22,6 +22,7 @@ from typing import Optional, Sequence
 from torch.fx import Node
 
 from qcompiler.ir.graph import LinearLayer, NormInfo, aten, find_producing_norm, source_of
+from qcompiler.pipeline.layer_filter import ignore_reason
 
 __all__ = ["SmoothingPlan", "plan_smoothing"]
 
@@ -107,8 +108,15 @@ def _channel_producer(node: Node, layers_by_node: dict[Node, LinearLayer]) -> tu
             return None, path
 
 
-def plan_smoothing(consumers: Sequence[LinearLayer], all_layers: Sequence[LinearLayer]) -> SmoothingPlan:
-    """Where this group's ``1/s`` can be folded (see the module docstring)."""
+def plan_smoothing(
+    consumers: Sequence[LinearLayer], all_layers: Sequence[LinearLayer], ignore: Sequence[str] = ()
+) -> SmoothingPlan:
+    """Where this group's ``1/s`` can be folded (see the module docstring). Scaling rescales every
+    consumer of the producer, so a group with a layer ``ignore`` matches is left alone."""
+    for layer in consumers:
+        why = ignore_reason(layer.path, ignore)
+        if why:
+            return SmoothingPlan("none", reason=f"{layer.path} is {why}")
     src = source_of(consumers[0].input)
     consumer_nodes = {c.node for c in consumers}
     norm = find_producing_norm(consumers[0])
