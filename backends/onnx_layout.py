@@ -29,6 +29,7 @@ from torch import Tensor
 from torch.fx import GraphModule
 
 from qcompiler.algorithms.packing import unpack_rows
+from qcompiler.backends import onnx_hadamard  # noqa: F401  (registers the qc.hadamard lowering)
 from qcompiler.backends.onnx_nbits import gptq_to_nbits, to_matmul_nbits_layout
 from qcompiler.backends.onnx_siblings import fuse_sibling_nbits
 from qcompiler.ir.experts import find_expert_linears

@@ -56,6 +56,7 @@ implement(
     label="spqr_gemm+csr_spmm per expert",
 )
 implement("triton", "sparse_outlier_linear", load=_kernel("csr_linear"), kind="kernel", label="csr_spmm")
+implement("triton", "hadamard", load=_kernel("hadamard"), kind="kernel", label="hadamard")
 
 
 def _kernels():

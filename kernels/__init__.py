@@ -9,6 +9,7 @@ package is imported), which is slow but exact enough to prove them correct in CI
 from qcompiler.kernels.act_quant import quantize_rows
 from qcompiler.kernels.csr_spmm import csr_linear
 from qcompiler.kernels.gptq_gemm import gptq_experts_linear, gptq_linear
+from qcompiler.kernels.hadamard import hadamard
 from qcompiler.kernels.int8_gemm import int8_linear
 from qcompiler.kernels.spqr_gemm import spqr_dense_linear, spqr_experts_linear
 from qcompiler.kernels.tuning import INTERPRET, UnsupportedKernel, runtime_problem
@@ -24,4 +25,5 @@ __all__ = [
     "spqr_dense_linear",
     "spqr_experts_linear",
     "csr_linear",
+    "hadamard",
 ]

@@ -6,8 +6,20 @@ from qcompiler.passes.gptq import GPTQ
 from qcompiler.passes.gptq_checkpoint import LoadGPTQCheckpoint
 from qcompiler.passes.lower_int8 import LowerInt8
 from qcompiler.passes.mixed_precision import MixedPrecision
+from qcompiler.passes.rotate import Rotate
 from qcompiler.passes.rtn import RTN
 from qcompiler.passes.smoothquant import SmoothQuant
 from qcompiler.passes.spqr import SpQR
 
-__all__ = ["GPTQ", "RTN", "SmoothQuant", "LowerInt8", "SpQR", "LoadGPTQCheckpoint", "MixedPrecision", "AutoBits", "AWQ"]
+__all__ = [
+    "GPTQ",
+    "RTN",
+    "SmoothQuant",
+    "LowerInt8",
+    "SpQR",
+    "LoadGPTQCheckpoint",
+    "MixedPrecision",
+    "AutoBits",
+    "AWQ",
+    "Rotate",
+]

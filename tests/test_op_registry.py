@@ -20,6 +20,8 @@ ATEN_MATCHERS = {
     "qcompiler/pipeline/smoothing_plan.py",
     "qcompiler/ir/experts.py",
     "passes/lower_int8.py",
+    "qcompiler/pipeline/residual_stream.py",
+    "qcompiler/pipeline/value_heads.py",
     "backends/onnx_attention.py",
 }
 

@@ -8,9 +8,18 @@ import pytest
 import torch
 
 from qcompiler import kernels
+from qcompiler.algorithms.hadamard import random_signs
 from qcompiler.algorithms.int8 import quantize_per_token
 from qcompiler.algorithms.spqr import spqr_quantize
-from qcompiler.ir.ops import int8_linear, pack_gptq, quant_linear, sparse_outlier_linear, spqr_dense_linear, to_csr
+from qcompiler.ir.ops import (
+    hadamard,
+    int8_linear,
+    pack_gptq,
+    quant_linear,
+    sparse_outlier_linear,
+    spqr_dense_linear,
+    to_csr,
+)
 from qcompiler.passes.spqr import pack_spqr
 
 FP32_TOL = dict(rtol=1e-5, atol=1e-4)
@@ -112,6 +121,18 @@ def test_activation_quantizer_is_bit_exact(rows, cols, kernel_device):
     static = torch.tensor([0.05])
     q, _ = kernels.quantize_rows(x.to(kernel_device), None, static.to(kernel_device))
     assert torch.equal(q.cpu(), torch.clamp(torch.round(x / 0.05), -127, 127).to(torch.int8))
+
+
+@pytest.mark.parametrize(
+    "rows,width,block,dtype", [(1, 64, 64, torch.float32), (21, 192, 64, torch.float32), (5, 128, 128, torch.float16)]
+)
+def test_hadamard_kernel_equals_the_reference_op(rows, width, block, dtype, kernel_device):
+    x = (torch.randn(rows, width) * torch.linspace(0.1, 30, width)).to(dtype)
+    signs = random_signs(width, 3)
+    got = kernels.hadamard(x.to(kernel_device), signs.to(kernel_device), block).cpu()
+    torch.testing.assert_close(
+        got, hadamard(x, signs, block), **(FP32_TOL if dtype == torch.float32 else HALF_TOL[dtype])
+    )
 
 
 @pytest.mark.parametrize("static", [False, True])

@@ -21,6 +21,7 @@ from qcompiler.store.atomic import publish_directory
 from qcompiler.store.sharding import DEFAULT_SHARD_BYTES, plan_shards, shard_names
 
 __all__ = [
+    "ONLINE_ROTATION",
     "ExportError",
     "QuantLayer",
     "layer_writers",
@@ -31,6 +32,11 @@ __all__ = [
     "source_files",
     "TOKENIZER_FILES",
 ]
+
+ONLINE_ROTATION = (
+    "an online Hadamard rotation (Rotate's online step), which checkpoint clients (transformers, vLLM, "
+    "GPTQModel) cannot run; quantize with Rotate(online=False) for an ordinary checkpoint, or export to ONNX"
+)
 
 
 class ExportError(QCompilerError):

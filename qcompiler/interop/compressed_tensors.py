@@ -18,6 +18,7 @@ import torch
 from qcompiler.algorithms.packing import unpack_cols
 from qcompiler.interop.checkpoint import (
     DEFAULT_SHARD_BYTES,
+    ONLINE_ROTATION,
     ExportError,
     fp_tensors,
     layer_writers,
@@ -110,6 +111,7 @@ refuse(
 refuse("compressed-tensors", "spqr_dense_linear", _NO_FORM)
 refuse("compressed-tensors", "sparse_outlier_linear", _NO_FORM)
 refuse("compressed-tensors", "spqr_experts_linear", _NO_FORM)
+refuse("compressed-tensors", "hadamard", ONLINE_ROTATION)
 
 
 def export_compressed_tensors(

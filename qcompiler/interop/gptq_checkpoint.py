@@ -26,6 +26,7 @@ import torch
 from qcompiler.algorithms.packing import unpack_cols
 from qcompiler.interop.checkpoint import (
     DEFAULT_SHARD_BYTES,
+    ONLINE_ROTATION,
     ExportError,
     fp_tensors,
     gptq_layer,
@@ -55,6 +56,7 @@ refuse("gptq", "int8_linear", _ONLY_GPTQ)
 refuse("gptq", "spqr_dense_linear", _ONLY_GPTQ)
 refuse("gptq", "sparse_outlier_linear", _ONLY_GPTQ)
 refuse("gptq", "spqr_experts_linear", _ONLY_GPTQ)
+refuse("gptq", "hadamard", ONLINE_ROTATION)
 
 
 def _is_act_order(g_idx: torch.Tensor, group_size: int) -> bool:

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from qcompiler.algorithms.hadamard import rotate_last_dim
 from qcompiler.algorithms.int8 import quantize_per_token
 from qcompiler.algorithms.packing import pack_cols, pack_rows, unpack_cols, unpack_rows
 from qcompiler.ir.op_registry import OpSpec, register
@@ -42,6 +43,7 @@ __all__ = [
     "spqr_experts_linear",
     "expert_csr",
     "per_expert",
+    "hadamard",
 ]
 
 
@@ -428,3 +430,18 @@ register(
         establishes=frozenset({GraphProperty.QUANTIZED_WEIGHTS, GraphProperty.OUTLIERS_SPLIT}),
     )
 )
+
+
+@torch.library.custom_op("qc::hadamard", mutates_args=())
+def hadamard(x: Tensor, signs: Tensor, block_size: int) -> Tensor:
+    """Online rotation ``x @ R``, ``R = diag(signs) · blockdiag(H_b/√b)`` (QuaRot's online Hadamard:
+    the linear after it holds ``W R``, so their product is unchanged). Computed in float32."""
+    return rotate_last_dim(x, signs, block_size).to(x.dtype)
+
+
+@hadamard.register_fake
+def _hadamard_fake(x, signs, block_size):
+    return torch.empty_like(x)
+
+
+register(OpSpec("hadamard"))  # no weights of its own: its signs are part of the FP model, like a norm's

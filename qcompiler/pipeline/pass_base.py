@@ -29,6 +29,7 @@ class GraphProperty(enum.Enum):
 
     CAPTURED = "captured"  # an aten-level export graph (always true at start)
     SMOOTHED = "smoothed"  # SmoothQuant scales folded in
+    ROTATED = "rotated"  # orthogonal rotations folded in (outputs unchanged)
     QUANTIZED_WEIGHTS = "quantized_weights"  # linears replaced by weight-quantized ops
     INT8_LOWERED = "int8_lowered"  # linears replaced by int8 x int8 ops
     OUTLIERS_SPLIT = "outliers_split"  # SpQR dense + sparse branches

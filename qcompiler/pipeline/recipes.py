@@ -109,6 +109,23 @@ def _register_builtins() -> None:
             f"AWQ activation-aware scales (searched for {bits}-bit g128), then GPTQ W{bits}A16 g128 (its defaults)",
             (lambda bits=bits: [P.AWQ(bits=bits, group_size=128), P.GPTQ(bits=bits, group_size=128)]),
         )
+    for bits in (4, 3):
+        register_recipe(
+            f"rotate-gptq-w{bits}g128",
+            f"randomized Hadamard rotations (residual stream where the norms allow, heads, online before the "
+            f"other linears), then GPTQ W{bits}A16 g128 (its defaults)",
+            (lambda bits=bits: [P.Rotate(), P.GPTQ(bits=bits, group_size=128)]),
+        )
+    register_recipe(
+        "rotate-rtn-w4g128",
+        "randomized Hadamard rotations, then round-to-nearest W4A16 g128",
+        lambda: [P.Rotate(), P.RTN(bits=4, group_size=128)],
+    )
+    register_recipe(
+        "rotate-w8a8",
+        "randomized Hadamard rotations, then W8A8 (per-token dynamic activations), no smoothing",
+        lambda: [P.Rotate(), P.LowerInt8()],
+    )
     register_recipe(
         "w8a8", "int8 weights (per channel) and activations (per token, dynamic), no smoothing", lambda: [P.LowerInt8()]
     )
