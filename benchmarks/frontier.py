@@ -2,6 +2,7 @@
 
     python benchmarks/frontier.py                          # MiniLM and tinylm (~40 min on 2 cores)
     python benchmarks/frontier.py --models minilm --budgets 3.25 4.16 --recipes gptq-w4g128 --quick
+    python benchmarks/frontier.py --recipes rotate-gptq-w4g128 --budgets --rotated-budgets 4.16 --update
 
 Per model, same calibration for every row: loss vs FP32 (1 − cosine on MiniLM's held-out sentences;
 relative perplexity increase on tinylm's held-out modules) at the bits per parameter counted from the
@@ -40,16 +41,28 @@ UNIFORM = [
     "gptq-w2g128",
     "spqr-w3g16",
     "spqr-w4g16",
+    "rotate-rtn-w4g128",
+    "rotate-gptq-w4g128",
+    "rotate-gptq-w3g128",
+    "w8a8-smoothquant",
+    "rotate-w8a8",
 ]
 BUDGETS = [2.5, 3.0, 3.25, 3.5, 4.0, 4.16, 4.5]
+ROTATED_BUDGETS = [3.25, 4.16]  # rotate-auto:B
 PLOT = Path(__file__).resolve().parents[1] / "docs" / "frontier.png"
 
 
 def _family(recipe: str) -> str:
     if recipe.startswith("auto:"):
         return "auto (mixed precision)"
+    if recipe.startswith("rotate-auto:"):
+        return "rotate + auto"
     if recipe.endswith("-plain"):
         return "GPTQ, 2022 settings"
+    if "w8a8" in recipe:
+        return "W8A8" + (" (rotated)" if recipe.startswith("rotate") else "")
+    if recipe.startswith("rotate-"):
+        return "rotate + " + _family(recipe[len("rotate-") :])
     return {"rtn": "RTN", "awq": "AWQ + RTN", "gptq": "GPTQ (defaults)", "spqr": "SpQR"}[recipe.split("-")[0]]
 
 
@@ -74,7 +87,7 @@ class GenerationJudge:
         return dict(greedy_agreement=float(same.mean()), next_token_kl=float(kl))
 
 
-def run(model_names, recipes, budgets, calib: int) -> list[dict]:
+def run(model_names, recipes, budgets, calib: int, rotated_budgets=()) -> list[dict]:
     rows = []
     for name in model_names:
         loaded = models.load(name)
@@ -82,7 +95,8 @@ def run(model_names, recipes, budgets, calib: int) -> list[dict]:
         calibration = loaded.calibration(calib, 256 if loaded.kind == "causal-lm" else 128)
         fp32 = judge.score(loaded.model)
         generation = GenerationJudge(loaded) if loaded.kind == "causal-lm" else None
-        for recipe in list(recipes) + [f"auto:{b:g}" for b in budgets]:
+        autos = [f"auto:{b:g}" for b in budgets] + [f"rotate-auto:{b:g}" for b in rotated_budgets]
+        for recipe in list(recipes) + autos:
             torch.manual_seed(0)
             start = time.perf_counter()
             cm = qc.compile(
@@ -160,6 +174,12 @@ def main() -> None:
     ap.add_argument("--models", nargs="+", default=["minilm", "tinylm"])
     ap.add_argument("--recipes", nargs="*", default=UNIFORM)
     ap.add_argument("--budgets", nargs="*", type=float, default=BUDGETS)
+    ap.add_argument("--rotated-budgets", nargs="*", type=float, default=ROTATED_BUDGETS)
+    ap.add_argument(
+        "--update",
+        action="store_true",
+        help="replace only these (model, recipe) rows in the committed JSON, keeping the others",
+    )
     ap.add_argument("--calib", type=int, default=128, help="calibration windows (tinylm) / sentences (minilm)")
     ap.add_argument("--quick", action="store_true", help="write under results/quick/ and draw no plot")
     ap.add_argument("--plot-only", action="store_true", help="redraw docs/frontier.png from the committed JSON")
@@ -167,7 +187,11 @@ def main() -> None:
     if args.plot_only:
         plot(json.loads(results_file("frontier").read_text())["rows"], PLOT)
         return
-    rows = run(args.models, args.recipes, args.budgets, args.calib)
+    rows = run(args.models, args.recipes, args.budgets, args.calib, args.rotated_budgets)
+    if args.update:
+        fresh = {(r["model"], r["recipe"]) for r in rows}
+        kept = json.loads(results_file("frontier").read_text())["rows"]
+        rows = [r for r in kept if (r["model"], r["recipe"]) not in fresh] + rows
     write_rows("frontier", rows, args.quick, calibration=args.calib)
     if not args.quick:
         plot(rows, PLOT)

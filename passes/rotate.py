@@ -69,6 +69,11 @@ class Rotate(Pass):
         if self.residual is not False:
             try:
                 plan = plan_stream(gm, layers)
+                if plan.added and not self.online:
+                    names = ", ".join(operand.name for _, operand in plan.added[:3])
+                    raise RotationError(
+                        f"values added into the stream ({names}, ...) need online rotations (online=False)"
+                    )
             except RotationError as err:
                 if self.residual:
                     raise RotationError(f"Rotate(residual=True): {err}") from None
@@ -111,6 +116,7 @@ class Rotate(Pass):
                 own.meta["val"] = table.meta.get("val")
                 node.update_arg(0, own)
                 ctx.record.notes.append(f"{target}: untied from {table.target} (the head absorbs the final norm)")
+                _untie_in_config(gm)
                 table = own
             replace_tensor(gm, table.target, (get_tensor(gm, table.target).double() @ q))
         for layer, norm in plan.readers:
@@ -166,6 +172,16 @@ class Rotate(Pass):
                 _store_weight(gm, layer, layer.weight(gm).double() @ r)
                 layer.node.replace_input_with(layer.input, online)
                 _mark(ctx, layer.path, f"online ({block})")
+
+
+def _untie_in_config(gm: GraphModule) -> None:
+    """Exports write the captured config: it must not tell clients to tie the two tables again."""
+    info = gm.meta.get("qcompiler")
+    config = getattr(info, "model_config", None)
+    if config:
+        config["tie_word_embeddings"] = False
+        if isinstance(config.get("text_config"), dict):
+            config["text_config"]["tie_word_embeddings"] = False
 
 
 def _mark(ctx: PassContext, path: str, what: str) -> None:

@@ -34,7 +34,9 @@ MIXED = [
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "recipe", ["gptq-w4g128", "w8a8-smoothquant", "spqr-w3g16", MIXED], ids=["gptq", "w8a8", "spqr", "mixed"]
+    "recipe",
+    ["gptq-w4g128", "w8a8-smoothquant", "spqr-w3g16", MIXED, "rotate-gptq-w4g128"],
+    ids=["gptq", "w8a8", "spqr", "mixed", "rotated"],
 )
 def test_onnxruntime_genai_generates_the_same_32_greedy_tokens(recipe, tinylm, tmp_path):
     cm = qc.compile(

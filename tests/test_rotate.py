@@ -33,7 +33,7 @@ def _rel(a, b):
     return ((a - b).norm() / a.norm()).item()
 
 
-@pytest.mark.parametrize("arch", ROTATABLE + ["gpt2"])
+@pytest.mark.parametrize("arch", ROTATABLE + ["gpt2", "opt", "mixtral"])  # the last three: heads and online only
 def test_rotation_keeps_the_fp_logits_and_tokens(arch):
     model = causal_lm(arch)
     ids = prompt(2, 12)
@@ -129,3 +129,52 @@ def test_checkpoint_exports_refuse_online_rotations_by_name(rotated_llama, expor
     with pytest.raises(ExportError, match=r"down_proj\.hadamard is qc\.hadamard: an online Hadamard .*online=False"):
         export(rotated_llama, tmp_path / "out", progress=lambda _: None)
     assert not (tmp_path / "out").exists()
+
+
+def test_offline_rotation_exports_an_ordinary_checkpoint_transformers_runs(tmp_path):
+    """Rotate(online=False): residual and heads only, so the compressed-tensors folder is a plain
+    LLaMA checkpoint (symmetric: this transformers' compressed-tensors loader mis-sizes asymmetric
+    zero points whatever the rotation)."""
+    import transformers
+
+    recipe = [qc.passes.Rotate(online=False), qc.passes.GPTQ(bits=4, group_size=32, sym=True)]
+    cm = qc.compile(
+        causal_lm("llama"), {"input_ids": prompt()}, recipe=recipe, calibration=calibration(), progress=False
+    )
+    assert not any(n.target == torch.ops.qc.hadamard.default for n in cm.graph_module.graph.nodes)
+    export_compressed_tensors(cm, tmp_path / "ct", progress=lambda _: None)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "ct").eval()
+    ids = prompt(1, 12)
+    assert _rel(cm(input_ids=ids).logits, hf(input_ids=ids).logits) < 1e-5
+    assert torch.equal(hf.generate(prompt(), max_new_tokens=16, do_sample=False), cm.generate(prompt(), 16))
+
+
+def test_offline_rotation_leaves_a_stream_that_needs_online_rotations_alone():
+    """Gemma-2 adds its post-norms' outputs into the stream: without online rotations, no residual step."""
+    rot = qc.compile(
+        causal_lm("gemma2"), {"input_ids": prompt()}, recipe=[qc.passes.Rotate(online=False)], progress=False
+    )
+    notes = rot.report.passes[0].notes
+    assert any("need online rotations (online=False)" in n for n in notes), notes
+    assert not any(n.target == torch.ops.qc.hadamard.default for n in rot.graph_module.graph.nodes)
+
+
+@pytest.mark.slow  # the kernel alone: tests/test_triton_kernels.py (default run)
+def test_triton_backend_runs_the_online_rotations_as_kernels():
+    from qcompiler.models import load
+
+    tinylm = load("tinylm")
+    cm = qc.compile(
+        tinylm.model,
+        tinylm.example_inputs(),
+        recipe="rotate-rtn-w4g128",
+        calibration=tinylm.calibration(4),
+        progress=False,
+    )
+    triton = cm.with_backend("triton")
+    plan = triton.report.passes[-1].layers
+    assert sum(1 for figures in plan.values() if figures["kernel"] == "hadamard") == 4  # one per down_proj
+    inputs = tinylm.example_inputs(batch=1, seq=5)
+    with torch.no_grad():
+        got, expected = triton(**inputs).logits, cm(**inputs).logits
+    assert ((got - expected).abs().max() / expected.abs().max()).item() < 1e-4

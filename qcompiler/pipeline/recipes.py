@@ -34,14 +34,21 @@ def register_recipe(name: str, description: str, factory: Callable[[], Sequence[
 
 
 AUTO_PREFIX = "auto:"  # auto:B — the AutoBits pass at a budget of B bits per parameter
+ROTATE_PREFIX = "rotate-"  # rotate-auto:B — the Rotate pass, then auto:B
 
 
 def get_recipe(name: str) -> Recipe:
     """The built-in or registered recipe ``name`` (fresh pass instances), or an error suggesting a name.
-    ``auto:B`` is automatic mixed precision at ``B`` bits per parameter (passes/auto_bits.py)."""
+    ``auto:B`` is automatic mixed precision at ``B`` bits per parameter (passes/auto_bits.py);
+    ``rotate-auto:B`` the same after the Rotate pass (passes/rotate.py)."""
     _register_builtins()
     if name.startswith(AUTO_PREFIX):
         return _auto_recipe(name)
+    if name.startswith(ROTATE_PREFIX + AUTO_PREFIX):
+        from qcompiler import passes as P
+
+        auto = _auto_recipe(name[len(ROTATE_PREFIX) :])
+        return Recipe(name, (P.Rotate(), *auto.passes), "randomized Hadamard rotations, then " + auto.description)
     if name not in _REGISTRY:
         close = difflib.get_close_matches(name, _REGISTRY, n=1)
         hint = f"; did you mean {close[0]!r}?" if close else ""
