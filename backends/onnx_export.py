@@ -25,7 +25,6 @@ import itertools
 import logging
 import os
 import re
-import tempfile
 import warnings
 from pathlib import Path
 from typing import Optional
@@ -40,6 +39,7 @@ from qcompiler.errors import BackendError
 from qcompiler.frontend import causal_lm
 from qcompiler.frontend.capture import dynamic_shapes_for
 from qcompiler.ir.op_registry import implement, implementations, spec
+from qcompiler.store.atomic import temporary_sibling
 
 __all__ = ["export_onnx", "ONNX_OPSET", "MSFT_OPSET", "default_accuracy_level"]
 
@@ -361,16 +361,17 @@ def export_onnx(
     *,
     recipe: str = "",
     accuracy_level: Optional[int] = None,
-    overwrite: bool = False,
     fused_attention: bool = True,
+    protect=(),
 ) -> Path:
     """Write ``gm`` as an ONNX model at ``path`` (atomically); returns the path.
 
-    An existing file is replaced only when it is an earlier qcompiler export (or ``overwrite``).
+    An existing file is replaced only when it is an earlier qcompiler export; never inside a
+    ``protect`` folder (the artifact or model it came from) or another qcompiler output.
     ``fused_attention=False`` keeps a KV-cache graph's attention as standard ONNX ops (for runtimes
     without ORT's contrib ops: an FP or W8A8 export then uses none)."""
     path = Path(path)
-    _check_target(path, overwrite)
+    _check_target(path, protect)
     level = default_accuracy_level() if accuracy_level is None else accuracy_level
     table = _translation_table(level)
     with _quiet():  # deep-copying torch.export's pytree specs warns about LeafSpec (torch's own deprecation)
@@ -463,31 +464,21 @@ def _is_qcompiler_onnx(path: Path) -> bool:
     return any(p.key == "qcompiler.recipe" for p in model.metadata_props)
 
 
-def _check_target(path: Path, overwrite: bool) -> None:
+def _check_target(path: Path, protect=()) -> None:
     """Never replace a file qcompiler did not write (the model file and its external-data file)."""
-    from qcompiler.store.atomic import OutputPathError
+    from qcompiler.store.atomic import OutputPathError, check_output_file
 
-    if path.is_dir():
-        raise OutputPathError(
-            f"refusing to write the ONNX model to {path}: it is a folder; give a file name "
-            f"such as {path / 'model.onnx'}"
-        )
-    if overwrite:
-        return
-    ours = path.exists() and _is_qcompiler_onnx(path)
-    for file in (path, path.with_name(path.name + ".data")):
-        if file.exists() and not ours:
-            raise OutputPathError(
-                f"refusing to replace {file}: it is not an ONNX export of qcompiler; choose "
-                f"another name or pass --overwrite / overwrite=True"
-            )
+    check_output_file(path, "ONNX", ours=_is_qcompiler_onnx, protect=protect)
+    data = path.with_name(path.name + ".data")
+    if data.exists() and not (path.exists() and _is_qcompiler_onnx(path)):
+        raise OutputPathError(f"refusing to replace {data}: it is not the weights file of a qcompiler ONNX export")
 
 
 def _write_checked(model: onnx.ModelProto, path: Path) -> None:
     import onnxruntime as ort
 
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmpdir = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
+    tmpdir = temporary_sibling(path, folder=True)
     try:
         tmp = tmpdir / path.name
         # initializer bytes, not model.ByteSize(): protobuf cannot even measure a message over 2 GB

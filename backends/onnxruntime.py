@@ -60,7 +60,7 @@ def prepare_onnxruntime(
             export_onnx(gm, Path(tmp) / "model.onnx", example_inputs, **options)
             session = session_for(Path(tmp) / "model.onnx", threads=threads)
     else:
-        export_onnx(gm, path, example_inputs, overwrite=True, **options)
+        export_onnx(gm, path, example_inputs, **options)
         session = session_for(path, threads=threads)
     names = [i.name for i in session.get_inputs()]
     out_spec = gm._out_spec

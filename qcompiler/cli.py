@@ -67,6 +67,19 @@ def _artifact_source(target: str, needed_for: str) -> tuple[bool, str]:
     return True, source
 
 
+_EVAL_JSON = "qcompiler eval"
+
+
+def _is_eval_json(path: Path) -> bool:
+    """Whether ``path`` is a figures file an earlier ``eval --json`` wrote (so it may be replaced)."""
+    try:
+        with open(path, "rb") as f:
+            data = json.loads(f.read(1 << 20))
+    except (OSError, ValueError):
+        return False
+    return isinstance(data, dict) and data.get("written_by") == _EVAL_JSON
+
+
 def _layer_table(report, title: str) -> Table:
     table = Table(title=title)
     rows = report.layer_table()
@@ -105,7 +118,7 @@ def quantize(
     ),
     calib_field: str = typer.Option("text", help="JSONL / Parquet / dataset field holding the text"),
     out_dir: Path = typer.Option(..., "--out", help="artifact folder to write (replaced atomically)"),
-    overwrite: bool = typer.Option(False, help="replace --out even if it holds other files"),
+    overwrite: bool = typer.Option(False, help="replace --out when it holds another kind of qcompiler output"),
     device: str = typer.Option(
         "auto",
         help="where calibration and GPTQ/SpQR run, one block at a time: "
@@ -190,14 +203,19 @@ def evaluate(
     import qcompiler as qc
     from qcompiler.evaluation.quality import QualityJudge
     from qcompiler.models import load
+    from qcompiler.store.atomic import check_output_file
 
     if backend.value == "triton":
         _triton_runtime()
     path = Path(target)
     is_artifact, source = _artifact_source(target, "evaluate needs the FP32 model")
+    if json_out:  # before the work: never replace a file eval did not write, nor write into a model
+        check_output_file(
+            json_out, "eval JSON", ours=_is_eval_json, protect=[p for p in (target, source) if Path(p).is_dir()]
+        )
     loaded = load(source)
     judge = QualityJudge(loaded, max_windows=windows, sentences=windows)
-    figures = {"model": source, "metric": judge.metric, "fp32": judge.score(loaded.model)}
+    figures = {"written_by": _EVAL_JSON, "model": source, "metric": judge.metric, "fp32": judge.score(loaded.model)}
     if is_artifact:
         cm = qc.load(path, backend=backend.value)
         figures.update(artifact=str(path), backend=backend.value, recipe=cm.recipe.name, quantized=judge.score(cm))
@@ -228,21 +246,24 @@ def export(
     plain_attention: bool = typer.Option(
         False, help="onnx, onnx-genai: attention as standard ONNX ops instead of ORT's GroupQueryAttention"
     ),
-    overwrite: bool = typer.Option(False, help="replace --out even if qcompiler did not write it"),
+    overwrite: bool = typer.Option(False, help="replace --out when it holds another kind of qcompiler output"),
 ):
     """Export a saved artifact to ONNX, an onnxruntime-genai folder, a GPTQ or a compressed-tensors checkpoint."""
     import qcompiler as qc
-    from qcompiler.store.atomic import check_output_folder
+    from qcompiler.store.atomic import check_file_location, check_output_folder
 
     fmt = export_format(format.value)
     if fmt.writes == "folder":  # refuse a bad target before the work
         check_output_folder(dest, fmt.name, overwrite=overwrite, protect=[artifact])
+    else:  # where it lands; whether an existing file is the format's own, its writer checks
+        check_file_location(dest, fmt.name, protect=[artifact])
     cm = qc.load(artifact)
     fmt.write(
         cm,
         dest,
         ExportOptions(
             overwrite=overwrite,
+            protect=(artifact,),
             accuracy_level=accuracy_level,
             fused_attention=not plain_attention,
             zero_format=zero_format,
@@ -357,7 +378,7 @@ def recipes():
 def report(
     artifact: Path = typer.Argument(..., help="artifact folder"),
     dest: Path = typer.Option(..., "--out", help="folder for report.md and its PNG plots"),
-    overwrite: bool = typer.Option(False, help="replace --out even if it holds other files"),
+    overwrite: bool = typer.Option(False, help="replace --out when it holds another kind of qcompiler output"),
 ):
     """A markdown page with plots: per-layer error, bits per layer, SpQR outliers, SmoothQuant scales."""
     from qcompiler.evaluation.report_page import write_report

@@ -191,10 +191,9 @@ class CompiledModel:
         report = Report([p for p in self.report.passes if not p.name.startswith("backend:")])
         return on_backend(self.graph_module, self.recipe, report, backend, self.example_inputs, options)
 
-    def export_onnx(
-        self, path, *, accuracy_level: Optional[int] = None, overwrite: bool = False, fused_attention: bool = True
-    ):
-        """Write the graph as an ONNX model that ONNX Runtime runs (see docs/backends/onnx.md)."""
+    def export_onnx(self, path, *, accuracy_level: Optional[int] = None, fused_attention: bool = True, protect=()):
+        """Write the graph as an ONNX model that ONNX Runtime runs (see docs/backends/onnx.md); an
+        existing file is replaced only when it is an earlier qcompiler ONNX export."""
         from qcompiler.backends.onnx_export import export_onnx
 
         return export_onnx(
@@ -203,8 +202,8 @@ class CompiledModel:
             self.example_inputs,
             recipe=self.recipe.name,
             accuracy_level=accuracy_level,
-            overwrite=overwrite,
             fused_attention=fused_attention,
+            protect=protect,
         )
 
     def save(
@@ -218,8 +217,9 @@ class CompiledModel:
     ):
         """Write the quantized model to folder ``path`` (atomic; reload with ``qc.load(path)``).
 
-        An existing folder is replaced only if it is empty or an earlier artifact, unless
-        ``overwrite``; the model's own source folder and ``protect`` paths never are. Tensors past
+        An existing folder is replaced only if it is empty or an earlier artifact (another qcompiler
+        output with ``overwrite``); a folder holding files qcompiler did not write, the model's own
+        source folder and ``protect`` paths never are. Tensors past
         ``max_shard_bytes`` (5 GiB) go to several files."""
         return artifact.save(
             self, path, metadata=metadata, overwrite=overwrite, protect=protect, max_shard_bytes=max_shard_bytes

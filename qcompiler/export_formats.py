@@ -20,7 +20,8 @@ __all__ = ["ExportFormat", "ExportOptions", "register_export_format", "export_fo
 class ExportOptions:
     """Every setting an export may read; a format ignores the ones that are not its own."""
 
-    overwrite: bool = False
+    overwrite: bool = False  # folders: replace an earlier qcompiler output of another kind
+    protect: tuple = ()  # paths the output may never replace or lie in (the artifact it came from)
     accuracy_level: Optional[int] = None  # onnx, onnx-genai: MatMulNBits accuracy_level
     fused_attention: bool = True  # onnx, onnx-genai: ORT's GroupQueryAttention
     zero_format: str = "auto"  # gptq: auto | v1 | v2 zero points
@@ -62,9 +63,7 @@ def export_format(name: str) -> ExportFormat:
 
 
 def _onnx(cm, dest, o: ExportOptions):
-    return cm.export_onnx(
-        dest, accuracy_level=o.accuracy_level, overwrite=o.overwrite, fused_attention=o.fused_attention
-    )
+    return cm.export_onnx(dest, accuracy_level=o.accuracy_level, fused_attention=o.fused_attention, protect=o.protect)
 
 
 def _onnx_genai(cm, dest, o: ExportOptions):
@@ -77,6 +76,7 @@ def _onnx_genai(cm, dest, o: ExportOptions):
         overwrite=o.overwrite,
         progress=o.progress,
         fused_attention=o.fused_attention,
+        protect=o.protect,
     )
 
 
@@ -89,6 +89,7 @@ def _gptq(cm, dest, o: ExportOptions):
         zero_format=o.zero_format,
         progress=o.progress,
         overwrite=o.overwrite,
+        protect=o.protect,
         max_shard_bytes=o.max_shard_bytes,
     )
 
@@ -97,7 +98,7 @@ def _compressed_tensors(cm, dest, o: ExportOptions):
     from qcompiler.interop import export_compressed_tensors
 
     return export_compressed_tensors(
-        cm, dest, progress=o.progress, overwrite=o.overwrite, max_shard_bytes=o.max_shard_bytes
+        cm, dest, progress=o.progress, overwrite=o.overwrite, protect=o.protect, max_shard_bytes=o.max_shard_bytes
     )
 
 

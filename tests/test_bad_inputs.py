@@ -82,6 +82,9 @@ def inputs(tmp_path_factory):
     cm = qc.compile(model, example_inputs("llama"), recipe="rtn-w4g128", progress=False)
     cm.save(root / "art")
     files["art"] = root / "art"
+    cm.save(root / "added")  # an earlier output a user then added a file to
+    (root / "added" / "notes.txt").write_text("my notes")
+    files["added"] = root / "added"
     int8 = qc.compile(make_model("llama"), example_inputs("llama"), recipe="w8a8", progress=False)
     int8.save(root / "int8")
     files["int8"] = root / "int8"
@@ -245,6 +248,45 @@ CLI_ROWS = [
     ("--out is home", ["quantize", "bundled:tinylm", "--out", "{home}", "--overwrite"], 2, "home folder"),
     ("--out is the input model", ["quantize", "{model}", "--out", "{model}", "--overwrite"], 2, "holds the input"),
     ("--out is a file", ["quantize", "bundled:tinylm", "--out", "{afile}"], 2, "it is a file"),
+    ("--out holds user files, --overwrite", [*Q, "--out", "{victim}", "--overwrite"], 2, "precious.txt"),
+    ("--out: a file added to an output", [*Q, "--out", "{added}"], 2, "did not write (notes.txt)"),
+    ("--out: added file, --overwrite", [*Q, "--out", "{added}", "--overwrite"], 2, "notes.txt"),
+    ("--out is home's parent", [*Q, "--out", "{home_parent}", "--overwrite"], 2, "home folder or one of its parents"),
+    ("--out in a system folder", [*Q, "--out", "/usr/qcompiler-never-there", "--overwrite"], 2, "system folder /usr"),
+    ("--out directly under /", [*Q, "--out", "/srv", "--overwrite"], 2, "directly under it"),
+    (
+        "export gptq over the model, --overwrite",
+        ["export", "{art}", "--format", "gptq", "--out", "{model}", "--overwrite"],
+        2,
+        "did not write (config.json",
+    ),
+    (
+        "export onnx over the weights",
+        ["export", "{art}", "--format", "onnx", "--out", "{model}/model.safetensors", "--overwrite"],
+        2,
+        "ONNX writer did not write it",
+    ),
+    (
+        "export onnx into the artifact",
+        ["export", "{art}", "--format", "onnx", "--out", "{art}/model.onnx"],
+        2,
+        "lies in the input",
+    ),
+    (
+        "export onnx into another output",
+        ["export", "{art}", "--format", "onnx", "--out", "{int8}/model.onnx"],
+        2,
+        "lies in the qcompiler artifact output",
+    ),
+    ("report over the model, --overwrite", ["report", "{art}", "--out", "{model}", "--overwrite"], 2, "config.json"),
+    ("eval --json over config.json", ["eval", "{model}", "--json", "{model}/config.json"], 2, "lies in the input"),
+    (
+        "eval --json over a manifest",
+        ["eval", "{model}", "--json", "{art}/manifest.json"],
+        2,
+        "qcompiler artifact output",
+    ),
+    ("eval --json over a user file", ["eval", "{model}", "--json", "{thesis}"], 2, "eval JSON writer did not write"),
     ("--out is a symlink", ["quantize", "bundled:tinylm", "--out", "{link}"], 2, "symbolic link"),
     ("export gptq over user files", ["export", "{art}", "--format", "gptq", "--out", "{victim}"], 2, "precious.txt"),
     (
@@ -263,7 +305,7 @@ CLI_ROWS = [
         "export onnx over a user file",
         ["export", "{art}", "--format", "onnx", "--out", "{thesis}"],
         2,
-        "not an ONNX export",
+        "ONNX writer did not write it",
     ),
     ("export onnx to a folder", ["export", "{art}", "--format", "onnx", "--out", "{victim}"], 2, "it is a folder"),
     ("report over user files", ["report", "{art}", "--out", "{victim}"], 2, "precious.txt"),
@@ -312,7 +354,8 @@ def test_cli_catalogue(case, argv, code, words, inputs, capsys, monkeypatch, tmp
     cwd.mkdir(parents=True)
     monkeypatch.chdir(cwd)
     monkeypatch.setenv("HOME", str(tmp_path / "work"))
-    names = {k: str(v) for k, v in inputs.items()} | {"cwd": str(cwd), "home": str(tmp_path / "work")}
+    names = {k: str(v) for k, v in inputs.items()}
+    names |= {"cwd": str(cwd), "home": str(tmp_path / "work"), "home_parent": str(tmp_path)}
     args = [a.format(**names) for a in argv]
     before = _tree_hash(inputs["root"]), _tree_hash(tmp_path)
     assert main(args) == code

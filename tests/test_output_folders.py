@@ -17,7 +17,7 @@ from tiny_models import example_inputs, main_output, make_model
 import qcompiler as qc
 from qcompiler.cli import main
 from qcompiler.interop import export_compressed_tensors, export_gptq
-from qcompiler.store.atomic import MARKER, OutputPathError
+from qcompiler.store.atomic import MARKER, OutputPathError, write_text_atomically
 
 
 @pytest.fixture(scope="module")
@@ -44,27 +44,49 @@ def _writers(cm):
 def test_a_folder_of_user_files_is_never_replaced(writer, cm, tmp_path):
     write = _writers(cm)[writer]
     victim = _victim(tmp_path)
-    with pytest.raises(OutputPathError, match=r"refusing to replace .*victim.*precious.txt.*--overwrite"):
-        write(victim)
+    for overwrite in (False, True):  # --overwrite is no licence to delete a user's files
+        with pytest.raises(OutputPathError, match=r"refusing to replace .*victim.*precious.txt"):
+            write(victim, overwrite=overwrite)
     assert (victim / "precious.txt").read_text() == "thesis"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["victim"]  # no temporary folder left
     write(tmp_path / "fresh")  # a new folder: written
     write(tmp_path / "fresh")  # its own earlier output: replaced
-    assert json.loads((tmp_path / "fresh" / MARKER).read_text())["kind"] in ("artifact", writer)
-    write(victim, overwrite=True)  # explicit consent
-    assert not (victim / "precious.txt").exists()
+    marker = json.loads((tmp_path / "fresh" / MARKER).read_text())
+    assert marker["kind"] in ("artifact", writer)
+    assert set(marker["files"]) == {p.name for p in (tmp_path / "fresh").iterdir()} - {MARKER}
+
+
+def test_a_file_added_to_an_earlier_output_survives(cm, tmp_path):
+    cm.save(tmp_path / "art")
+    (tmp_path / "art" / "notes.txt").write_text("mine")
+    (tmp_path / "art" / "plots").mkdir()
+    for overwrite in (False, True):
+        with pytest.raises(OutputPathError, match=r"did not write \(notes.txt, plots\)"):
+            cm.save(tmp_path / "art", overwrite=overwrite)
+    assert (tmp_path / "art" / "notes.txt").read_text() == "mine"
+    qc.load(tmp_path / "art")
+
+
+def test_a_marker_without_a_file_list_owns_its_folder(cm, tmp_path):
+    """Outputs written before the marker listed its files are still replaced as before."""
+    cm.save(tmp_path / "art")
+    (tmp_path / "art" / MARKER).write_text(json.dumps({"kind": "artifact"}))
+    cm.save(tmp_path / "art")
+    assert "files" in json.loads((tmp_path / "art" / MARKER).read_text())
 
 
 def test_outputs_of_another_kind_are_not_replaced(cm, tmp_path):
     export_gptq(cm, tmp_path / "ckpt", progress=lambda _: None)
     with pytest.raises(OutputPathError, match="holds a qcompiler gptq output"):
         cm.save(tmp_path / "ckpt")
+    cm.save(tmp_path / "ckpt", overwrite=True)  # another kind of qcompiler output: with consent
+    assert qc.load(tmp_path / "ckpt").recipe.name == cm.recipe.name
 
 
 def test_onnx_export_never_replaces_a_foreign_file(cm, tmp_path):
     thesis = tmp_path / "thesis.onnx"
     thesis.write_text("my thesis")
-    with pytest.raises(OutputPathError, match="not an ONNX export of qcompiler"):
+    with pytest.raises(OutputPathError, match="ONNX writer did not write it"):
         cm.export_onnx(thesis)
     assert thesis.read_text() == "my thesis"
     with pytest.raises(OutputPathError, match="it is a folder"):
@@ -108,13 +130,31 @@ def test_cli_refuses_user_folders_and_the_input_model_before_any_work(tmp_path, 
     assert (victim / "precious.txt").read_text() == "thesis"
 
 
+def _dead_pid() -> str:
+    return subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
+    ).stdout.strip()
+
+
 def test_stale_temporary_folders_of_killed_writers_are_removed(cm, tmp_path):
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    stale = tmp_path / f".art.qc-{dead.stdout.strip()}-x1.tmp"
+    stale = tmp_path / f".art.qc-{_dead_pid()}-x1.tmp"
     stale.mkdir()
     (stale / "half.bin").write_bytes(b"0" * 100)
     cm.save(tmp_path / "art")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["art"]
+
+
+def test_stale_temporaries_of_killed_file_writers_are_removed(cm, tmp_path):
+    """A killed ONNX export (a temporary folder) or JSON write (a temporary file) is cleaned by the next one."""
+    pid = _dead_pid()
+    (tmp_path / f".m.onnx.qc-{pid}-ab12.tmp").mkdir()
+    (tmp_path / f".m.onnx.qc-{pid}-ab12.tmp" / "m.onnx").write_bytes(b"half")
+    (tmp_path / f".f.json.qc-{pid}-cd34.tmp").write_text("{")
+    (tmp_path / f".m.onnx.qc-{os.getpid()}-live.tmp").mkdir()  # a running writer's: kept
+    cm.export_onnx(tmp_path / "m.onnx")
+    write_text_atomically(tmp_path / "f.json", "{}")
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f".m.onnx.qc-{os.getpid()}-live.tmp", "f.json", "m.onnx"]
+    cm.export_onnx(tmp_path / "m.onnx")  # its own earlier export: replaced
 
 
 @pytest.mark.parametrize("code", [errno.ENOSPC, errno.EROFS, errno.EACCES])

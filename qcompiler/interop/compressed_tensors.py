@@ -115,7 +115,13 @@ refuse("compressed-tensors", "hadamard", ONLINE_ROTATION)
 
 
 def export_compressed_tensors(
-    cm, out_dir, *, progress=print, overwrite: bool = False, max_shard_bytes: int = DEFAULT_SHARD_BYTES
+    cm,
+    out_dir,
+    *,
+    progress=print,
+    overwrite: bool = False,
+    protect=(),
+    max_shard_bytes: int = DEFAULT_SHARD_BYTES,
 ):
     """Write ``cm`` as a compressed-tensors checkpoint folder (atomic)."""
     gm = cm.graph_module if hasattr(cm, "graph_module") else cm
@@ -152,6 +158,7 @@ def export_compressed_tensors(
         kind="compressed-tensors",
         gm=gm,
         overwrite=overwrite,
+        protect=protect,
         max_shard_bytes=max_shard_bytes,
         progress=progress,
     )

@@ -72,6 +72,7 @@ def export_gptq(
     zero_format: str = "auto",
     progress=print,
     overwrite: bool = False,
+    protect=(),
     max_shard_bytes: int = DEFAULT_SHARD_BYTES,
 ) -> Path:
     """Write ``cm``'s GPTQ/RTN layers as a GPTQ Hugging Face checkpoint folder (atomic)."""
@@ -139,6 +140,7 @@ def export_gptq(
         kind="gptq",
         gm=gm,
         overwrite=overwrite,
+        protect=protect,
         max_shard_bytes=max_shard_bytes,
         progress=progress,
     )

@@ -179,18 +179,16 @@ def export_onnx_genai(
     overwrite: bool = False,
     progress=print,
     fused_attention: bool = True,
+    protect=(),
 ) -> Path:
     """Write ``cm`` as an onnxruntime-genai model folder (published atomically)."""
     out_dir = Path(out_dir)
     config = genai_config(cm)
     copies = source_files(cm.graph_module)
-    with publish_directory(
-        out_dir, "onnx-genai", overwrite=overwrite, protect=[str(p.parent) for p in copies.values()]
-    ) as tmp:
+    protect = (*protect, *{str(p.parent) for p in copies.values()})
+    with publish_directory(out_dir, "onnx-genai", overwrite=overwrite, protect=protect) as tmp:
         progress(f"exporting {cm.capture_info.model_class} ({cm.recipe.name}) to ONNX with its KV cache")
-        cm.export_onnx(
-            tmp / "model.onnx", accuracy_level=accuracy_level, overwrite=True, fused_attention=fused_attention
-        )
+        cm.export_onnx(tmp / "model.onnx", accuracy_level=accuracy_level, fused_attention=fused_attention)
         config["search"]["past_present_share_buffer"] = share_kv_buffers(
             tmp / "model.onnx", config["model"]["decoder"]["num_hidden_layers"]
         )

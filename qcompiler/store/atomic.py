@@ -5,10 +5,16 @@ Output folders follow ``save_pretrained``'s convention, made safe:
 - a folder is written in a temporary sibling ``.NAME.qc-PID-XXXX.tmp`` and published by one atomic
   ``renameat2(RENAME_EXCHANGE)`` with the target (Linux; elsewhere two renames), so a reader sees
   either the old or the new output, and a crash at any point leaves one of them in place;
-- an existing target is replaced only when it is empty or holds an earlier qcompiler output of the
-  same kind (its ``.qcompiler-output.json`` marker says so); anything else needs ``overwrite=True``;
-- ``/``, the home folder, the current folder and its ancestors, and the caller's protected paths
-  (the input model's folder) are never replaced, whatever ``overwrite`` says;
+- the folder's ``.qcompiler-output.json`` marker names its kind and every entry qcompiler wrote;
+- an existing target is replaced only when it is empty or holds nothing but an earlier qcompiler
+  output: of the same kind, or of another kind with ``overwrite=True``. A folder holding anything
+  qcompiler did not write (a model, a file a user added to an earlier output) is never replaced,
+  whatever ``overwrite`` says: the refusal names those files;
+- ``/`` and its direct children, the system folders (``/etc``, ``/usr``, ...), the home and current
+  folders and their ancestors, and the caller's protected paths (the input model's folder) are
+  never written, whatever ``overwrite`` says;
+- a single-file output (``check_output_file``) replaces only a file its writer recognizes as its own,
+  and never lands inside a protected folder, a system folder or another qcompiler output;
 - temporary siblings left by a killed writer (its PID no longer runs) are removed on the next write.
 """
 
@@ -21,15 +27,32 @@ import glob
 import json
 import os
 import shutil
+import stat
 import tempfile
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import Callable, Iterable, Iterator
 
 from qcompiler.errors import QCompilerError
 
-__all__ = ["write_text_atomically", "atomic_file", "publish_directory", "OutputPathError", "MARKER", "output_kind"]
+__all__ = [
+    "write_text_atomically",
+    "atomic_file",
+    "publish_directory",
+    "check_output_folder",
+    "check_output_file",
+    "check_file_location",
+    "temporary_sibling",
+    "OutputPathError",
+    "MARKER",
+    "output_kind",
+]
 
 MARKER = ".qcompiler-output.json"
+_MARKER_MAX_BYTES = 1 << 20
+# Folders an operating system owns: no qcompiler output belongs inside them (/var/tmp excepted).
+_SYSTEM_FOLDERS = ("/bin", "/boot", "/dev", "/etc", "/lib", "/lib32", "/lib64", "/libx32", "/proc", "/run")
+_SYSTEM_FOLDERS += ("/sbin", "/sys", "/usr", "/var")
+_SYSTEM_EXCEPTIONS = ("/var/tmp",)
 
 
 class OutputPathError(QCompilerError, ValueError):
@@ -60,8 +83,7 @@ def atomic_file(path, suffix: str = "") -> Iterator[Path]:
     if path.is_dir():
         raise OutputPathError(f"{path} is a folder; give a file name")
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=suffix + ".tmp")
-    os.close(fd)
+    tmp = temporary_sibling(path, folder=False, suffix=suffix + ".tmp")
     try:
         yield Path(tmp)
         _publishable(Path(tmp))
@@ -78,28 +100,91 @@ def write_text_atomically(path, text: str) -> None:
         tmp.write_text(text)
 
 
+def _read_marker(folder: Path) -> dict | None:
+    """The marker of folder ``folder`` (a regular file, read without following links, size-bounded)."""
+    try:
+        fd = os.open(folder / MARKER, os.O_RDONLY | os.O_NOFOLLOW | getattr(os, "O_NONBLOCK", 0))
+    except OSError:
+        return None
+    with os.fdopen(fd, "rb") as f:
+        info = os.fstat(f.fileno())
+        if not stat.S_ISREG(info.st_mode) or info.st_size > _MARKER_MAX_BYTES:
+            return None
+        try:
+            data = json.loads(f.read(_MARKER_MAX_BYTES))
+        except ValueError:
+            return None
+    return data if isinstance(data, dict) and isinstance(data.get("kind"), str) else None
+
+
 def output_kind(path) -> str | None:
     """The kind recorded by qcompiler's marker in folder ``path``, or None (not a qcompiler output)."""
-    try:
-        data = json.loads((Path(path) / MARKER).read_text())
-    except (OSError, ValueError):
+    marker = _read_marker(Path(path))
+    return marker["kind"] if marker else None
+
+
+def _entries(folder: Path) -> Iterator[str]:
+    """Every entry under ``folder`` (files, links, folders; links not followed), as relative paths."""
+    for root, dirs, files in os.walk(folder):
+        rel = Path(root).relative_to(folder)
+        for name in dirs + files:
+            yield (rel / name).as_posix()
+
+
+def _foreign_entries(folder: Path, marker: dict | None, limit: int = 4) -> list[str]:
+    """Up to ``limit`` entries of ``folder`` that qcompiler did not write (per its marker's list).
+
+    A marker from before the list was recorded owns the whole folder."""
+    if marker is None:
+        return sorted(p.name for p in folder.iterdir())[:limit]
+    if not isinstance(marker.get("files"), list):
+        return []
+    ours = set(marker["files"]) | {MARKER}
+    foreign = []
+    for entry in _entries(folder):
+        if entry not in ours:
+            foreign.append(entry)
+            if len(foreign) == limit:
+                break
+    return sorted(foreign)
+
+
+def _inside(target: Path, folder: str | Path) -> bool:
+    folder = Path(folder)
+    return target == folder or folder in target.parents
+
+
+def _system_folder(target: Path) -> str | None:
+    if any(_inside(target, e) for e in _SYSTEM_EXCEPTIONS):
         return None
-    return data.get("kind") if isinstance(data, dict) and isinstance(data.get("kind"), str) else None
+    return next((f for f in _SYSTEM_FOLDERS if _inside(target, f)), None)
+
+
+def _inside_an_output(target: Path) -> str | None:
+    """Whether ``target`` lies in a qcompiler output, whose next write would find it foreign."""
+    for folder in target.parents:
+        marker = _read_marker(folder)
+        if marker:
+            return f"it lies in the qcompiler {marker['kind']} output {folder}"
+    return None
 
 
 def _never_replaced(target: Path, protect: Iterable) -> str | None:
-    """Why ``target`` may never be replaced, or None."""
+    """Why folder ``target`` may never be replaced, or None."""
     home = Path.home().resolve()
     cwd = Path.cwd().resolve()
-    if target == Path(target.anchor):
-        return "it is the file-system root"
-    if target == home:
-        return "it is your home folder"
-    if cwd == target or target in cwd.parents:
+    if len(target.parts) <= 2:
+        return "it is the file-system root or a folder directly under it"
+    system = _system_folder(target)
+    if system:
+        return f"it lies in the system folder {system}"
+    if _inside(home, target):
+        return "it is your home folder or one of its parents"
+    if _inside(cwd, target):
         return "it is the current folder or one of its parents"
     for p in protect:
         p = Path(p).resolve()
-        if p == target or target in p.parents:
+        if _inside(p, target):
             return f"it holds the input {p}"
     return None
 
@@ -112,27 +197,63 @@ def check_output_folder(path, kind: str, *, overwrite: bool = False, protect: It
     if path.is_symlink():
         raise OutputPathError(f"refusing to replace {path}: it is a symbolic link")
     target = path.resolve()
-    why = _never_replaced(target, protect)
+    why = _never_replaced(target, protect) or _inside_an_output(target)
     if why:
         raise OutputPathError(f"refusing to write to {path}: {why}")
     if not path.exists():
         return path
     if not path.is_dir():
         raise OutputPathError(f"refusing to replace {path}: it is a file, and this output is a folder")
-    existing = output_kind(path)
-    if existing == kind or overwrite:
-        return path
+    marker = _read_marker(path)
     try:
-        entries = sorted(p.name for p in path.iterdir())
+        foreign = _foreign_entries(path, marker)
     except OSError as e:
         raise OutputPathError(f"cannot read {path}: {e.strerror}") from None
-    if not entries:
+    if foreign:
+        listed = ", ".join(foreign[:3]) + (", ..." if len(foreign) > 3 else "")
+        raise OutputPathError(
+            f"refusing to replace {path}: it holds files qcompiler did not write ({listed}); "
+            "move them away or choose another folder"
+        )
+    if marker is None or marker["kind"] == kind or overwrite:
         return path
-    listed = ", ".join(entries[:3]) + (", ..." if len(entries) > 3 else "")
-    what = f"a qcompiler {existing} output" if existing else f"files qcompiler did not write ({listed})"
     raise OutputPathError(
-        f"refusing to replace {path}: it holds {what}; choose another folder or pass --overwrite / overwrite=True"
+        f"refusing to replace {path}: it holds a qcompiler {marker['kind']} output; "
+        "choose another folder or pass --overwrite / overwrite=True"
     )
+
+
+def check_output_file(path, kind: str, *, ours: Callable[[Path], bool], protect: Iterable = ()) -> Path:
+    """Refuse (OutputPathError, one line) unless writing the ``kind`` file ``path`` loses nothing:
+    it may replace only a regular file that ``ours`` recognizes as an earlier output of its writer,
+    and never lands in a protected folder, a system folder or a qcompiler output folder."""
+    path = check_file_location(path, kind, protect=protect)
+    if path.exists() and not (path.is_file() and ours(path)):
+        raise OutputPathError(
+            f"refusing to replace {path}: qcompiler's {kind} writer did not write it; choose another name"
+        )
+    return path
+
+
+def check_file_location(path, kind: str, *, protect: Iterable = ()) -> Path:
+    """``check_output_file`` without the look at an existing file (its writer makes that one)."""
+    path = Path(path)
+    if path.is_symlink():
+        raise OutputPathError(f"refusing to replace {path}: it is a symbolic link")
+    if path.is_dir():
+        raise OutputPathError(f"refusing to write the {kind} file {path}: it is a folder; give a file name")
+    target = path.resolve()
+    system = _system_folder(target)
+    if system:
+        raise OutputPathError(f"refusing to write {path}: it lies in the system folder {system}")
+    for p in protect:
+        p = Path(p).resolve()
+        if _inside(target, p):
+            raise OutputPathError(f"refusing to write {path}: it lies in the input {p}")
+    why = _inside_an_output(target)
+    if why:
+        raise OutputPathError(f"refusing to write {path}: {why}")
+    return path
 
 
 _RENAME_EXCHANGE = 2
@@ -166,16 +287,32 @@ def _pid_alive(pid: int) -> bool:
 
 
 def _clean_stale(parent: Path, name: str) -> None:
-    """Remove temporary siblings that a killed writer (PID gone) left behind; an output set aside
-    by the two-rename fallback is put back first if the target is missing."""
+    """Remove temporary siblings (files or folders) that a killed writer (PID gone) left behind; an
+    output set aside by the two-rename fallback is put back first if the target is missing."""
     prefix = f".{name}.qc-"
     for entry in parent.glob(f"{glob.escape(prefix)}*"):
         pid = entry.name[len(prefix) :].split("-", 1)[0]
-        if not (pid.isdigit() and not _pid_alive(int(pid)) and entry.is_dir() and not entry.is_symlink()):
+        if not (pid.isdigit() and not _pid_alive(int(pid))) or entry.is_symlink():
+            continue
+        if entry.is_file():
+            entry.unlink(missing_ok=True)
             continue
         if entry.name.endswith(".old") and (entry / "previous").is_dir() and not (parent / name).exists():
             os.rename(entry / "previous", parent / name)
         shutil.rmtree(entry, ignore_errors=True)
+
+
+def temporary_sibling(path, *, folder: bool, suffix: str = ".tmp") -> Path:
+    """A new private temporary file or folder beside ``path``, named so that the next write of
+    ``path`` removes it if this process dies first (stale ones are removed now)."""
+    path = Path(path)
+    _clean_stale(path.parent, path.name)
+    prefix = f".{path.name}.qc-{os.getpid()}-"
+    if folder:
+        return Path(tempfile.mkdtemp(dir=path.parent, prefix=prefix, suffix=suffix))
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=prefix, suffix=suffix)
+    os.close(fd)
+    return Path(tmp)
 
 
 @contextlib.contextmanager
@@ -188,11 +325,11 @@ def publish_directory(path, kind: str, *, overwrite: bool = False, protect: Iter
     protect = tuple(protect)
     check_output_folder(path, kind, overwrite=overwrite, protect=protect)
     path.parent.mkdir(parents=True, exist_ok=True)
-    _clean_stale(path.parent, path.name)
-    tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.qc-{os.getpid()}-", suffix=".tmp"))
+    tmp = temporary_sibling(path, folder=True)
     try:
         yield tmp
-        (tmp / MARKER).write_text(json.dumps({"kind": kind}) + "\n")  # last: marks a complete output
+        written = sorted(_entries(tmp))
+        (tmp / MARKER).write_text(json.dumps({"kind": kind, "files": written}) + "\n")  # last: marks it complete
         _publishable(tmp)
         check_output_folder(path, kind, overwrite=overwrite, protect=protect)  # again, just before the swap
         if not path.exists():
