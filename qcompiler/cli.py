@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import sys
 import time
+import unicodedata
 from enum import Enum
 from pathlib import Path
 from typing import Optional
@@ -28,8 +29,25 @@ from qcompiler.backends import available_backends
 from qcompiler.export_formats import ExportOptions, export_format, export_format_names
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__.splitlines()[0])
-out = Console()
-err = Console(stderr=True)
+
+
+def printable(text: str, *, newlines: bool = True) -> str:
+    """``text`` with every control or format character escaped (``\\x1b``): strings from files (a
+    manifest, a path) must never drive the terminal (clear it, write the clipboard, fake lines)."""
+    return "".join(
+        ch if (ch == "\n" and newlines) or unicodedata.category(ch)[0] != "C" else ascii(ch)[1:-1] for ch in text
+    )
+
+
+class _PlainConsole(Console):
+    """Rich output without markup or highlighting (a ``[`` in a path is text), control characters escaped."""
+
+    def print(self, *objects, **kwargs):
+        super().print(*(printable(o) if isinstance(o, str) else o for o in objects), **kwargs)
+
+
+out = _PlainConsole(markup=False, highlight=False, soft_wrap=True)
+err = _PlainConsole(stderr=True, markup=False, highlight=False, soft_wrap=True)
 
 
 def _choices(name: str, names: list[str]) -> type[Enum]:
@@ -91,7 +109,8 @@ def _layer_table(report, title: str) -> Table:
     for column in ["pass", "layer", *keys]:
         table.add_column(column)
     for r in rows:
-        table.add_row(r["pass"], r["layer"], *[_fmt(r.get(k, "")) for k in keys])
+        cells = [r["pass"], r["layer"], *[_fmt(r.get(k, "")) for k in keys]]
+        table.add_row(*(printable(str(c), newlines=False) for c in cells))
     return table
 
 
@@ -344,16 +363,20 @@ def inspect(artifact: Path = typer.Argument(..., help="artifact folder")):
 
     manifest = read_manifest(artifact)
     recipe = manifest["recipe"]
-    out.print(
-        f"[bold]{artifact}[/bold]: {manifest['capture']['model_class']} from "
+
+    def show(line: str) -> None:  # every manifest string is untrusted: one line, nothing the terminal obeys
+        out.print(printable(line, newlines=False))
+
+    show(
+        f"{artifact}: {manifest['capture']['model_class']} from "
         f"{manifest['metadata'].get('source', '?')}, recipe {recipe['name']} "
         f"(qcompiler {manifest['versions']['qcompiler']}, torch {manifest['versions']['torch']})"
     )
     for p in recipe["passes"]:
         settings = ", ".join(f"{k}={v}" for k, v in p.items() if k not in ("pass", "config_version"))
-        out.print(f"  {p['pass']}({settings}) [config version {p.get('config_version', 1)}]")
+        show(f"  {p['pass']}({settings}) [config version {p.get('config_version', 1)}]")
     graph = manifest["graph"]
-    out.print(
+    show(
         f"graph: {graph['nodes']} nodes, {graph['tensors']} stored tensors, qc ops: "
         + ", ".join(f"{k} x{v}" for k, v in graph["qc_ops"].items())
     )
@@ -408,7 +431,7 @@ def main(argv=None) -> int:
 
     def fail(message: str, code: int) -> int:
         message = " ".join(line.strip() for line in str(message).splitlines() if line.strip())
-        err.print(f"error: {message}", markup=False, highlight=False, soft_wrap=True)
+        err.print(f"error: {message}", soft_wrap=True)
         return code
 
     try:

@@ -14,9 +14,13 @@ import qcompiler as qc
 from qcompiler.models import load
 
 
-def quantized_tinylm(recipe="gptq-w4g128"):
-    """The bundled LM and its compile with ``recipe`` (8 x 128 calibration tokens)."""
+def quantized_tinylm(recipe="gptq-w4g128", *, tied: bool = False):
+    """The bundled LM and its compile with ``recipe`` (8 x 128 calibration tokens); ``tied``: its
+    head replaced by its embedding table (what small LLaMA-3.2 / Qwen2.5 checkpoints do)."""
     tinylm = load("tinylm")
+    if tied:
+        tinylm.model.config.tie_word_embeddings = True
+        tinylm.model.lm_head.weight = tinylm.model.get_input_embeddings().weight
     cm = qc.compile(
         tinylm.model,
         tinylm.example_inputs(),

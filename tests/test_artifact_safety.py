@@ -7,7 +7,9 @@ marker file; the tests assert it never appears, at load or at the first call.
 
 import hashlib
 import json
+import os
 import shutil
+import time
 
 import pytest
 import torch
@@ -222,3 +224,103 @@ def test_fuzzed_graph_files_fail_cleanly_or_load_only_allowed_targets(data, save
     except Exception:  # a mutated but well-formed graph may fail to run: it must not run code
         pass
     assert not marker.exists()
+
+
+@pytest.mark.parametrize("file", ["graph.json", "manifest.json", "tensors.safetensors"])
+@pytest.mark.parametrize("kind", ["link to /dev/zero", "fifo", "link to a file outside"])
+def test_special_files_fail_fast_with_one_line(file, kind, saved, tmp_path):
+    """A link or a FIFO in place of an artifact file would hang a reader or exhaust its memory."""
+    path = _copy(saved, tmp_path)
+    outside = tmp_path / "outside.json"
+    outside.write_text("{}")
+    (path / file).unlink()
+    if kind == "fifo":
+        os.mkfifo(path / file)
+    else:
+        (path / file).symlink_to("/dev/zero" if "zero" in kind else outside)
+    start = time.perf_counter()
+    with pytest.raises(ArtifactError) as info:
+        qc.load(path)
+    assert time.perf_counter() - start < 5
+    assert file in str(info.value) and "\n" not in str(info.value)
+
+
+def test_an_oversized_manifest_is_refused_before_it_is_read(saved, tmp_path, monkeypatch):
+    import qcompiler.store.artifact as artifact
+
+    path = _copy(saved, tmp_path)
+    monkeypatch.setattr(artifact, "_MAX_JSON_BYTES", 1000)
+    with pytest.raises(ArtifactError, match=r"manifest.json.*over the 1000-byte bound"):
+        qc.load(path)
+
+
+def test_exports_never_follow_a_path_from_the_manifest(tmp_path):
+    """The tokenizer files travel inside the artifact (checksummed); a tampered ``source_path``
+    pointing at another folder copies nothing from it."""
+    from qcompiler.interop import export_compressed_tensors
+
+    model_dir, secret = tmp_path / "model", tmp_path / "secret"
+    make_model("llama").save_pretrained(model_dir)
+    (model_dir / "tokenizer_config.json").write_text('{"model_max_length": 64}')
+    secret.mkdir()
+    (secret / "tokenizer.json").write_text('{"secret": "ssh key"}')
+    cm = qc.load(_save_compiled(model_dir, tmp_path / "art"))
+    manifest = json.loads((tmp_path / "art" / "manifest.json").read_text())
+    assert manifest["files"]["model_files"] == ["generation_config.json", "tokenizer_config.json"]
+    manifest["capture"]["source_path"] = str(secret)
+    (tmp_path / "art" / "manifest.json").write_text(json.dumps(manifest))
+    cm = qc.load(tmp_path / "art")
+    export_compressed_tensors(cm, tmp_path / "ct", progress=lambda _: None)
+    assert (tmp_path / "ct" / "tokenizer_config.json").read_text() == '{"model_max_length": 64}'
+    assert not (tmp_path / "ct" / "tokenizer.json").exists()
+    (tmp_path / "art" / "tokenizer_config.json").write_text('{"model_max_length": 1}')
+    with pytest.raises(ArtifactError, match="tokenizer_config.json does not match its SHA-256"):
+        qc.load(tmp_path / "art")
+
+
+def _save_compiled(model_dir, out):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    model.config._name_or_path = str(model_dir)
+    cm = qc.compile(model, example_inputs("llama"), recipe="rtn-w4g128", progress=False)
+    assert cm.capture_info.source_path == str(model_dir)
+    cm.save(out)
+    return out
+
+
+@pytest.mark.parametrize(
+    "op,args,ok",
+    [("pow", (2, 10), 1024), ("pow", (7, 10**12), None), ("lshift", (1, 10**9), None), ("lshift", (3, 4), 48)]
+    + [("mul", ([0], 10**12), None), ("mul", (6, 7), 42), ("mul", (10**30, 10**30), 10**60)],
+)
+def test_stored_arithmetic_is_bounded(op, args, ok):
+    """A loaded graph's allow-listed ``operator`` calls refuse runaway results at once."""
+    from qcompiler.store.graph_format import GraphEvaluationError, _resolve_target
+
+    fn = _resolve_target(f"operator.{op}")
+    if ok is None:
+        start = time.perf_counter()
+        with pytest.raises(GraphEvaluationError, match="repeats" if op == "mul" else "exceeds 64 bits"):
+            fn(*args)
+        assert time.perf_counter() - start < 1
+    else:
+        assert fn(*args) == ok
+
+
+def test_a_graph_with_bounded_arithmetic_round_trips():
+    """The bounded operators are what a loaded graph calls, and such a graph saves again."""
+    import operator
+
+    from torch import fx
+
+    from qcompiler.store.graph_format import graph_from_data, graph_to_data
+
+    graph = fx.Graph()
+    x = graph.placeholder("x")
+    graph.output(graph.call_function(operator.mul, (x, 3)))
+    gm = fx.GraphModule(torch.nn.Module(), graph)
+    structure, tensors = graph_to_data(gm)
+    loaded = graph_from_data(json.loads(json.dumps(structure)), tensors)
+    assert loaded(torch.ones(2)).tolist() == [3.0, 3.0]
+    assert graph_to_data(loaded)[0]["nodes"] == structure["nodes"]

@@ -237,3 +237,28 @@ def test_quantize_caps_the_matmul_caches_unless_the_user_chose(artifact, monkeyp
     bound_kernel_cache()
     assert os.environ["LRU_CACHE_CAPACITY"] == "8"
     assert os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == str(KERNEL_CACHE_ENTRIES)
+
+
+def test_inspect_escapes_what_the_manifest_says(artifact, tmp_path, capsys):
+    """Manifest strings are untrusted: escape sequences (screen clear, OSC 52 clipboard write) are
+    printed as visible text, and rich markup in them is not interpreted."""
+    import shutil
+
+    art = tmp_path / "art"
+    shutil.copytree(artifact, art)
+    manifest = json.loads((art / "manifest.json").read_text())
+    manifest["recipe"]["name"] = "\x1b[2J\x1b]52;c;aGk=\x07[bold]evil[/bold]\nFAKE LINE"
+    manifest["metadata"]["source"] = "\x9b31m"
+    (art / "manifest.json").write_text(json.dumps(manifest))
+    assert main(["inspect", str(art)]) == 0
+    shown = capsys.readouterr().out
+    assert not any(c in shown for c in "\x1b\x07\x9b")
+    assert "\\x1b[2J\\x1b]52;c;aGk=\\x07[bold]evil[/bold]\\nFAKE LINE" in shown
+    assert "\nFAKE LINE" not in shown
+
+
+def test_brackets_in_the_output_path_are_text(artifact, tmp_path, capsys):
+    """A ``[...]`` in a path is printed as is (rich markup would swallow it or fail after the write)."""
+    dest = tmp_path / "ckpt[bold]x[/bold]"
+    assert main(["export", str(artifact), "--format", "compressed-tensors", "--out", str(dest)]) == 0
+    assert f"wrote {dest}" in capsys.readouterr().out and dest.is_dir()

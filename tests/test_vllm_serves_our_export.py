@@ -57,9 +57,12 @@ MIXED = [
 
 @pytest.mark.slow
 @pytest.mark.skipif(not VLLM_PYTHON, reason="set QC_VLLM_PYTHON to a python with vllm (see docs/formats.md)")
-@pytest.mark.parametrize("recipe", ["gptq-w4g128", MIXED], ids=["w4g128", "mixed"])
-def test_vllm_generates_the_quantized_models_tokens(tmp_path, recipe):
-    tinylm, cm = quantized_tinylm(recipe)
+@pytest.mark.parametrize(
+    "recipe,tied", [("gptq-w4g128", False), (MIXED, False), ("gptq-w4g128", True)], ids=["w4g128", "mixed", "tied"]
+)
+def test_vllm_generates_the_quantized_models_tokens(tmp_path, recipe, tied):
+    """``tied``: the head shares the embedding table; vLLM reads it from the embedding's name only."""
+    tinylm, cm = quantized_tinylm(recipe, tied=tied)
     export_compressed_tensors(cm, tmp_path / "ct", progress=lambda _m: None)
     prompts = [
         tinylm.encode(p)[0].tolist()

@@ -40,6 +40,9 @@ class CaptureInfo:
     # graph tensors that are not the model's state (non-persistent buffers such as rotary inv_freq,
     # torch.export's lifted constants): checkpoint exports leave them out, as from_pretrained would
     transient: tuple[str, ...] = ()
+    # tied parameters (an output head sharing the input embedding): every other state-dict name of a
+    # shared tensor -> the name checkpoints store it under (the embedding's, as save_pretrained does)
+    tied: dict[str, str] = field(default_factory=dict)
 
 
 def normalize_inputs(example_inputs) -> tuple[tuple, dict]:
@@ -162,8 +165,25 @@ def capture(model: torch.nn.Module, example_inputs) -> torch.fx.GraphModule:
         source_path=_source_folder(model),
         optional_inputs=optional,
         transient=transient_tensors(gm, model),
+        tied=tied_names(model),
     )
     return gm
+
+
+def tied_names(model: torch.nn.Module) -> dict[str, str]:
+    """``{alias: stored name}`` for each parameter reachable under several names; the stored name
+    is the input embedding's where it is one of them (clients read a tied table from there)."""
+    groups: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        groups.setdefault(id(p), []).append(name)
+    embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    table = getattr(embeddings, "weight", None)
+    tied = {}
+    for names in groups.values():
+        if len(names) > 1:
+            keep = next((n for n in names if table is not None and model.get_parameter(n) is table), names[0])
+            tied.update({n: keep for n in names if n != keep})
+    return tied
 
 
 def transient_tensors(gm: torch.fx.GraphModule, model: torch.nn.Module) -> tuple[str, ...]:
@@ -251,6 +271,7 @@ def _capture_with_cache(model: torch.nn.Module, kwargs: dict) -> torch.fx.GraphM
         source_path=_source_folder(model),
         cache=layout.to_dict(),
         transient=transient_tensors(gm, model),
+        tied=tied_names(model),
     )
     return gm
 

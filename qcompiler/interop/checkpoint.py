@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -18,6 +17,7 @@ from qcompiler.ir.op_registry import OpArgs, args_of, implementation, quantized_
 from qcompiler.ir.ops import GPTQ_TENSORS
 from qcompiler.ir.tensors import get_tensor
 from qcompiler.store.atomic import publish_directory
+from qcompiler.store.model_files import model_files
 from qcompiler.store.sharding import DEFAULT_SHARD_BYTES, plan_shards, shard_names
 
 __all__ = [
@@ -29,8 +29,8 @@ __all__ = [
     "fp_tensors",
     "write_checkpoint",
     "model_config_of",
-    "source_files",
-    "TOKENIZER_FILES",
+    "source_folder",
+    "write_tokenizer_files",
 ]
 
 ONLINE_ROTATION = (
@@ -85,8 +85,9 @@ def fp_tensors(gm: GraphModule, consumed: set[str]) -> dict[str, torch.Tensor]:
     """Every stored tensor of the model's state not in ``consumed``, under its state-dict name.
     Left out: what the capture recorded as transient (non-persistent buffers, export's lifted
     constants: vLLM refuses a checkpoint holding a name its model does not have) and ``_…`` names."""
-    transient = set(getattr(gm.meta.get("qcompiler"), "transient", ()))
-    return {
+    info = gm.meta.get("qcompiler")
+    transient = set(getattr(info, "transient", ()))
+    stored = {
         node.target: get_tensor(gm, node.target).detach()
         for node in gm.graph.nodes
         if node.op == "get_attr"
@@ -94,6 +95,22 @@ def fp_tensors(gm: GraphModule, consumed: set[str]) -> dict[str, torch.Tensor]:
         and node.target not in transient
         and not any(part.startswith("_") for part in node.target.split("."))
     }
+    return _under_client_names(stored, getattr(info, "tied", None) or {}, getattr(info, "model_config", None) or {})
+
+
+def _under_client_names(stored: dict, tied: dict, config: dict) -> dict:
+    """A tied table exported once captures it under the head's name (``lm_head.weight``), which
+    vLLM never reads for a tied model (it generates token 0 forever): store it under the embedding's
+    name, as ``save_pretrained`` does, and under both when the config does not tie them. A table a
+    pass untied (Rotate) has its own tensor under each name and stays as it is."""
+    out = dict(stored)
+    ties = config.get("tie_word_embeddings", True)
+    for alias, name in tied.items():
+        if alias in stored and name not in stored:
+            out[name] = stored[alias]
+            if ties:
+                del out[alias]
+    return out
 
 
 def model_config_of(gm: GraphModule) -> dict:
@@ -111,40 +128,25 @@ def model_config_of(gm: GraphModule) -> dict:
     return config
 
 
-# What a loader needs beside the weights, copied from the folder the model came from.
-TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "tokenizer.model",
-    "vocab.json",
-    "vocab.txt",
-    "merges.txt",
-    "added_tokens.json",
-    "generation_config.json",
-    "chat_template.jinja",
-)
-
-
-def source_files(gm: GraphModule) -> dict[str, Path]:
-    """Tokenizer and generation files of the model's source folder (none for a model built in code)."""
-    source = getattr(gm.meta.get("qcompiler"), "source_path", None)
-    if not source or not Path(source).is_dir():
-        return {}
-    return {name: Path(source) / name for name in TOKENIZER_FILES if (Path(source) / name).is_file()}
-
-
-def write_tokenizer_files(tmp: Path, gm: GraphModule, copied) -> list[str]:
-    """Copy the source folder's tokenizer files into ``tmp``; a 256-token model without any (the
-    bundled byte-level LM) gets the byte tokenizer as Hugging Face files. Returns the names."""
-    for name, src in copied.items():
-        shutil.copyfile(src, tmp / name)
-    names = list(copied)
-    has_tokenizer = any(n in copied for n in ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt"))
+def write_tokenizer_files(tmp: Path, gm: GraphModule) -> list[str]:
+    """Write the model's tokenizer and generation files (``store.model_files``) into ``tmp``; a
+    256-token model without any (the bundled byte-level LM) gets the byte tokenizer as Hugging Face
+    files. Returns the names."""
+    files = model_files(gm)
+    for name, data in files.items():
+        (tmp / name).write_bytes(data)
+    names = list(files)
+    has_tokenizer = any(n in files for n in ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt"))
     vocab = (getattr(gm.meta.get("qcompiler"), "model_config", None) or {}).get("vocab_size")
     if not has_tokenizer and vocab == ByteTokenizer.vocab_size:
         names += ByteTokenizer().save_pretrained(tmp)
     return names
+
+
+def source_folder(gm: GraphModule) -> tuple[str, ...]:
+    """The folder the model was loaded from, as a path no output may replace (never read from)."""
+    source = getattr(gm.meta.get("qcompiler"), "source_path", None)
+    return (str(source),) if source else ()
 
 
 def _write_shards(tmp: Path, tensors: dict[str, torch.Tensor], shards: list[list[str]]) -> list[str]:
@@ -187,10 +189,9 @@ def write_checkpoint(
     source folder), published atomically and only over an earlier export of the same ``kind``."""
     shards = plan_shards(tensors, max_shard_bytes)  # before any file is touched: it refuses a bound <= 0
     out_dir = Path(out_dir)
-    copy_files = source_files(gm)
-    protect = (*protect, *{str(p.parent) for p in copy_files.values()})
+    protect = (*protect, *source_folder(gm))
     with publish_directory(out_dir, kind, overwrite=overwrite, protect=protect) as tmp:
-        write_tokenizer_files(tmp, gm, copy_files)
+        write_tokenizer_files(tmp, gm)
         files = _write_shards(tmp, tensors, shards)
         if progress is not None and len(files) > 1:
             progress(f"{len(files)} safetensors shards of at most {max_shard_bytes / 1024**3:.3g} GiB, with an index")

@@ -25,7 +25,7 @@ from typing import Optional
 import onnx
 from onnx import TensorProto, helper
 
-from qcompiler.interop.checkpoint import ExportError, source_files, write_tokenizer_files
+from qcompiler.interop.checkpoint import ExportError, source_folder, write_tokenizer_files
 from qcompiler.store.atomic import publish_directory
 
 __all__ = ["export_onnx_genai", "genai_config"]
@@ -184,8 +184,7 @@ def export_onnx_genai(
     """Write ``cm`` as an onnxruntime-genai model folder (published atomically)."""
     out_dir = Path(out_dir)
     config = genai_config(cm)
-    copies = source_files(cm.graph_module)
-    protect = (*protect, *{str(p.parent) for p in copies.values()})
+    protect = (*protect, *source_folder(cm.graph_module))
     with publish_directory(out_dir, "onnx-genai", overwrite=overwrite, protect=protect) as tmp:
         progress(f"exporting {cm.capture_info.model_class} ({cm.recipe.name}) to ONNX with its KV cache")
         cm.export_onnx(tmp / "model.onnx", accuracy_level=accuracy_level, fused_attention=fused_attention)
@@ -198,7 +197,7 @@ def export_onnx_genai(
                 f"cache keeps only that many, and onnxruntime-genai expects every step's cache to grow"
             )
         (tmp / "genai_config.json").write_text(json.dumps(config, indent=2) + "\n")
-        written = write_tokenizer_files(tmp, cm.graph_module, copies)
+        written = write_tokenizer_files(tmp, cm.graph_module)
         shared = "shared KV buffers" if config["search"]["past_present_share_buffer"] else "KV cache by concatenation"
         progress(
             f"genai_config.json ({config['model']['type']}, {config['model']['decoder']['num_hidden_layers']} "

@@ -3,8 +3,10 @@
 A folder holds ``manifest.json`` (format version, qcompiler/torch versions, recipe with every
 pass's settings, per-layer report, capture info, a graph summary), ``graph.json`` (the graph as
 data, see ``graph_format.py``), ``tensors.safetensors`` (every weight the graph reads) and
-``example_inputs.safetensors``. Nothing is pickled, and loading treats every file as untrusted
-(``graph_format.py``); the manifest holds each file's SHA-256, checked on load.
+``example_inputs.safetensors``, and the model's tokenizer and generation files (``model_files``)
+when it was loaded from a folder. Nothing is pickled, and loading treats every file as untrusted
+(``graph_format.py``): each is opened without following links, must be a regular file, and the
+manifest holds each file's SHA-256, checked on load; no path the manifest records is ever opened.
 
 A save is published atomically (``atomic.publish_directory``): an interrupted save leaves the
 previous artifact as it was, and a folder holding anything but an earlier artifact is never
@@ -19,6 +21,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import stat
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import NamedTuple, Optional
@@ -39,6 +42,13 @@ from qcompiler.pipeline.recipes import Recipe
 from qcompiler.pipeline.report import Report
 from qcompiler.store.atomic import publish_directory
 from qcompiler.store.graph_format import ArtifactError, graph_from_data, graph_to_data
+from qcompiler.store.model_files import (
+    MAX_MODEL_FILE_BYTES,
+    STORED_KEY,
+    TOKENIZER_FILES,
+    model_files,
+    read_regular_file,
+)
 from qcompiler.store.sharding import DEFAULT_SHARD_BYTES, plan_shards, shard_names
 from qcompiler.version import __version__
 
@@ -58,6 +68,8 @@ VERSION = 2  # 2: per-file SHA-256 in the manifest
 SHARDED_VERSION = 3  # 3: the tensors in several files (written only when they are; else 2 as before)
 MANIFEST = "manifest.json"
 _FILES = {"graph": "graph.json", "tensors": "tensors.safetensors", "example_inputs": "example_inputs.safetensors"}
+_LIST_ROLES = ("tensors", "model_files")  # roles that may hold several files
+_MAX_JSON_BYTES = 1 << 30  # manifest.json and graph.json: read whole, so bounded first
 
 
 def _json_safe(value):
@@ -136,9 +148,14 @@ def save(
         "metadata": _json_safe(metadata or {}),
         "files": {**_FILES, "tensors": names[0] if len(names) == 1 else names},
     }
+    extra = model_files(cm.graph_module)
+    if extra:
+        manifest["files"]["model_files"] = sorted(extra)
     source = getattr(cm.capture_info, "source_path", None)
     protect = (*protect, *([source] if source else []))
     with publish_directory(path, "artifact", overwrite=overwrite, protect=protect) as tmp:
+        for name, data in extra.items():
+            (tmp / name).write_bytes(data)
         for name, shard in zip(names, shards):
             save_file({k: tensors[k] for k in shard}, str(tmp / name), metadata={"format": FORMAT})
         save_file(examples, str(tmp / _FILES["example_inputs"]), metadata={"format": FORMAT})
@@ -181,8 +198,11 @@ def _check_manifest(manifest, where) -> dict:
             f"(this qcompiler reads {FORMAT} versions 1-{SHARDED_VERSION})"
         )
     files = manifest.get("files")
-    if not isinstance(files, dict) or set(files) != set(_FILES):
-        raise ArtifactError(f"{where}: the file table must name exactly {sorted(_FILES)}")
+    if not isinstance(files, dict) or not set(_FILES) <= set(files) <= {*_FILES, "model_files"}:
+        raise ArtifactError(f"{where}: the file table must name {sorted(_FILES)} (and optionally model_files)")
+    extra = files.get("model_files", [])
+    if not isinstance(extra, list) or not all(isinstance(n, str) and n in TOKENIZER_FILES for n in extra):
+        raise ArtifactError(f"{where}: model_files may name only {', '.join(TOKENIZER_FILES)}")
     shards = files["tensors"]
     if isinstance(shards, list) and (manifest["version"] < SHARDED_VERSION or not shards):
         raise ArtifactError(f"{where}: a list of tensor files needs version {SHARDED_VERSION} and at least one file")
@@ -202,7 +222,7 @@ def _check_manifest(manifest, where) -> dict:
 def role_files(manifest: dict, role: str) -> list[str]:
     """The files of one role: the tensors may be several shards, the other roles are one file."""
     names = manifest["files"][role]
-    return names if role == "tensors" and isinstance(names, list) else [names]
+    return names if role in _LIST_ROLES and isinstance(names, list) else [names]
 
 
 def file_names(manifest: dict) -> list[str]:
@@ -214,14 +234,22 @@ def read_manifest(path) -> dict:
     """The artifact's ``manifest.json``, checked for format, version and plain file names."""
     path = Path(path)
     file = path / MANIFEST
-    if not file.is_file():
+    if not file.exists() and not file.is_symlink():
         what = "does not exist" if not path.exists() else f"has no {MANIFEST} (not a qcompiler artifact)"
         raise ArtifactError(f"artifact folder {path} {what}")
+    folder = _Folder(path)
     try:
-        manifest = json.loads(file.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise ArtifactError(f"{file} is not valid JSON: {err}") from None
+        manifest = _parse_json(folder.read(MANIFEST, _MAX_JSON_BYTES), file)
+    finally:
+        folder.close()
     return _check_manifest(manifest, file)
+
+
+def _parse_json(data: bytes, where: Path):
+    try:
+        return json.loads(data)
+    except (ValueError, UnicodeDecodeError) as err:
+        raise ArtifactError(f"{where} is not valid JSON: {err}") from None
 
 
 def report_from_manifest(manifest: dict) -> Report:
@@ -246,15 +274,28 @@ class _Folder:
             raise ArtifactError(f"{path} is a file, not an artifact folder") from None
 
     def open(self, name: str):
+        """``name`` in the folder: a regular file, opened without following a link (a FIFO or
+        /dev/zero behind a link would hang or exhaust memory)."""
         try:
-            fd = os.open(name, os.O_RDONLY, dir_fd=self.fd)
+            fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | getattr(os, "O_NONBLOCK", 0), dir_fd=self.fd)
         except FileNotFoundError:
             raise ArtifactError(f"artifact {self.path} is missing {name}") from None
-        return os.fdopen(fd, "rb")
+        except OSError as exc:
+            raise ArtifactError(f"artifact {self.path}: {name} cannot be opened ({exc.strerror})") from None
+        f = os.fdopen(fd, "rb")
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            f.close()
+            raise ArtifactError(f"artifact {self.path}: {name} is not a regular file")
+        return f
 
-    def read(self, name: str) -> bytes:
-        with self.open(name) as f:
-            return f.read()
+    def read(self, name: str, limit: int) -> bytes:
+        try:
+            return read_regular_file(name, limit, dir_fd=self.fd)
+        except FileNotFoundError:
+            raise ArtifactError(f"artifact {self.path} is missing {name}") from None
+        except (OSError, ValueError) as exc:
+            why = exc.strerror if isinstance(exc, OSError) else str(exc).replace(name, "it", 1)
+            raise ArtifactError(f"artifact {self.path}: {name}: {why}") from None
 
     def replaced(self) -> bool:
         try:
@@ -273,11 +314,12 @@ def _read_all(path: Path) -> tuple[dict, dict]:
     folder = _Folder(path)
     try:
         try:
-            manifest = json.loads(folder.read(MANIFEST))
-        except (ValueError, UnicodeDecodeError) as err:
-            raise ArtifactError(f"{path / MANIFEST} is not valid JSON: {err}") from None
-        except ArtifactError:
+            raw = folder.read(MANIFEST, _MAX_JSON_BYTES)
+        except ArtifactError as exc:
+            if "is missing" not in str(exc):
+                raise
             raise ArtifactError(f"artifact folder {path} has no {MANIFEST} (not a qcompiler artifact)") from None
+        manifest = _parse_json(raw, path / MANIFEST)
         files = _check_manifest(manifest, path / MANIFEST)["files"]
         sums = manifest.get("sha256")
         if manifest["version"] >= 2 and not isinstance(sums, dict):
@@ -286,13 +328,19 @@ def _read_all(path: Path) -> tuple[dict, dict]:
         for role in files:
             for name in role_files(manifest, role):
                 with folder.open(name) as f:
+                    limit = MAX_MODEL_FILE_BYTES if role == "model_files" else _MAX_JSON_BYTES
+                    if not name.endswith(".safetensors") and os.fstat(f.fileno()).st_size > limit:
+                        raise ArtifactError(f"artifact {path}: {name} is over the {limit}-byte bound")
                     if manifest["version"] >= 2 and sums.get(name) != _sha256_file(f):
                         raise ArtifactError(
                             f"artifact {path}: {name} does not match its SHA-256 in the manifest (damaged or modified)"
                         )
                     f.seek(0)
+                    if role == "model_files":
+                        contents.setdefault(role, {})[name] = f.read(limit)
+                        continue
                     if not name.endswith(".safetensors"):
-                        contents[role] = f.read()
+                        contents[role] = f.read(limit)
                         continue
                     part, merged = _tensors(f, path / name), contents.setdefault(role, {})
                     if part.keys() & merged.keys():
@@ -342,6 +390,7 @@ def read(path) -> StoredModel:
     except (ValueError, UnicodeDecodeError) as err:
         raise ArtifactError(f"{path / manifest['files']['graph']} is not valid JSON: {err}") from None
     gm = graph_from_data(structure, blobs["tensors"])
+    gm.meta[STORED_KEY] = blobs.get("model_files", {})  # exports take these, never a manifest path
     examples = blobs["example_inputs"]
     try:
         capture = manifest["capture"]
@@ -359,6 +408,7 @@ def read(path) -> StoredModel:
                 if k in OPTIONAL_INPUTS and v in ("ones", "zeros")
             },
             tuple(str(name) for name in capture.get("transient", ())),
+            {str(k): str(v) for k, v in (capture.get("tied") or {}).items()},
         )
         layout = manifest["example_inputs"]
         example_inputs = (

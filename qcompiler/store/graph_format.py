@@ -132,6 +132,40 @@ _OPERATORS = {
         "truth",
     )
 }
+
+
+class GraphEvaluationError(ArtifactError):
+    """A stored graph's plain arithmetic would run away (a huge power, shift or repetition)."""
+
+
+_INT_BITS = 64  # shape arithmetic never needs more
+
+
+def _bounded(name: str, fn):
+    """``fn`` (operator pow / lshift / mul) refusing results that cannot be shape arithmetic: a
+    loaded graph's constants are untrusted, and ``2 ** 10**12`` or ``[0] * 10**12`` never return."""
+
+    def check(a, b):
+        ints = all(isinstance(v, int) and not isinstance(v, bool) for v in (a, b))
+        if name == "pow" and ints and b > 0 and abs(a) > 1 and b * max(abs(a).bit_length(), 1) > _INT_BITS:
+            raise GraphEvaluationError(f"graph arithmetic {a} ** {b} exceeds {_INT_BITS} bits")
+        if name == "lshift" and ints and (b > _INT_BITS or abs(a).bit_length() + b > _INT_BITS):
+            raise GraphEvaluationError(f"graph arithmetic {a} << {b} exceeds {_INT_BITS} bits")
+        if name == "mul" and any(isinstance(v, (str, bytes, list, tuple)) for v in (a, b)):
+            count = b if isinstance(a, (str, bytes, list, tuple)) else a
+            size = len(a if count is b else b)
+            if isinstance(count, int) and count * max(size, 1) > 1 << 20:
+                raise GraphEvaluationError(f"graph arithmetic repeats a sequence {count} times")
+        return fn(a, b)
+
+    check.__name__ = name
+    return check
+
+
+for _name in ("pow", "lshift", "mul"):
+    _OPERATORS[_name] = _bounded(_name, _OPERATORS[_name])
+_PLAIN = {getattr(operator, name): name for name in _OPERATORS}  # captured graphs call operator's own
+
 _FORBIDDEN_OPS = {"from_file", "_save", "save"}  # aten ops that touch the file system
 # Pure compute ops of other libraries that captured graphs contain: transformers' grouped matmul
 # over a MoE layer's experts (when they stay in full precision).
@@ -142,7 +176,7 @@ def _target_name(target) -> str:
     if isinstance(target, torch._ops.OpOverload):
         return f"torch.ops.{target.namespace}.{target._schema.name.split('::')[1]}.{target._overloadname}"
     name = getattr(target, "__name__", "")
-    if _OPERATORS.get(name) is target:
+    if _OPERATORS.get(name) is target or _PLAIN.get(target) == name:
         return f"operator.{name}"
     raise ArtifactError(
         f"cannot store a call to {target!r}: only aten/qc operators and plain operator "
