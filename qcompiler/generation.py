@@ -12,7 +12,7 @@ from typing import Callable, Iterator, Optional, Sequence, Union
 
 import torch
 
-from qcompiler.frontend.causal_lm import CacheLayout, graph_inputs
+from qcompiler.frontend.causal_lm import CacheLayout, graph_inputs, positions_from_mask
 
 __all__ = ["SamplingConfig", "generate_tokens", "sample_next", "timed_generation"]
 
@@ -100,7 +100,27 @@ def generate_tokens(
             if bool(finished.all()):
                 return
         mask = torch.cat([mask, torch.ones(mask.shape[0], 1, dtype=mask.dtype)], 1)
-        inputs = graph_inputs(layout, token[:, None], mask, past=present)
+        inputs = graph_inputs(layout, token[:, None], *_window(layout, mask, present), past=present)
+
+
+def _window(layout: CacheLayout, mask: torch.Tensor, present) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """``(attention_mask, position_ids)`` of the next step. A sliding-window cache stops growing
+    (it keeps the last ``window - 1`` positions): the mask covers what it holds plus the new token,
+    and the positions still count every token so far (RoPE needs the absolute position)."""
+    held = max(t.shape[2] for t in present) + 1  # Gemma-2: full-attention layers keep growing
+    if held >= mask.shape[1]:
+        if min(t.shape[2] for t in present) + 1 < held and not bool(mask.all()):
+            raise ValueError(  # measured: Gemma-2's tokens then differ from transformers' own generate
+                "a padded batch past the sliding window of a model mixing sliding and full attention "
+                "(Gemma-2) is not supported; generate rows one at a time or within the window"
+            )
+        return mask, None
+    if not layout.uses_position_ids:
+        raise ValueError(
+            f"the cache kept {held - 1} of {mask.shape[1] - 1} positions (a sliding window) and this graph "
+            "takes no position ids to place the next token; generate at most the window"
+        )
+    return mask[:, -held:], positions_from_mask(mask, 1)
 
 
 def timed_generation(cm, input_ids: torch.Tensor, max_new_tokens: int, **kwargs) -> dict:

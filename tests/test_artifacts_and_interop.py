@@ -306,3 +306,34 @@ def test_exports_from_a_reloaded_artifact_keep_the_true_ignore_list(tmp_path):
     export_compressed_tensors(qc.load(tmp_path / "a"), tmp_path / "ct", progress=lambda _: None)
     config = json.loads((tmp_path / "ct" / "config.json").read_text())
     assert config["quantization_config"]["ignore"] == ["lm_head"]
+
+
+@pytest.mark.parametrize("arch", ["mistral", "gemma2"])
+def test_sliding_window_models_save_reload_and_generate_the_same(arch, tmp_path):
+    """Their cache graph computes lengths with torch.sym_max / sym_min, which the artifact stores;
+    past the window, generate gives transformers' own greedy tokens (the cache stops growing)."""
+    import transformers
+    from causal_lms import calibration, config, prompt
+
+    cfg = config(arch)
+    cfg.sliding_window = 8  # generation runs past the window
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    cm = qc.compile(model, {"input_ids": prompt()}, recipe="rtn-w4g128", calibration=calibration(), progress=False)
+    assert any(n.target in (torch.sym_max, torch.sym_min) for n in cm.graph_module.graph.nodes)
+    cm.save(tmp_path / "art")
+    back = qc.load(tmp_path / "art")
+    ids = prompt(1, 12)
+    assert torch.equal(back(input_ids=ids).logits, cm(input_ids=ids).logits)
+    assert torch.equal(back.generate(prompt(), 24), cm.generate(prompt(), 24))
+    fp = qc.compile(model, {"input_ids": prompt()}, recipe="none", progress=False)
+    reference = model.generate(prompt(), max_new_tokens=24, min_new_tokens=24, do_sample=False)
+    assert torch.equal(fp.generate(prompt(), 24), reference)
+    padded = torch.cat([torch.zeros(1, 3, dtype=torch.long), prompt()], 1)
+    mask = (padded != 0).long()
+    if arch == "gemma2":  # sliding and full layers at once: refused, not silently different
+        with pytest.raises(ValueError, match="padded batch past the sliding window"):
+            fp.generate(padded, 20, attention_mask=mask)
+    else:
+        reference = model.generate(padded, attention_mask=mask, max_new_tokens=20, min_new_tokens=20, do_sample=False)
+        assert torch.equal(fp.generate(padded, 20, attention_mask=mask), reference)

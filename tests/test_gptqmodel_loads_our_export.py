@@ -72,3 +72,22 @@ def test_gptqmodel_loads_the_export_with_the_same_outputs(tmp_path, recipe):
     gap = greedy_gaps(cm, prompt, tokens)
     assert len(tokens) == 16 and float(gap.max()) < 0.1, gap.tolist()
     assert int((gap == 0).sum()) >= 14, gap.tolist()  # measured: all 16
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not GPTQMODEL_PYTHON, reason="set QC_GPTQMODEL_PYTHON to a python with gptqmodel (see .ci/run)")
+def test_gptqmodel_runs_gpt2s_conv1d_layers_from_the_export(tmp_path):
+    """GPT-2 stores its linears as Conv1D ([in, out]); the GPTQ export packs them as GPTQModel's
+    GPT-2 support expects (compressed-tensors refuses them: its loaders skip Conv1D)."""
+    from causal_lms import calibration, causal_lm, prompt
+
+    cm = qc.compile(
+        causal_lm("gpt2"), {"input_ids": prompt()}, recipe="gptq-w4g128", calibration=calibration(), progress=False
+    )
+    export_gptq(cm, tmp_path / "ckpt", zero_format="v2", progress=lambda _m: None)
+    ids = prompt(1, 8)
+    result = run_client(GPTQMODEL_PYTHON, _CLIENT, tmp_path / "ckpt", json.dumps(ids.tolist()), timeout=600)
+    assert result["kernels"] == {"TorchLinear": 8, "Linear": 1}, result["kernels"]  # 2 blocks x 4 Conv1D
+    ours = cm(input_ids=ids).logits
+    theirs = torch.load(tmp_path / "ckpt" / "client_logits.pt", weights_only=True)
+    assert ((theirs - ours).norm() / ours.norm()).item() < 0.01  # bf16 activations: measured 0.006

@@ -121,3 +121,19 @@ def test_shared_kv_buffers_and_sliding_windows(window, tmp_path):
     new = 16 if window is None else 2
     expected = model.generate(ids, max_new_tokens=new, do_sample=False)[0, 5:].tolist()
     assert genai_tokens(tmp_path / "g", ids[0].tolist(), new) == expected
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["gpt2", "opt"])
+def test_other_decoders_run_as_genais_generic_llama_type(arch, tmp_path):
+    """genai's own gpt2 type expects other inputs; declared as the generic decoder, GPT-2 and OPT
+    generate transformers' greedy tokens."""
+    from causal_lms import causal_lm, prompt
+
+    model = causal_lm(arch)
+    cm = qc.compile(model, {"input_ids": prompt()}, recipe="none", progress=False)
+    export_onnx_genai(cm, tmp_path / "g", accuracy_level=0, progress=lambda _: None)
+    assert json.loads((tmp_path / "g" / "genai_config.json").read_text())["model"]["type"] == "llama"
+    ids = prompt(1, 5, seed=3)
+    expected = model.generate(ids, max_new_tokens=16, do_sample=False)[0, 5:].tolist()
+    assert genai_tokens(tmp_path / "g", ids[0].tolist(), 16) == expected

@@ -18,7 +18,7 @@ import pytest
 from client_runtimes import greedy_gaps, quantized_tinylm, run_client
 
 import qcompiler as qc
-from qcompiler.interop import export_compressed_tensors
+from qcompiler.interop import export_compressed_tensors, export_gptq
 
 VLLM_PYTHON = os.environ.get("QC_VLLM_PYTHON")
 
@@ -58,12 +58,19 @@ MIXED = [
 @pytest.mark.slow
 @pytest.mark.skipif(not VLLM_PYTHON, reason="set QC_VLLM_PYTHON to a python with vllm (see docs/formats.md)")
 @pytest.mark.parametrize(
-    "recipe,tied", [("gptq-w4g128", False), (MIXED, False), ("gptq-w4g128", True)], ids=["w4g128", "mixed", "tied"]
+    "recipe,tied,export",
+    [
+        ("gptq-w4g128", False, export_compressed_tensors),
+        (MIXED, False, export_compressed_tensors),
+        ("gptq-w4g128", True, export_compressed_tensors),
+        ("gptq-w4g128-sym", False, export_gptq),  # vLLM's CPU GPTQ path: "Unsupported ... sym=False"
+    ],
+    ids=["w4g128", "mixed", "tied", "gptq-format-sym"],
 )
-def test_vllm_generates_the_quantized_models_tokens(tmp_path, recipe, tied):
+def test_vllm_generates_the_quantized_models_tokens(tmp_path, recipe, tied, export):
     """``tied``: the head shares the embedding table; vLLM reads it from the embedding's name only."""
     tinylm, cm = quantized_tinylm(recipe, tied=tied)
-    export_compressed_tensors(cm, tmp_path / "ct", progress=lambda _m: None)
+    export(cm, tmp_path / "ct", progress=lambda _m: None)
     prompts = [
         tinylm.encode(p)[0].tolist()
         for p in (

@@ -43,6 +43,9 @@ class CaptureInfo:
     # tied parameters (an output head sharing the input embedding): every other state-dict name of a
     # shared tensor -> the name checkpoints store it under (the embedding's, as save_pretrained does)
     tied: dict[str, str] = field(default_factory=dict)
+    # layers whose weight the model stores as [in, out] (GPT-2's Conv1D): checkpoint clients that
+    # swap in quantized nn.Linear layers skip them
+    transposed_layers: tuple[str, ...] = ()
 
 
 def normalize_inputs(example_inputs) -> tuple[tuple, dict]:
@@ -166,6 +169,7 @@ def capture(model: torch.nn.Module, example_inputs) -> torch.fx.GraphModule:
         optional_inputs=optional,
         transient=transient_tensors(gm, model),
         tied=tied_names(model),
+        transposed_layers=tuple(name for name, m in model.named_modules() if type(m).__name__ == "Conv1D"),
     )
     return gm
 
@@ -272,6 +276,7 @@ def _capture_with_cache(model: torch.nn.Module, kwargs: dict) -> torch.fx.GraphM
         cache=layout.to_dict(),
         transient=transient_tensors(gm, model),
         tied=tied_names(model),
+        transposed_layers=tuple(name for name, m in model.named_modules() if type(m).__name__ == "Conv1D"),
     )
     return gm
 

@@ -210,7 +210,7 @@ def graph_inputs(
             f"past holds {len(past)} tensors; this model's cache has {2 * layout.layers} "
             f"({layout.layers} layers x key, value)"
         )
-    length = past[0].shape[2]
+    length = max(t.shape[2] for t in past)  # sliding-window layers may hold fewer
     if attention_mask is None:
         attention_mask = torch.ones(batch, length + new, dtype=torch.long)
     if tuple(attention_mask.shape) != (batch, length + new):

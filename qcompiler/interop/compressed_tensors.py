@@ -127,7 +127,14 @@ def export_compressed_tensors(
     gm = cm.graph_module if hasattr(cm, "graph_module") else cm
     config = model_config_of(gm)
     tensors, groups, consumed = {}, {}, set()
+    transposed = set(getattr(gm.meta.get("qcompiler"), "transposed_layers", ()))
     for a, path, write in layer_writers(gm, "compressed-tensors", "compressed-tensors"):
+        if path in transposed:  # measured: transformers then runs the random-init Conv1D (rel. error 0.79)
+            raise ExportError(
+                f"{path} is a quantized Conv1D layer ({config.get('model_type', 'this model')}); transformers' "
+                "and vLLM's compressed-tensors loaders quantize nn.Linear only and would leave it random: "
+                "export --format gptq or onnx-genai"
+            )
         layer_tensors, scheme = write(gm, a, path)
         tensors.update({f"{path}.{k}": v for k, v in layer_tensors.items()})
         consumed.update(n.target for n in a.stored() if not n.target.endswith(".bias"))

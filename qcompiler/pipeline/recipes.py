@@ -168,7 +168,7 @@ def _describe(cls: type, kw: dict) -> str:
     )
     extra += ", searched (mse) grid" if p.grid == "mse" else ", min-max grid"
     extra += ", lm_head in 4 bits (RTN)" if p.lm_head else ""
-    return f"{method} W{p.bits}A16, {group}, asymmetric{extra}"
+    return f"{method} W{p.bits}A16, {group}, {'symmetric' if p.sym else 'asymmetric'}{extra}"
 
 
 # name -> (pass class in qcompiler.passes, its settings). Asymmetric grids: measured clearly better
@@ -197,6 +197,10 @@ _WEIGHT_ONLY = {
         "GPTQ",
         dict(bits=3, group_size=128, sym=False, act_order=False, static_groups=False, grid="minmax"),
     ),
+    # symmetric grids, for clients that take no zero points (vLLM's CPU and Marlin GPTQ kernels)
+    "rtn-w4g128-sym": ("RTN", dict(bits=4, group_size=128, sym=True)),
+    "gptq-w4g128-sym": ("GPTQ", dict(bits=4, group_size=128, sym=True)),
+    "gptq-w3g128-sym": ("GPTQ", dict(bits=3, group_size=128, sym=True)),
     # the output head in 4 bits too (RTN), as onnxruntime-genai's int4 builder: faster decoding
     "rtn-w4g128-head": ("RTN", dict(bits=4, group_size=128, sym=False, lm_head=True)),
     "gptq-w4g128-head": ("GPTQ", dict(bits=4, group_size=128, sym=False, lm_head=True)),

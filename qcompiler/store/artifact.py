@@ -409,6 +409,7 @@ def read(path) -> StoredModel:
             },
             tuple(str(name) for name in capture.get("transient", ())),
             {str(k): str(v) for k, v in (capture.get("tied") or {}).items()},
+            tuple(str(name) for name in capture.get("transposed_layers", ())),
         )
         layout = manifest["example_inputs"]
         example_inputs = (

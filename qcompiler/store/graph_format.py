@@ -166,6 +166,9 @@ for _name in ("pow", "lshift", "mul"):
     _OPERATORS[_name] = _bounded(_name, _OPERATORS[_name])
 _PLAIN = {getattr(operator, name): name for name in _OPERATORS}  # captured graphs call operator's own
 
+# torch's pure functions on symbolic sizes (a sliding-window cache is min/max of lengths)
+_SYM_FUNCTIONS = {f"torch.{name}": getattr(torch, name) for name in ("sym_max", "sym_min", "sym_not")}
+
 _FORBIDDEN_OPS = {"from_file", "_save", "save"}  # aten ops that touch the file system
 # Pure compute ops of other libraries that captured graphs contain: transformers' grouped matmul
 # over a MoE layer's experts (when they stay in full precision).
@@ -178,9 +181,11 @@ def _target_name(target) -> str:
     name = getattr(target, "__name__", "")
     if _OPERATORS.get(name) is target or _PLAIN.get(target) == name:
         return f"operator.{name}"
+    if _SYM_FUNCTIONS.get(f"torch.{name}") is target:
+        return f"torch.{name}"
     raise ArtifactError(
-        f"cannot store a call to {target!r}: only aten/qc operators and plain operator "
-        f"arithmetic ({', '.join(sorted(_OPERATORS))}) are allowed"
+        f"cannot store a call to {target!r}: only aten/qc operators, plain operator "
+        f"arithmetic ({', '.join(sorted(_OPERATORS))}) and {', '.join(_SYM_FUNCTIONS)} are allowed"
     )
 
 
@@ -188,6 +193,8 @@ def _resolve_target(name: str):
     parts = name.split(".") if isinstance(name, str) else []
     if len(parts) == 2 and parts[0] == "operator" and parts[1] in _OPERATORS:
         return _OPERATORS[parts[1]]
+    if name in _SYM_FUNCTIONS:
+        return _SYM_FUNCTIONS[name]
     if name in _EXTRA_OPS:  # registered when transformers' MoE integration is imported
         import transformers.integrations.moe  # noqa: F401
 
