@@ -128,9 +128,16 @@ def quantize(
         "a text file, a folder of text files, .jsonl, .parquet or a saved dataset",
     ),
     samples: int = typer.Option(
-        32, "--samples", "--nsamples", help="calibration windows / documents / sentences (the GPTQ paper: 128)"
+        32,
+        "--samples",
+        "--nsamples",
+        min=1,
+        max=1_000_000,
+        help="calibration windows / documents / sentences (the GPTQ paper: 128)",
     ),
-    seqlen: int = typer.Option(2048, help="tokens per window, capped by the model's context (bundled: 128)"),
+    seqlen: int = typer.Option(
+        2048, min=2, max=1 << 20, help="tokens per window, capped by the model's context (bundled: 128)"
+    ),
     seed: int = typer.Option(0, help="seed of the random windows"),
     packing: str = typer.Option(
         "windows", help="windows (random windows of the joined text) | none (one padded sample per document)"
@@ -215,7 +222,7 @@ def _triton_runtime() -> None:
 def evaluate(
     target: str = typer.Argument(..., help="an artifact folder, or a model (bundled:NAME / folder)"),
     backend: Backend = typer.Option("eager", help="backend to run the quantized model on"),
-    windows: int = typer.Option(64, help="held-out windows (causal LMs) / sentences (encoders)"),
+    windows: int = typer.Option(64, min=1, max=100_000, help="held-out windows (causal LMs) / sentences (encoders)"),
     json_out: Optional[Path] = typer.Option(None, "--json", help="also write the figures as JSON"),
 ):
     """Perplexity (causal LMs) or embedding cosine vs FP32 (encoders), FP32 beside quantized."""
@@ -257,9 +264,13 @@ def export(
     ),
     dest: Path = typer.Option(..., "--out", help="file (onnx) or folder (onnx-genai, gptq, compressed-tensors)"),
     zero_format: str = typer.Option("auto", help="gptq only: auto | v1 | v2 zero points"),
-    max_shard_gb: float = typer.Option(5.0, help="gptq, compressed-tensors: safetensors shard size (GiB)"),
+    max_shard_gb: float = typer.Option(
+        5.0, min=0.001, max=1e6, help="gptq, compressed-tensors: safetensors shard size (GiB)"
+    ),
     accuracy_level: Optional[int] = typer.Option(
         None,
+        min=0,
+        max=4,
         help="onnx, onnx-genai: MatMulNBits accuracy_level (default 4: int8 activations, fastest on CPU; 0: exact)",
     ),
     plain_attention: bool = typer.Option(
@@ -297,12 +308,14 @@ def export(
 def generate(
     target: str = typer.Argument(..., help="an artifact folder, or a model (bundled:NAME / folder) in FP"),
     prompt: list[str] = typer.Option(..., "--prompt", help="text to continue; repeat for a batch"),
-    max_new_tokens: int = typer.Option(32, "--max-new-tokens", help="tokens to generate per prompt"),
+    max_new_tokens: int = typer.Option(
+        32, "--max-new-tokens", min=0, max=1_000_000, help="tokens to generate per prompt"
+    ),
     backend: Backend = typer.Option("eager", help="backend to run the model on"),
     do_sample: bool = typer.Option(False, "--sample", help="sample instead of greedy decoding"),
     temperature: float = typer.Option(1.0, help="sampling temperature"),
-    top_k: int = typer.Option(0, "--top-k", help="sample among the k most likely tokens (0: all)"),
-    top_p: float = typer.Option(1.0, "--top-p", help="nucleus sampling mass (1.0: all)"),
+    top_k: int = typer.Option(0, "--top-k", min=0, help="sample among the k most likely tokens (0: all)"),
+    top_p: float = typer.Option(1.0, "--top-p", min=0.0, max=1.0, help="nucleus sampling mass (1.0: all)"),
     seed: Optional[int] = typer.Option(None, help="random seed for sampling"),
 ):
     """Continue each --prompt with the KV cache; one prompt streams its tokens as they are made."""

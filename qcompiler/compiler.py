@@ -283,6 +283,27 @@ def load(path, backend: str = "eager", *, backend_options: Optional[dict] = None
     )
 
 
+def refuse_non_finite(gm: torch.fx.GraphModule) -> None:
+    """Every stored floating tensor of the result must be finite: a NaN norm weight passes a
+    calibration-free recipe untouched, and W8A8 turned NaN weights into NaN scales that generate only
+    padding. Non-persistent buffers (masks may hold -inf) are not the model's weights."""
+    from qcompiler.algorithms.finite import all_finite
+    from qcompiler.errors import QuantizationError
+    from qcompiler.ir.tensors import get_tensor
+
+    transient = set(getattr(gm.meta.get("qcompiler"), "transient", ()))
+    for node in gm.graph.nodes:
+        if node.op != "get_attr" or node.target in transient:
+            continue
+        t = get_tensor(gm, node.target)
+        if isinstance(t, torch.Tensor) and t.is_floating_point() and not all_finite(t):
+            bad = int((~torch.isfinite(t)).sum())
+            raise QuantizationError(
+                f"{node.target}: {bad} of its {t.numel()} values are NaN or Inf; the checkpoint is "
+                "damaged, or a pass produced them (nothing was written)"
+            )
+
+
 def resolve_device(device) -> Optional[torch.device]:
     """``"auto"``: the GPU when there is one, else where the weights are (None); a name must exist."""
     if device is None or isinstance(device, torch.device):
@@ -349,4 +370,5 @@ def compile(
     )
     gm, report = manager.run(gm, ctx)
     lazy_weights.materialize_all(gm, ctx.log)  # streamed weights no pass replaced
+    refuse_non_finite(gm)
     return on_backend(gm, resolved, report, backend, ctx.example_inputs, backend_options)

@@ -55,7 +55,7 @@ def inputs(tmp_path_factory):
     good = root / "model"
     model.save_pretrained(good)
     files["model"] = good
-    for name in ("nocfg", "pickle", "missing", "custom"):
+    for name in ("nocfg", "pickle", "missing", "custom", "manylayers", "truncw"):
         shutil.copytree(good, root / name)
         files[name] = root / name
     (root / "nocfg" / "config.json").unlink()
@@ -66,6 +66,11 @@ def inputs(tmp_path_factory):
     tensors = load_file(weights)
     tensors.pop("model.layers.1.mlp.down_proj.weight")
     save_file(tensors, str(weights), metadata={"format": "pt"})
+    config = json.loads((root / "manylayers" / "config.json").read_text())
+    config["num_hidden_layers"] = 1_000_000
+    (root / "manylayers" / "config.json").write_text(json.dumps(config))
+    weights = next((root / "truncw").glob("*.safetensors"))
+    weights.write_bytes(weights.read_bytes()[:5000])
     config = json.loads((root / "custom" / "config.json").read_text())
     config["auto_map"] = {"AutoConfig": "configuration_evil.EvilConfig"}
     (root / "custom" / "config.json").write_text(json.dumps(config))
@@ -223,6 +228,11 @@ CLI_ROWS = [
         "model.layers.1.mlp.down_proj.weight",
     ),
     ("model: ships custom code", ["quantize", "{custom}", "--out", "{root}/o"], 2, "never runs code"),
+    ("model: 1,000,000 layers claimed", ["quantize", "{manylayers}", "--out", "{root}/o"], 2, "says 1000000 layers"),
+    ("model: truncated weights", ["quantize", "{truncw}", "--out", "{root}/o"], 2, "not a readable safetensors"),
+    ("eval --windows -5", ["eval", "bundled:tinylm", "--windows", "-5"], 2, "Invalid value for '--windows'"),
+    ("--samples 0", ["quantize", "bundled:tinylm", "--samples", "0", "--out", "{root}/o"], 2, "'--samples'"),
+    ("generate --top-p 2", ["generate", "bundled:tinylm", "--prompt", "x", "--top-p", "2"], 2, "'--top-p'"),
     ("model: a file, not a folder", ["quantize", "{afile}", "--out", "{root}/o"], 2, "does not exist"),
     # calibration
     (
@@ -387,6 +397,13 @@ def _nan_model():
     return model
 
 
+def _nan_norm_model(value=float("nan")):
+    model = make_model("llama")
+    with torch.no_grad():
+        model.model.layers[0].post_attention_layernorm.weight[7] = value
+    return model
+
+
 API_ROWS = [
     (
         "NaN weight with RTN",
@@ -405,6 +422,26 @@ API_ROWS = [
         ),
         qc.PassError,
         "NaN or Inf",
+    ),
+    (
+        "NaN weight with W8A8",
+        lambda cm: qc.compile(
+            _nan_model(), example_inputs("llama"), recipe="w8a8", calibration=[example_inputs("llama")], progress=False
+        ),
+        qc.QuantizationError,
+        "NaN or Inf",
+    ),
+    (
+        "NaN norm weight, no calibration",
+        lambda cm: qc.compile(_nan_norm_model(), example_inputs("llama"), recipe="rtn-w4g128", progress=False),
+        qc.QuantizationError,
+        "model.layers.0.post_attention_layernorm.weight: 1 of its 64 values are NaN or Inf",
+    ),
+    (
+        "Inf weight, FP graph",
+        lambda cm: qc.compile(_nan_norm_model(float("inf")), example_inputs("llama"), recipe="none", progress=False),
+        qc.QuantizationError,
+        "post_attention_layernorm.weight: 1 of its 64",
     ),
     ("token id -1", lambda cm: cm(input_ids=_ids(1, 4) - 1 - _ids(1, 4).max()), ValueError, "token id -"),
     ("token id >= vocab", lambda cm: cm(input_ids=_ids(1, 4) + 96), ValueError, "outside the model's vocabulary"),

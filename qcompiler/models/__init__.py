@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
@@ -144,7 +145,41 @@ def _checked_folder(name_or_path: str | Path, trust_remote_code: bool = False) -
     _check_folder(path)
     if not trust_remote_code:
         _refuse_custom_code(path)
-    return path, label, AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    _check_layer_count(path, config)
+    return path, label, config
+
+
+_LAYER_INDEX = re.compile(r"(?:^|\.)(?:layers|layer|h|blocks)\.(\d+)\.")
+
+
+def checkpoint_tensor_names(path: Path) -> list[str]:
+    """The tensor names of the folder's safetensors files, from their headers only; a file that is
+    not readable safetensors (truncated, damaged) is an error naming it."""
+    from safetensors import SafetensorError, safe_open
+
+    names = []
+    for file in sorted(path.glob("*.safetensors")):
+        try:
+            with safe_open(str(file), framework="pt") as f:
+                names.extend(f.keys())
+        except (SafetensorError, OSError, ValueError) as e:
+            raise ValueError(f"model folder {path}: {file.name} is not a readable safetensors file ({e})") from None
+    return names
+
+
+def _check_layer_count(path: Path, config) -> None:
+    """The config's layer count must match the checkpoint's before a model of that size is built
+    (a config claiming 1,000,000 layers would take minutes to refuse otherwise)."""
+    count = next(
+        (getattr(config, k) for k in ("num_hidden_layers", "n_layer", "num_layers") if hasattr(config, k)), None
+    )
+    indices = {int(m.group(1)) for name in checkpoint_tensor_names(path) if (m := _LAYER_INDEX.search(name))}
+    if isinstance(count, int) and indices and count > max(indices) + 1:
+        raise ValueError(
+            f"model folder {path}: config.json says {count} layers, but the checkpoint holds "
+            f"{max(indices) + 1} (layer indices {min(indices)}-{max(indices)})"
+        )
 
 
 def load(name_or_path: str | Path, *, stream: bool = False, trust_remote_code: bool = False) -> LoadedModel:
