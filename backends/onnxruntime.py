@@ -63,6 +63,7 @@ def prepare_onnxruntime(
         export_onnx(gm, path, example_inputs, **options)
         session = session_for(path, threads=threads)
     names = [i.name for i in session.get_inputs()]
+    types = {i.name: i.type for i in session.get_inputs()}
     out_spec = gm._out_spec
     in_spec = gm._in_spec
     placeholders = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
@@ -84,9 +85,23 @@ def prepare_onnxruntime(
         missing = [n for n in names if n not in values]
         if missing:
             raise BackendError(f"the ONNX model needs inputs {missing}")
-        feeds = {n: values[n].detach().numpy() if isinstance(values[n], torch.Tensor) else values[n] for n in names}
+        feeds = {n: _as_input(values[n], types[n]) for n in names}
         outputs = [torch.from_numpy(o) for o in session.run(None, feeds)]
         return pytree.tree_unflatten(outputs, out_spec)
 
     run.session, run.path = session, (Path(path) if path is not None else None)
     return run
+
+
+_INTEGER_INPUTS = {"tensor(int64)": torch.int64, "tensor(int32)": torch.int32}
+
+
+def _as_input(value, onnx_type: str):
+    """``value`` as the array the session takes: integer tensors (token ids, masks) in the integer
+    type the model declares, as eager accepts int32 or int64 alike."""
+    if not isinstance(value, torch.Tensor):
+        return value
+    wanted = _INTEGER_INPUTS.get(onnx_type)
+    if wanted is not None and not value.is_floating_point() and value.dtype != wanted:
+        value = value.to(wanted)
+    return value.detach().numpy()

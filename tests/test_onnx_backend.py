@@ -274,3 +274,19 @@ def test_t5_encoder_exports_and_runs_in_ort_at_other_shapes():
     ids = torch.randint(0, 200, (3, 7), generator=torch.Generator().manual_seed(1))
     want, got = cm(input_ids=ids).last_hidden_state, ort_cm(input_ids=ids).last_hidden_state
     assert ((got - want).abs().max() / want.abs().max()).item() <= 1e-5
+
+
+def test_int32_ids_and_a_left_out_mask_work_on_onnxruntime_as_on_eager():
+    """transformers accepts int32 ids and fills a missing attention_mask with ones; so does every
+    backend (the ONNX session declares int64 inputs; the example had a mask)."""
+    model = make_model("bert")
+    example = example_inputs("bert")
+    assert "attention_mask" in example
+    cm = qc.compile(model, example, recipe="none", progress=False)
+    ort = cm.with_backend("onnxruntime")
+    ids = example["input_ids"]
+    with torch.no_grad():
+        reference = model(input_ids=ids).last_hidden_state
+    assert torch.equal(cm(input_ids=ids).last_hidden_state, reference)
+    for out in (ort(input_ids=ids).last_hidden_state, ort(input_ids=ids.int()).last_hidden_state):
+        assert (out - reference).abs().max() < 1e-5

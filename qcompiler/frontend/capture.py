@@ -217,7 +217,8 @@ def fill_optional_inputs(info: CaptureInfo, kwargs: dict) -> dict:
 
 def _add_optional_inputs(model, args: tuple, kwargs: dict) -> dict:
     """For a (non-generating) transformers model called by keyword: add the optional inputs its
-    forward takes and the example lacks. Returns ``{name: "ones" | "zeros"}`` of those added."""
+    forward takes and the example lacks. Returns ``{name: "ones" | "zeros"}`` of every optional
+    input the graph then takes, so that a call may leave any of them out (as transformers allows)."""
     can_generate = getattr(model, "can_generate", None)
     ids = kwargs.get("input_ids")
     if (
@@ -228,10 +229,11 @@ def _add_optional_inputs(model, args: tuple, kwargs: dict) -> dict:
     ):
         return {}
     params = inspect.signature(model.forward).parameters
-    added = {name: kind for name, kind in OPTIONAL_INPUTS.items() if name in params and name not in kwargs}
-    for name, kind in added.items():
-        kwargs[name] = optional_value(kind, ids)
-    return added
+    taken = {name: kind for name, kind in OPTIONAL_INPUTS.items() if name in params}
+    for name, kind in taken.items():
+        if kwargs.get(name) is None:
+            kwargs[name] = optional_value(kind, ids)
+    return taken
 
 
 def _capture_with_cache(model: torch.nn.Module, kwargs: dict) -> torch.fx.GraphModule:
