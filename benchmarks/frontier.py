@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from results_file import results_file, write_rows
+from results_file import merged_rows, results_file, write_rows
 
 import qcompiler as qc
 from qcompiler import models
@@ -189,9 +189,7 @@ def main() -> None:
         return
     rows = run(args.models, args.recipes, args.budgets, args.calib, args.rotated_budgets)
     if args.update:
-        fresh = {(r["model"], r["recipe"]) for r in rows}
-        kept = json.loads(results_file("frontier").read_text())["rows"]
-        rows = [r for r in kept if (r["model"], r["recipe"]) not in fresh] + rows
+        rows = merged_rows("frontier", rows)
     write_rows("frontier", rows, args.quick, calibration=args.calib)
     if not args.quick:
         plot(rows, PLOT)

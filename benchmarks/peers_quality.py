@@ -1,16 +1,23 @@
-"""Quality at equal bits, side by side with llm-compressor 0.14 (GPTQ and AWQ), on the bundled models.
+"""Quality at equal bits, side by side with llm-compressor 0.14 (GPTQ, AWQ) and AutoRound 0.16
+(SignRound), on the bundled models.
 
-    python benchmarks/peers_quality.py --llmc-python /path/to/venv/bin/python          (~25 min)
-    python benchmarks/peers_quality.py --llmc-python ... --models tinylm --recipes gptq-w4g128
+    python benchmarks/peers_quality.py --llmc-python L/bin/python --ar-python A/bin/python      (~40 min)
+    python benchmarks/peers_quality.py --ar-python A/bin/python --peers autoround-w4g128 --recipes --update
 
-llm-compressor lives in its own venv (``python -m venv --system-site-packages V && V/bin/pip install
-llmcompressor==0.14.0``; it sees the system torch and this checkout's qcompiler). Each peer row runs
-in a child process of that venv: the same bundled model, the same calibration windows / sentences
-(``loaded.calibration``), llm-compressor's ``oneshot`` with its sequential pipeline, then the same
+Each peer lives in its own venv that sees the system torch and this checkout's qcompiler
+(``python -m venv --system-site-packages V``; llm-compressor: ``V/bin/pip install
+llmcompressor==0.14.0``; AutoRound: ``V/bin/pip install --no-deps auto-round accelerate py-cpuinfo
+&& V/bin/pip install datasets`` — its declared requirements would move torch). Each peer row runs in a
+child process of that venv: the same bundled model, the same calibration windows / sentences
+(``loaded.calibration``: 128 x 256 tokens for the LM, 128 sentences for MiniLM), then the same
 judges as benchmarks/frontier.py (held-out loss; for the LM greedy agreement over 128 tokens from
-32 prompts and next-token KL). Bits per parameter of a peer row are its storage at the convention
-qcompiler counts by (codes + 16-bit scales + zero points per group), i.e. equal to the qcompiler row
-it is set beside. Writes benchmarks/results/peers_quality.json; docs/results.md quotes it.
+32 prompts and next-token KL). llm-compressor runs ``oneshot`` with its sequential pipeline;
+AutoRound its default SignRound (200 iterations of signed-gradient rounding and clipping per
+block, learning rate 1/iters; MiniLM's sentences padded to 128 tokens, as it takes fixed-length
+samples). Bits per parameter of a peer row are its storage at the convention qcompiler counts by
+(codes + 16-bit scales + zero points per group), i.e. equal to the qcompiler row it is set beside.
+Writes benchmarks/results/peers_quality.json (``--update``: replaces only the rows run); docs/results.md
+quotes it.
 """
 
 from __future__ import annotations
@@ -22,15 +29,20 @@ import sys
 import time
 
 import torch
-from results_file import write_rows
+from results_file import merged_rows, write_rows
 
 PEERS = {
-    # name: (modifier, bits, group size); asymmetric like qcompiler's recipes
-    "llmc-gptq-w4g128": ("GPTQ", 4, 128),
-    "llmc-gptq-w3g128": ("GPTQ", 3, 128),
-    "llmc-awq-w4g128": ("AWQ", 4, 128),
-    "llmc-awq-w3g128": ("AWQ", 3, 128),
+    # name: (tool, method, bits, group size); asymmetric like qcompiler's recipes
+    "llmc-gptq-w4g128": ("llmc", "GPTQ", 4, 128),
+    "llmc-gptq-w3g128": ("llmc", "GPTQ", 3, 128),
+    "llmc-awq-w4g128": ("llmc", "AWQ", 4, 128),
+    "llmc-awq-w3g128": ("llmc", "AWQ", 3, 128),
+    "autoround-w4g128": ("autoround", "SignRound", 4, 128),
+    "autoround-w3g128": ("autoround", "SignRound", 3, 128),
 }
+TOOLS = {"llmc": "llm-compressor", "autoround": "AutoRound"}
+OURS = ["gptq-w4g128", "gptq-w3g128", "rotate-gptq-w4g128", "rotate-gptq-w3g128"]
+OURS += ["auto:4.16", "auto:3.25", "rotate-auto:4.16", "rotate-auto:3.25"]
 
 
 def _bits(bits: int, group: int) -> float:
@@ -38,12 +50,8 @@ def _bits(bits: int, group: int) -> float:
 
 
 def worker(model_name: str, peer: str, calib: int) -> dict:
-    """One llm-compressor row, in the llm-compressor venv."""
-    from datasets import Dataset
+    """One peer row, in that peer's venv."""
     from frontier import GenerationJudge
-    from llmcompressor import oneshot
-    from llmcompressor.modifiers.awq import AWQModifier
-    from llmcompressor.modifiers.quantization import GPTQModifier
 
     from qcompiler import models
     from qcompiler.evaluation.quality import QualityJudge
@@ -52,7 +60,35 @@ def worker(model_name: str, peer: str, calib: int) -> dict:
     judge = QualityJudge(loaded)
     fp = judge.score(loaded.model)
     generation = GenerationJudge(loaded) if loaded.kind == "causal-lm" else None
-    batches = loaded.calibration(calib, 256 if loaded.kind == "causal-lm" else 128)
+    seqlen = 256 if loaded.kind == "causal-lm" else 128
+    batches = loaded.calibration(calib, seqlen)
+    tool, method, bits, group = PEERS[peer]
+    start = time.perf_counter()
+    model = (_llmc if tool == "llmc" else _autoround)(loaded, batches, method, bits, group, seqlen)
+    seconds = time.perf_counter() - start
+    model.eval()
+    value = judge.score(model)
+    row = dict(
+        model=model_name,
+        recipe=peer,
+        family=f"{TOOLS[tool]} {method}",
+        metric=judge.metric,
+        value=value,
+        loss=judge.loss(fp, value),
+        bits_per_parameter=_bits(bits, group),
+        quant_seconds=seconds,
+    )
+    if generation is not None:
+        row.update(generation.score(_HFModel(model)))
+    return row
+
+
+def _llmc(loaded, batches, method: str, bits: int, group: int, seqlen: int):
+    from datasets import Dataset
+    from llmcompressor import oneshot
+    from llmcompressor.modifiers.awq import AWQModifier
+    from llmcompressor.modifiers.quantization import GPTQModifier
+
     rows = {"input_ids": [], "attention_mask": []}
     for batch in batches:
         ids = batch["input_ids"]
@@ -61,7 +97,6 @@ def worker(model_name: str, peer: str, calib: int) -> dict:
             keep = mask[i].bool()
             rows["input_ids"].append(ids[i][keep].tolist())
             rows["attention_mask"].append([1] * int(keep.sum()))
-    kind, bits, group = PEERS[peer]
     scheme = {
         "group_0": {
             "targets": ["Linear"],
@@ -71,10 +106,9 @@ def worker(model_name: str, peer: str, calib: int) -> dict:
     ignore = ["lm_head"] if loaded.kind == "causal-lm" else ["pooler.dense"]
     modifier = (
         GPTQModifier(config_groups=scheme, ignore=ignore, dampening_frac=0.01)
-        if kind == "GPTQ"
+        if method == "GPTQ"
         else AWQModifier(config_groups=scheme, ignore=ignore)
     )
-    start = time.perf_counter()
     extra = {"processor": _processor(loaded)}
     if loaded.kind != "causal-lm":
         extra["sequential_targets"] = ["BertLayer"]
@@ -82,27 +116,40 @@ def worker(model_name: str, peer: str, calib: int) -> dict:
         model=loaded.model,
         dataset=Dataset.from_dict(rows),
         recipe=modifier,
-        max_seq_length=256,
+        max_seq_length=seqlen,
         num_calibration_samples=len(rows["input_ids"]),
         pipeline="sequential",
         **extra,
     )
-    seconds = time.perf_counter() - start
-    loaded.model.eval()
-    value = judge.score(loaded.model)
-    row = dict(
-        model=model_name,
-        recipe=peer,
-        family=f"llm-compressor {kind}",
-        metric=judge.metric,
-        value=value,
-        loss=judge.loss(fp, value),
-        bits_per_parameter=_bits(bits, group),
-        quant_seconds=seconds,
+    return loaded.model
+
+
+def _autoround(loaded, batches, method: str, bits: int, group: int, seqlen: int):
+    """AutoRound's defaults (SignRound, 200 iterations); its result is the model with fake-quantized
+    weights, which the judges run as is. Samples are fixed-length: sentences padded to ``seqlen``."""
+    from auto_round import AutoRound
+    from torch.utils.data import DataLoader
+
+    samples = []
+    for batch in batches:
+        ids = batch["input_ids"]
+        mask = batch.get("attention_mask", torch.ones_like(ids))
+        pad = seqlen - ids.shape[1]
+        ids, mask = torch.nn.functional.pad(ids, (0, pad)), torch.nn.functional.pad(mask, (0, pad))
+        samples += [{"input_ids": ids[i], "attention_mask": mask[i]} for i in range(ids.shape[0])]
+    rounder = AutoRound(
+        loaded.model,
+        tokenizer=_processor(loaded),
+        scheme={"bits": bits, "group_size": group, "sym": False, "data_type": "int", "act_bits": 16},
+        dataset=DataLoader(samples, batch_size=8),
+        nsamples=len(samples),
+        seqlen=seqlen,
+        batch_size=8,
+        device_map="cpu",
+        enable_torch_compile=False,
     )
-    if generation is not None:
-        row.update(generation.score(_HFModel(loaded.model)))
-    return row
+    model, _ = rounder.quantize()
+    return model
 
 
 def _processor(loaded):
@@ -145,24 +192,30 @@ def ours(model_name: str, recipes: list, calib: int) -> list[dict]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--llmc-python", required=False, help="python of a venv with llmcompressor 0.14")
+    ap.add_argument("--llmc-python", help="python of a venv with llmcompressor 0.14")
+    ap.add_argument("--ar-python", help="python of a venv with auto-round 0.16")
     ap.add_argument("--models", nargs="+", default=["tinylm", "minilm"])
     ap.add_argument("--peers", nargs="*", default=list(PEERS))
-    ap.add_argument("--recipes", nargs="*", default=["gptq-w4g128", "gptq-w3g128", "auto:4.16", "auto:3.25"])
+    ap.add_argument("--recipes", nargs="*", default=OURS)
     ap.add_argument("--calib", type=int, default=128)
+    ap.add_argument("--update", action="store_true", help="replace only these rows in the committed JSON")
     ap.add_argument("--quick", action="store_true", help="write under results/quick/")
     ap.add_argument("--worker", nargs=2, metavar=("MODEL", "PEER"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
         print("RESULT " + json.dumps(worker(args.worker[0], args.worker[1], args.calib)), flush=True)
         return
-    if not args.llmc_python:
-        ap.error("--llmc-python is required (llm-compressor needs its own venv, see the docstring)")
+    pythons = {"llmc": args.llmc_python, "autoround": args.ar_python}
+    for peer in args.peers:
+        if not pythons[PEERS[peer][0]]:
+            ap.error(
+                f"{peer} needs --{PEERS[peer][0].replace('autoround', 'ar')}-python (its own venv, see the docstring)"
+            )
     rows = []
     for name in args.models:
         for peer in args.peers:
             done = subprocess.run(
-                [args.llmc_python, __file__, "--worker", name, peer, "--calib", str(args.calib)],
+                [pythons[PEERS[peer][0]], __file__, "--worker", name, peer, "--calib", str(args.calib)],
                 capture_output=True,
                 text=True,
             )
@@ -174,8 +227,10 @@ def main() -> None:
                 continue
             rows.append(json.loads(line[len("RESULT ") :]))
             print(f"{name:7s} {peer:18s} loss {rows[-1]['loss']:.5f}", file=sys.stderr, flush=True)
-        rows += ours(name, args.recipes, args.calib)
-
+        if args.recipes:
+            rows += ours(name, args.recipes, args.calib)
+    if args.update:
+        rows = merged_rows("peers_quality", rows)
     write_rows("peers_quality", rows, args.quick, calibration=args.calib)
     print("| model | tool / recipe | bits/param | loss vs FP32 | greedy agreement | next-token KL |")
     print("|---|---|---|---|---|---|")

@@ -37,3 +37,13 @@ def write_rows(name: str, rows: list, quick: bool = False, **meta) -> Path:
     out.parent.mkdir(parents=True, exist_ok=True)
     write_text_atomically(out, json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
     return out
+
+
+def merged_rows(name: str, rows: list, key=("model", "recipe")) -> list:
+    """The committed results/NAME.json rows with those of ``rows``' keys replaced by ``rows`` (a
+    partial rerun that keeps the other figures)."""
+    import json
+
+    fresh = {tuple(r[k] for k in key) for r in rows}
+    kept = json.loads(results_file(name).read_text())["rows"]
+    return [r for r in kept if tuple(r[k] for k in key) not in fresh] + rows

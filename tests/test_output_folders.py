@@ -239,3 +239,17 @@ def test_a_reader_never_sees_a_mix_of_two_artifacts(tmp_path):
         stop.set()
         thread.join()
     assert not mixed
+
+
+def test_a_full_disk_names_the_output_in_one_line(tmp_path, monkeypatch, capsys):
+    """safetensors raises ENOSPC without a file name; the CLI's line still says where (exit 1)."""
+    import qcompiler.store.artifact as artifact
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(artifact, "save_file", full)
+    out = tmp_path / "o"
+    assert main(["quantize", "bundled:tinylm", "--recipe", "rtn-w4g128", "--samples", "2", "--out", str(out)]) == 1
+    assert capsys.readouterr().err.strip().splitlines()[-1] == f"error: No space left on device: {out}"
+    assert list(tmp_path.iterdir()) == []

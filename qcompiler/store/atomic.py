@@ -77,6 +77,18 @@ def _publishable(path: Path) -> None:
 
 
 @contextlib.contextmanager
+def _naming(path: Path) -> Iterator[None]:
+    """An OS error without a file name (safetensors' and numpy's writers raise ENOSPC so) names
+    the output being written, so the one-line error says where the disk filled up."""
+    try:
+        yield
+    except OSError as e:
+        if e.filename or e.errno is None:
+            raise
+        raise OSError(e.errno, e.strerror or os.strerror(e.errno), str(path)) from e
+
+
+@contextlib.contextmanager
 def atomic_file(path, suffix: str = "") -> Iterator[Path]:
     """Yield a temporary path beside ``path``; on success it replaces ``path``, on failure it is removed."""
     path = Path(path)
@@ -85,7 +97,8 @@ def atomic_file(path, suffix: str = "") -> Iterator[Path]:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = temporary_sibling(path, folder=False, suffix=suffix + ".tmp")
     try:
-        yield Path(tmp)
+        with _naming(path):
+            yield Path(tmp)
         _publishable(Path(tmp))
         os.replace(tmp, path)
     except BaseException:
@@ -327,7 +340,8 @@ def publish_directory(path, kind: str, *, overwrite: bool = False, protect: Iter
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = temporary_sibling(path, folder=True)
     try:
-        yield tmp
+        with _naming(path):
+            yield tmp
         written = sorted(_entries(tmp))
         (tmp / MARKER).write_text(json.dumps({"kind": kind, "files": written}) + "\n")  # last: marks it complete
         _publishable(tmp)
