@@ -203,3 +203,24 @@ def test_half_precision_models_calibrate_and_quantize_in_their_dtype(dtype):
     assert out.dtype == dtype
     assert 0 < ((out.float() - ref.float()).norm() / ref.float().norm()).item() < 0.3
     assert q.generate(prompt(), 4).shape == (1, 10)
+
+
+def test_a_checkpoint_saying_use_cache_false_still_generates(tmp_path, capsys):
+    """``use_cache: false`` is a training setting many fine-tuned checkpoints ship; a loaded model is
+    captured with its cache anyway (generate and the onnx-genai export need it)."""
+    from qcompiler.cli import main
+    from qcompiler.models import load
+
+    model = causal_lm("llama")
+    model.config.use_cache = False
+    model.save_pretrained(tmp_path / "model")
+    loaded = load(tmp_path / "model")
+    cm = qc.compile(loaded.model, loaded.example_inputs(), recipe="rtn-w4g128", progress=False)
+    assert cm.cache_layout is not None
+    reference = qc.compile(causal_lm("llama"), {"input_ids": prompt()}, recipe="rtn-w4g128", progress=False)
+    assert torch.equal(cm.generate(prompt(), 8), reference.generate(prompt(), 8))
+    out = tmp_path / "art"
+    assert (
+        main(["quantize", str(tmp_path / "model"), "--recipe", "rtn-w4g128", "--samples", "2", "--out", str(out)]) == 0
+    )
+    assert qc.load(out).cache_layout is not None

@@ -92,9 +92,12 @@ def _cache_param(model) -> Optional[str]:
 
 
 def wants_cache(model: torch.nn.Module, kwargs: dict) -> bool:
-    """A causal LM whose config asks for a cache, unless the example turns it off (``use_cache=False``)."""
+    """A causal LM captured with its cache: when the example says ``use_cache=True``, or says nothing
+    and the config asks for one (many fine-tuned checkpoints ship ``use_cache: false``, a training
+    setting; pass ``use_cache=True`` to generate from them anyway)."""
     config = getattr(model, "config", None)
-    if config is None or not getattr(config, "use_cache", False) or kwargs.get("use_cache") is False:
+    explicit = kwargs.get("use_cache")
+    if config is None or explicit is False or (explicit is None and not getattr(config, "use_cache", False)):
         return False
     can_generate = getattr(model, "can_generate", None)
     return (

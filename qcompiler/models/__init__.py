@@ -50,8 +50,8 @@ class LoadedModel:
         ids = torch.randint(
             0, min(self.model.config.vocab_size, 256), (batch, seq), generator=torch.Generator().manual_seed(0)
         )
-        if self.kind == "causal-lm":  # captured with its KV cache: the compiled model can generate()
-            return {"input_ids": ids}
+        if self.kind == "causal-lm":  # captured with its KV cache, whatever config.use_cache says: it can generate()
+            return {"input_ids": ids, "use_cache": True}
         return {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
 
     def encode(self, text: str) -> torch.Tensor:
