@@ -9,9 +9,10 @@ when it was loaded from a folder. Nothing is pickled, and loading treats every f
 manifest holds each file's SHA-256, checked on load; no path the manifest records is ever opened.
 
 A save is published atomically (``atomic.publish_directory``): an interrupted save leaves the
-previous artifact as it was, and a folder holding anything but an earlier artifact is never
-replaced without ``overwrite=True``. A load reads every file through one handle on the folder, so
-a save that replaces the artifact meanwhile cannot mix two artifacts' files.
+previous artifact as it was; a folder is replaced only when it holds nothing but an earlier
+qcompiler output (another kind of output: with ``overwrite=True``). A load reads every file
+through one handle on the folder, so a save that replaces the artifact meanwhile cannot mix two
+artifacts' files.
 """
 
 from __future__ import annotations
@@ -103,8 +104,8 @@ def save(
     """Write ``cm`` (a CompiledModel) to the folder ``path``, replacing an existing artifact atomically.
 
     ``metadata``: extra JSON-safe facts to keep in the manifest (the CLI records the model source).
-    ``overwrite``: replace a folder that holds something other than an artifact. ``protect``: paths
-    that must survive (the input model's folder; the folder the model was loaded from always is).
+    ``overwrite``: replace another kind of qcompiler output (never files qcompiler did not write).
+    ``protect``: paths that must survive (the input model's folder; the folder the model was loaded from always is).
     ``max_shard_bytes``: past it the tensors go to ``tensors-0000k-of-0000n.safetensors`` files.
     """
     path = Path(path)
