@@ -337,3 +337,41 @@ def test_sliding_window_models_save_reload_and_generate_the_same(arch, tmp_path)
     else:
         reference = model.generate(padded, attention_mask=mask, max_new_tokens=20, min_new_tokens=20, do_sample=False)
         assert torch.equal(fp.generate(padded, 20, attention_mask=mask), reference)
+
+
+@pytest.mark.parametrize("bits", [4, 3])
+def test_phi3s_fused_gate_up_is_written_as_two_exact_halves(bits, tmp_path):
+    """The GPTQ export cuts Phi-3's gate_up_proj into gate_proj and up_proj (what GPTQModel loads):
+    the halves dequantize to exactly the fused layer's rows."""
+    from causal_lms import calibration, causal_lm, prompt
+    from safetensors.torch import load_file
+
+    from qcompiler.interop.checkpoint import layer_writers
+
+    recipe = [qc.passes.GPTQ(bits=bits, group_size=32, sym=False)]
+    cm = qc.compile(
+        causal_lm("phi3"), {"input_ids": prompt()}, recipe=recipe, calibration=calibration(), progress=False
+    )
+    export_gptq(cm, tmp_path / "ckpt", zero_format="v2", progress=lambda _: None)
+    stored = load_file(str(tmp_path / "ckpt" / "model.safetensors"))
+    prefix = "model.layers.1.mlp."
+    assert not any(k.startswith(prefix + "gate_up_proj") for k in stored)
+    layer = next(
+        write(cm.graph_module, a, path)
+        for a, path, write in layer_writers(cm.graph_module, "gptq", "GPTQ")
+        if path == prefix + "gate_up_proj"
+    )
+    fused = dequantize_gptq(*(layer.tensors[k] for k in ("qweight", "qzeros", "scales", "g_idx")), bits)
+    halves = [
+        dequantize_gptq(
+            stored[f"{prefix}{part}.qweight"],
+            stored[f"{prefix}{part}.qzeros"],
+            stored[f"{prefix}{part}.scales"],
+            stored[f"{prefix}{part}.g_idx"],
+            bits,
+        )
+        for part in ("gate_proj", "up_proj")
+    ]
+    assert torch.equal(torch.cat(halves, 0), fused)
+    back = qc.import_gptq(tmp_path / "ckpt")  # our importer joins them again: the same model
+    assert torch.equal(back(input_ids=prompt(1, 9)).logits, cm(input_ids=prompt(1, 9)).logits)

@@ -91,3 +91,26 @@ def test_gptqmodel_runs_gpt2s_conv1d_layers_from_the_export(tmp_path):
     ours = cm(input_ids=ids).logits
     theirs = torch.load(tmp_path / "ckpt" / "client_logits.pt", weights_only=True)
     assert ((theirs - ours).norm() / ours.norm()).item() < 0.01  # bf16 activations: measured 0.006
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not GPTQMODEL_PYTHON, reason="set QC_GPTQMODEL_PYTHON to a python with gptqmodel (see .ci/run)")
+def test_gptqmodel_runs_phi3_with_its_fused_gate_up_split(tmp_path):
+    """GPTQModel's Phi-3 reads gate_proj / up_proj ("Missing required quantized weights" for the
+    fused gate_up_proj): the export writes the halves. A 256-token vocabulary gets the byte
+    tokenizer, which GPTQModel insists on loading."""
+    import transformers
+    from causal_lms import calibration, config, prompt
+
+    cfg = config("phi3")
+    cfg.vocab_size = 256
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    cm = qc.compile(model, {"input_ids": prompt()}, recipe="gptq-w4g128", calibration=calibration(), progress=False)
+    export_gptq(cm, tmp_path / "ckpt", zero_format="v2", progress=lambda _m: None)
+    ids = prompt(1, 8)
+    result = run_client(GPTQMODEL_PYTHON, _CLIENT, tmp_path / "ckpt", json.dumps(ids.tolist()), timeout=600)
+    assert result["kernels"] == {"TorchLinear": 10, "Linear": 1}, result["kernels"]  # 2 x qkv, o, gate, up, down
+    ours = cm(input_ids=ids).logits
+    theirs = torch.load(tmp_path / "ckpt" / "client_logits.pt", weights_only=True)
+    assert ((theirs - ours).norm() / ours.norm()).item() < 0.01  # bf16 activations: measured 0.0055

@@ -23,18 +23,19 @@ from pathlib import Path
 
 import torch
 
-from qcompiler.algorithms.packing import unpack_cols
+from qcompiler.algorithms.packing import pack_cols, unpack_cols
 from qcompiler.interop.checkpoint import (
     DEFAULT_SHARD_BYTES,
     ONLINE_ROTATION,
     ExportError,
+    QuantLayer,
     fp_tensors,
     gptq_layer,
     layer_writers,
     model_config_of,
     write_checkpoint,
 )
-from qcompiler.interop.gptq_format import zeros_from_v1, zeros_to_v1
+from qcompiler.interop.gptq_format import SPLIT_PROJECTIONS, zeros_from_v1, zeros_to_v1
 from qcompiler.ir.op_registry import args_of, implement, refuse, register_target
 from qcompiler.ir.ops import GPTQ_TENSORS
 
@@ -65,6 +66,32 @@ def _is_act_order(g_idx: torch.Tensor, group_size: int) -> bool:
     return not torch.equal(g_idx.long(), torch.arange(g_idx.numel()) // group_size)
 
 
+def _split_for_loaders(layer: QuantLayer, model_type) -> list[QuantLayer]:
+    """``layer``, or its halves along the output features when the loaders want them apart
+    (``SPLIT_PROJECTIONS``: GPTQModel's Phi-3 reports "Missing required quantized weights ...
+    gate_proj.qweight" for a fused gate_up_proj). The
+    codes, scales and zero points are cut column-wise (zero points unpacked and packed again), so
+    each half computes exactly its rows of the fused layer."""
+    base, _, name = layer.path.rpartition(".")
+    parts = SPLIT_PROJECTIONS.get(model_type, {}).get(name)
+    if parts is None:
+        return [layer]
+    t, n = layer.tensors, layer.tensors["scales"].shape[1]
+    half = n // len(parts)
+    zeros = unpack_cols(t["qzeros"], layer.bits, n)
+    out = []
+    for i, part in enumerate(parts):
+        cols = slice(i * half, (i + 1) * half)
+        tensors = {
+            "qweight": t["qweight"][:, cols].contiguous(),
+            "qzeros": pack_cols(zeros[:, cols], layer.bits),
+            "scales": t["scales"][:, cols].contiguous(),
+            "g_idx": t["g_idx"],
+        }
+        out.append(QuantLayer(f"{base}.{part}", layer.node, tensors, layer.bits, layer.group_size))
+    return out
+
+
 def export_gptq(
     cm,
     out_dir,
@@ -81,6 +108,7 @@ def export_gptq(
     gm = cm.graph_module if hasattr(cm, "graph_module") else cm
     config = model_config_of(gm)
     layers = [write(gm, a, path) for a, path, write in layer_writers(gm, "gptq", "GPTQ")]
+    layers = [part for layer in layers for part in _split_for_loaders(layer, config.get("model_type"))]
     if not layers:
         raise ExportError("the graph has no GPTQ/RTN layer (qc.quant_linear) to write")
     # One base setting (the one holding the most weights); the others as GPTQModel's per-module overrides.
