@@ -468,9 +468,9 @@ def _check_target(path: Path, protect=()) -> None:
     """Never replace a file qcompiler did not write (the model file and its external-data file)."""
     from qcompiler.store.atomic import OutputPathError, check_output_file
 
-    check_output_file(path, "ONNX", ours=_is_qcompiler_onnx, protect=protect)
+    check_output_file(path, "ONNX", ours=_is_qcompiler_onnx, protect=protect)  # an existing model is ours
     data = path.with_name(path.name + ".data")
-    if data.exists() and not (path.exists() and _is_qcompiler_onnx(path)):
+    if data.exists() and not path.exists():
         raise OutputPathError(f"refusing to replace {data}: it is not the weights file of a qcompiler ONNX export")
 
 

@@ -90,9 +90,10 @@ _EVAL_JSON = "qcompiler eval"
 
 def _is_eval_json(path: Path) -> bool:
     """Whether ``path`` is a figures file an earlier ``eval --json`` wrote (so it may be replaced)."""
+    from qcompiler.store.regular_files import read_regular_file
+
     try:
-        with open(path, "rb") as f:
-            data = json.loads(f.read(1 << 20))
+        data = json.loads(read_regular_file(path, 1 << 20))
     except (OSError, ValueError):
         return False
     return isinstance(data, dict) and data.get("written_by") == _EVAL_JSON

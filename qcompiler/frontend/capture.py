@@ -169,9 +169,14 @@ def capture(model: torch.nn.Module, example_inputs) -> torch.fx.GraphModule:
         optional_inputs=optional,
         transient=transient_tensors(gm, model),
         tied=tied_names(model),
-        transposed_layers=tuple(name for name, m in model.named_modules() if type(m).__name__ == "Conv1D"),
+        transposed_layers=conv1d_layers(model),
     )
     return gm
+
+
+def conv1d_layers(model: torch.nn.Module) -> tuple[str, ...]:
+    """The layers that store their weight as ``[in, out]`` (transformers' ``Conv1D``, GPT-2's linears)."""
+    return tuple(name for name, m in model.named_modules() if type(m).__name__ == "Conv1D")
 
 
 def tied_names(model: torch.nn.Module) -> dict[str, str]:
@@ -278,7 +283,7 @@ def _capture_with_cache(model: torch.nn.Module, kwargs: dict) -> torch.fx.GraphM
         cache=layout.to_dict(),
         transient=transient_tensors(gm, model),
         tied=tied_names(model),
-        transposed_layers=tuple(name for name, m in model.named_modules() if type(m).__name__ == "Conv1D"),
+        transposed_layers=conv1d_layers(model),
     )
     return gm
 

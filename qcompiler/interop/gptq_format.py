@@ -53,8 +53,8 @@ class GPTQCheckpoint(NamedTuple):
     group_size: int
     v1: bool  # zero points stored minus one
     layers: dict  # module path -> the safetensors file holding its packed tensors
-    fused: dict = {}  # a fused module path -> the stored parts it is joined from
-    stored: dict = {}  # every stored module path (parts included) -> its safetensors file
+    fused: dict  # a fused module path -> the stored parts it is joined from
+    stored: dict  # every stored module path (parts included) -> its safetensors file
 
     def settings(self, path: str) -> tuple[int, int]:
         """``(bits, group_size)`` of module ``path``: the first ``dynamic`` pattern matching it, or the base."""
@@ -72,7 +72,7 @@ class GPTQCheckpoint(NamedTuple):
         """``path``'s four tensors in ``qc.quant_linear``'s layout (v1 zero points converted)."""
         if path in self.fused:
             return _joined([self.packed(part) for part in self.fused[path]], self.settings(path)[0], path)
-        with safe_open(str((self.stored or self.layers)[path]), framework="pt") as f:
+        with safe_open(str(self.stored[path]), framework="pt") as f:
             t = {name: f.get_tensor(f"{path}.{name}") for name in GPTQ_TENSORS}
         if self.v1:
             t["qzeros"] = zeros_from_v1(t["qzeros"], self.settings(path)[0], t["scales"].shape[1])

@@ -22,7 +22,6 @@ import dataclasses
 import hashlib
 import json
 import os
-import stat
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import NamedTuple, Optional
@@ -43,13 +42,8 @@ from qcompiler.pipeline.recipes import Recipe
 from qcompiler.pipeline.report import Report
 from qcompiler.store.atomic import publish_directory
 from qcompiler.store.graph_format import ArtifactError, graph_from_data, graph_to_data
-from qcompiler.store.model_files import (
-    MAX_MODEL_FILE_BYTES,
-    STORED_KEY,
-    TOKENIZER_FILES,
-    model_files,
-    read_regular_file,
-)
+from qcompiler.store.model_files import MAX_MODEL_FILE_BYTES, STORED_KEY, TOKENIZER_FILES, model_files
+from qcompiler.store.regular_files import open_regular, read_regular_file
 from qcompiler.store.sharding import DEFAULT_SHARD_BYTES, plan_shards, shard_names
 from qcompiler.version import __version__
 
@@ -278,16 +272,13 @@ class _Folder:
         """``name`` in the folder: a regular file, opened without following a link (a FIFO or
         /dev/zero behind a link would hang or exhaust memory)."""
         try:
-            fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | getattr(os, "O_NONBLOCK", 0), dir_fd=self.fd)
+            return open_regular(name, dir_fd=self.fd)
         except FileNotFoundError:
             raise ArtifactError(f"artifact {self.path} is missing {name}") from None
         except OSError as exc:
             raise ArtifactError(f"artifact {self.path}: {name} cannot be opened ({exc.strerror})") from None
-        f = os.fdopen(fd, "rb")
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            f.close()
-            raise ArtifactError(f"artifact {self.path}: {name} is not a regular file")
-        return f
+        except ValueError:
+            raise ArtifactError(f"artifact {self.path}: {name} is not a regular file") from None
 
     def read(self, name: str, limit: int) -> bytes:
         try:

@@ -27,12 +27,12 @@ import glob
 import json
 import os
 import shutil
-import stat
 import tempfile
 from pathlib import Path
 from typing import Callable, Iterable, Iterator
 
 from qcompiler.errors import QCompilerError
+from qcompiler.store.regular_files import read_regular_file
 
 __all__ = [
     "write_text_atomically",
@@ -116,17 +116,9 @@ def write_text_atomically(path, text: str) -> None:
 def _read_marker(folder: Path) -> dict | None:
     """The marker of folder ``folder`` (a regular file, read without following links, size-bounded)."""
     try:
-        fd = os.open(folder / MARKER, os.O_RDONLY | os.O_NOFOLLOW | getattr(os, "O_NONBLOCK", 0))
-    except OSError:
+        data = json.loads(read_regular_file(folder / MARKER, _MARKER_MAX_BYTES))
+    except (OSError, ValueError):
         return None
-    with os.fdopen(fd, "rb") as f:
-        info = os.fstat(f.fileno())
-        if not stat.S_ISREG(info.st_mode) or info.st_size > _MARKER_MAX_BYTES:
-            return None
-        try:
-            data = json.loads(f.read(_MARKER_MAX_BYTES))
-        except ValueError:
-            return None
     return data if isinstance(data, dict) and isinstance(data.get("kind"), str) else None
 
 
