@@ -263,7 +263,7 @@ def export(
     format: ExportFormat = typer.Option(
         ..., "--format", help="; ".join(f"{name}: {export_format(name).description}" for name in export_format_names())
     ),
-    dest: Path = typer.Option(..., "--out", help="file (onnx) or folder (onnx-genai, gptq, compressed-tensors)"),
+    dest: Path = typer.Option(..., "--out", help="file (onnx, gguf) or folder (onnx-genai, gptq, compressed-tensors)"),
     zero_format: str = typer.Option("auto", help="gptq only: auto | v1 | v2 zero points"),
     max_shard_gb: float = typer.Option(
         5.0, min=0.001, max=1e6, help="gptq, compressed-tensors: safetensors shard size (GiB)"
@@ -277,9 +277,12 @@ def export(
     plain_attention: bool = typer.Option(
         False, help="onnx, onnx-genai: attention as standard ONNX ops instead of ORT's GroupQueryAttention"
     ),
+    requantize: Optional[str] = typer.Option(
+        None, help="gguf: re-round layers not on a GGUF grid to this block type (q4_0 | q8_0) by llama.cpp's RTN"
+    ),
     overwrite: bool = typer.Option(False, help="replace --out when it holds another kind of qcompiler output"),
 ):
-    """Export a saved artifact to ONNX, an onnxruntime-genai folder, a GPTQ or a compressed-tensors checkpoint."""
+    """Export a saved artifact to ONNX, an onnxruntime-genai folder, a GPTQ or compressed-tensors checkpoint or GGUF."""
     import qcompiler as qc
     from qcompiler.store.atomic import check_file_location, check_output_folder
 
@@ -298,6 +301,7 @@ def export(
             accuracy_level=accuracy_level,
             fused_attention=not plain_attention,
             zero_format=zero_format,
+            requantize=requantize,
             max_shard_bytes=int(max_shard_gb * 1024**3),
             progress=out.print,
         ),

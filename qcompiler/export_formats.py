@@ -25,6 +25,7 @@ class ExportOptions:
     accuracy_level: Optional[int] = None  # onnx, onnx-genai: MatMulNBits accuracy_level
     fused_attention: bool = True  # onnx, onnx-genai: ORT's GroupQueryAttention
     zero_format: str = "auto"  # gptq: auto | v1 | v2 zero points
+    requantize: Optional[str] = None  # gguf: re-round layers not on a GGUF grid to this block type (q4_0 | q8_0)
     max_shard_bytes: int = DEFAULT_SHARD_BYTES
     progress: Callable[[str], None] = print
 
@@ -102,6 +103,12 @@ def _compressed_tensors(cm, dest, o: ExportOptions):
     )
 
 
+def _gguf(cm, dest, o: ExportOptions):
+    from qcompiler.interop.gguf_export import export_gguf
+
+    return export_gguf(cm, dest, requantize=o.requantize, protect=o.protect, progress=o.progress)
+
+
 for _fmt in (
     ExportFormat("onnx", "file", _onnx, "one ONNX model file for ONNX Runtime"),
     ExportFormat("onnx-genai", "folder", _onnx_genai, "an onnxruntime-genai model folder"),
@@ -109,5 +116,6 @@ for _fmt in (
     ExportFormat(
         "compressed-tensors", "folder", _compressed_tensors, "a compressed-tensors checkpoint (transformers, vLLM)"
     ),
+    ExportFormat("gguf", "file", _gguf, "one GGUF file for llama.cpp (Q4_0 / Q8_0 blocks, F16)"),
 ):
     register_export_format(_fmt)

@@ -318,6 +318,30 @@ CLI_ROWS = [
         "ONNX writer did not write it",
     ),
     ("export onnx to a folder", ["export", "{art}", "--format", "onnx", "--out", "{victim}"], 2, "it is a folder"),
+    (
+        "export gguf over a user file",
+        ["export", "{art}", "--format", "gguf", "--out", "{thesis}"],
+        2,
+        "GGUF writer did not write it",
+    ),
+    (
+        "export gguf: not a GGUF grid",
+        ["export", "{art}", "--format", "gguf", "--out", "{root}/m.gguf"],
+        2,
+        "is 4-bit groups of 128, not 4-bit blocks of 32",
+    ),
+    (
+        "export gguf: unknown --requantize",
+        ["export", "{art}", "--format", "gguf", "--out", "{root}/m.gguf", "--requantize", "q5_k"],
+        2,
+        "is not a GGUF block type",
+    ),
+    (
+        "export gguf of int8 layers",
+        ["export", "{int8}", "--format", "gguf", "--out", "{root}/m.gguf"],
+        2,
+        "qc.int8_linear: GGUF holds weight-only block quantization",
+    ),
     ("report over user files", ["report", "{art}", "--out", "{victim}"], 2, "precious.txt"),
     # artifacts
     ("inspect: not an artifact", ["inspect", "{victim}"], 2, "not a qcompiler artifact"),

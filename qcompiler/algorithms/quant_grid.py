@@ -1,7 +1,11 @@
 """The uniform quantization grid shared by RTN, GPTQ and SpQR.
 
 Asymmetric: ``q = clamp(round(w/s) + z, 0, 2^b − 1)``, ``s = (max − min)/(2^b − 1)`` over a range
-that always contains 0, ``z = round(−min/s)``. Symmetric: ``z = 2^(b−1)``, range ``±max|w|``.
+that always contains 0, ``z = round(−min/s)``. Symmetric: ``z = 2^(b−1)``, so the codes stand for
+``s·(−2^(b−1) … 2^(b−1) − 1)``, one step longer on one side; ``s = −m/2^(b−1)`` with ``m`` the
+row's signed extreme puts that extreme on the longer side, exactly (llama.cpp's Q4_0 rule,
+``d = max/−8``): a step of ``max|w|/2^(b−1)`` instead of ``2·max|w|/(2^b − 1)``, and the scale is
+negative when the extreme is positive.
 Scales are rounded to fp16 *before* codes are chosen, because fp16 is how they are stored: the
 codes then reproduce exactly the weights the algorithm measured its error on.
 
@@ -43,23 +47,23 @@ def fit_grid(w: torch.Tensor, bits: int, sym: bool) -> Grid:
     return _grid_for_range(w.amin(dim=1, keepdim=True), w.amax(dim=1, keepdim=True), bits, sym)
 
 
-def _grid_for_range(lo: torch.Tensor, hi: torch.Tensor, bits: int, sym: bool) -> Grid:
-    """The grid covering ``[lo, hi]`` per row (widened to contain 0)."""
+def _grid_for_range(lo: torch.Tensor, hi: torch.Tensor, bits: int, sym: bool, flip: bool = False) -> Grid:
+    """The grid covering ``[lo, hi]`` per row (widened to contain 0). Symmetric: the signed extreme on
+    the codes' longer side (``flip``: on the shorter one, a candidate the searched grid also tries)."""
     maxq = 2**bits - 1
     xmin, xmax = lo.clamp(max=0), hi.clamp(min=0)
     if sym:
-        xmax = torch.maximum(xmin.abs(), xmax)
-        xmin = -xmax
+        extreme = torch.where(xmax >= -xmin, xmax, xmin)
+        extreme = torch.where(extreme == 0, torch.ones_like(extreme), extreme)
+        scale = (extreme / (-(2 ** (bits - 1)) if not flip else 2 ** (bits - 1))).half().float()
+        scale = torch.where(scale != 0, scale, torch.full_like(scale, 2.0**-24))  # fp16 underflow guard
+        return Grid(scale, torch.full_like(scale, float(2 ** (bits - 1))))
     empty = (xmin == 0) & (xmax == 0)
     xmin = torch.where(empty, -torch.ones_like(xmin), xmin)
     xmax = torch.where(empty, torch.ones_like(xmax), xmax)
     scale = ((xmax - xmin) / maxq).half().float()
     scale = torch.where(scale > 0, scale, torch.full_like(scale, 2.0**-24))  # fp16 underflow guard
-    if sym:
-        zero = torch.full_like(scale, float(2 ** (bits - 1)))
-    else:
-        zero = torch.round(-xmin / scale).clamp(0, maxq)
-    return Grid(scale, zero)
+    return Grid(scale, torch.round(-xmin / scale).clamp(0, maxq))
 
 
 def quantize(w: torch.Tensor, grid: Grid, bits: int) -> torch.Tensor:
@@ -92,8 +96,11 @@ def search_grid(
     lo, hi = w.amin(dim=1, keepdim=True), w.amax(dim=1, keepdim=True)
     best = _grid_for_range(lo, hi, bits, sym)
     best_err = _row_error(w, best, bits, importance)
-    for p in shrinks[1:]:
-        grid = _grid_for_range(lo * p, hi * p, bits, sym)
+    candidates = [(p, False) for p in shrinks[1:]]
+    if sym:  # the extreme on either side of the codes' range
+        candidates += [(p, True) for p in shrinks]
+    for p, flip in candidates:
+        grid = _grid_for_range(lo * p, hi * p, bits, sym, flip)
         err = _row_error(w, grid, bits, importance)
         better = err < best_err
         best = Grid(torch.where(better, grid.scale, best.scale), torch.where(better, grid.zero, best.zero))

@@ -1,0 +1,245 @@
+"""One GGUF file that llama.cpp (and Ollama, LM Studio, llamafile) runs: ``qcompiler export ART
+--format gguf --out model.gguf``.
+
+Tensor names and metadata are llama.cpp's (the ``gguf`` package's name map, as its own converter
+uses); quantized layers are written code for code as ``Q8_0`` / ``Q4_0`` blocks when their grid is
+that block type (``gguf_blocks``: recipes ``gptq-q4_0``, ``gptq-q8_0``), other layers only with an
+explicit ``requantize`` type, which re-rounds them by llama.cpp's own round-to-nearest and says so.
+FP matrices are stored as F16, norms and biases as F32. LLaMA-family graphs get llama.cpp's row
+order for the query and key projections (its rotary embedding rotates adjacent pairs, Hugging
+Face's rotates halves), which permutes whole rows and so leaves the blocks' codes untouched.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import gguf
+import numpy as np
+import torch
+
+from qcompiler.algorithms.packing import unpack_cols, unpack_rows
+from qcompiler.data import ByteTokenizer
+from qcompiler.interop.checkpoint import (
+    ONLINE_ROTATION,
+    ExportError,
+    fp_tensors,
+    gptq_layer,
+    model_config_of,
+    source_folder,
+)
+from qcompiler.interop.gguf_blocks import BLOCK_TYPES, layer_fits, pack_blocks
+from qcompiler.ir.op_registry import (
+    args_of,
+    implement,
+    implementation,
+    quantized_layer_path,
+    refuse,
+    register_target,
+    spec_of,
+)
+from qcompiler.ir.ops import GPTQ_TENSORS, dequantize_gptq
+from qcompiler.store.atomic import atomic_file, check_output_file
+from qcompiler.store.model_files import model_files
+from qcompiler.version import __version__
+
+__all__ = ["export_gguf", "GGUF_ARCHITECTURES", "is_qcompiler_gguf"]
+
+register_target("gguf", "exporter: GGUF files for llama.cpp")
+implement("gguf", "quant_linear", gptq_layer, kind="writer", label="Q8_0/Q4_0 blocks")
+_NOT_GGUF = "GGUF holds weight-only block quantization (recipes gptq-q4_0, gptq-q8_0); export this recipe to ONNX"
+for _op in ("int8_linear", "spqr_dense_linear", "sparse_outlier_linear", "spqr_experts_linear"):
+    refuse("gguf", _op, _NOT_GGUF)
+refuse("gguf", "quant_experts_linear", "GGUF files of mixture-of-experts models are not written yet")
+refuse("gguf", "hadamard", ONLINE_ROTATION.replace("checkpoint clients (transformers, vLLM, GPTQModel)", "llama.cpp"))
+
+# model_type -> (llama.cpp architecture, query/key rows reordered for its rotary pairs)
+GGUF_ARCHITECTURES = {
+    "llama": (gguf.MODEL_ARCH.LLAMA, True),
+    "mistral": (gguf.MODEL_ARCH.LLAMA, True),
+    "qwen2": (gguf.MODEL_ARCH.QWEN2, False),
+    "qwen3": (gguf.MODEL_ARCH.QWEN3, False),
+}
+_FILE_TYPES = {"Q8_0": gguf.LlamaFileType.MOSTLY_Q8_0, "Q4_0": gguf.LlamaFileType.MOSTLY_Q4_0}
+RECIPE_KEY = "qcompiler.recipe"
+
+
+def is_qcompiler_gguf(path: Path) -> bool:
+    """Whether ``path`` is a GGUF file qcompiler wrote (its header has ``qcompiler.recipe``)."""
+    try:
+        with open(path, "rb") as f:
+            if f.read(4) != b"GGUF":
+                return False
+        return RECIPE_KEY in gguf.GGUFReader(str(path)).fields
+    except Exception:  # a truncated or foreign file: not ours
+        return False
+
+
+def _rope_theta(config: dict, model_type: str) -> float:
+    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind != "default":
+        raise ExportError(f"{model_type}: rope scaling {kind!r} is not written to GGUF yet")
+    return float(rope.get("rope_theta", config.get("rope_theta", 10000.0)))
+
+
+def _rotary_rows(n_rows: int, heads: int) -> torch.Tensor:
+    """Row order taking Hugging Face's half-split rotary layout to llama.cpp's adjacent pairs."""
+    return torch.arange(n_rows).view(heads, 2, n_rows // heads // 2).transpose(1, 2).reshape(-1)
+
+
+def _tokenizer(writer: gguf.GGUFWriter, gm, vocab_size: int) -> str:
+    """Embed the tokenizer; returns what was embedded. The bundled byte-level LM's bytes become a
+    byte-level BPE vocabulary without merges (id = byte), exactly its ``ByteTokenizer``."""
+    files = model_files(gm)
+    tokenizer_files = sorted(n for n in files if n in ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt"))
+    if tokenizer_files:
+        raise ExportError(
+            f"the model's tokenizer ({', '.join(tokenizer_files)}) is not embedded in GGUF files yet; "
+            "only the byte-level tokenizer of 256-token models is"
+        )
+    if vocab_size == ByteTokenizer.vocab_size:
+        from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+        alphabet = bytes_to_unicode()
+        writer.add_tokenizer_model("gpt2")
+        writer.add_tokenizer_pre("default")
+        writer.add_token_list([alphabet[b] for b in range(256)])
+        writer.add_token_types([gguf.TokenType.NORMAL] * 256)
+        # llama.cpp refuses a BPE vocabulary without merges and gguf writes no empty array: one merge
+        # that never applies (a letter and a digit never share a pre-tokenized word)
+        writer.add_token_merges(["a 1"])
+        writer.add_add_bos_token(False)
+        return "byte-level (256 tokens)"
+    writer.add_tokenizer_model("none")
+    return "none (token ids only)"
+
+
+def _quant_tensor(layer, requantize: Optional[str]) -> tuple[np.ndarray, gguf.GGMLQuantizationType, str]:
+    """A quantized layer's GGUF data, type, and how it got there."""
+    t, bits = layer.tensors, layer.bits
+    n_in, n_out = t["g_idx"].numel(), t["scales"].shape[1]
+    block = next((b for b in BLOCK_TYPES.values() if b.bits == bits), None)
+    zeros = unpack_cols(t["qzeros"], bits, n_out)
+    why = f"{bits}-bit, which no GGUF block type qcompiler writes holds" if block is None else None
+    why = why or layer_fits(block, bits, layer.group_size, zeros, t["g_idx"])
+    if why is None:
+        codes = unpack_rows(t["qweight"], bits, n_in).t()
+        data = pack_blocks(block, codes, t["scales"].t())
+        return data, gguf.GGMLQuantizationType[block.name], "exact"
+    if requantize is None:
+        raise ExportError(
+            f"layer {layer.path} is {why}: quantize with recipe gptq-q4_0 or gptq-q8_0 (GGUF's own grids), "
+            f"or pass requantize='q4_0' / --requantize q4_0 to re-round it with llama.cpp's round-to-nearest"
+        )
+    qtype = gguf.GGMLQuantizationType[BLOCK_TYPES[requantize].name]
+    w = dequantize_gptq(*(t[n] for n in GPTQ_TENSORS), bits).numpy()
+    return gguf.quants.quantize(w, qtype), qtype, "re-rounded"
+
+
+def _check_requantize(requantize: Optional[str]) -> None:
+    if requantize is not None and requantize not in BLOCK_TYPES:
+        raise ExportError(
+            f"requantize={requantize!r} is not a GGUF block type qcompiler writes; choose one of "
+            f"{', '.join(BLOCK_TYPES)}"
+        )
+
+
+def export_gguf(cm, path, *, requantize: Optional[str] = None, protect=(), progress=print) -> Path:
+    """Write ``cm`` as one GGUF file for llama.cpp (atomic; replaces only an earlier qcompiler GGUF)."""
+    _check_requantize(requantize)
+    gm = cm.graph_module if hasattr(cm, "graph_module") else cm
+    config = model_config_of(gm)
+    model_type = config.get("model_type")
+    if model_type not in GGUF_ARCHITECTURES:
+        raise ExportError(
+            f"model type {model_type!r} is not written to GGUF yet; supported: {', '.join(GGUF_ARCHITECTURES)}"
+        )
+    path = check_output_file(Path(path), "GGUF", ours=is_qcompiler_gguf, protect=(*protect, *source_folder(gm)))
+    arch, pairs_rotary = GGUF_ARCHITECTURES[model_type]
+    layers = []
+    for node in gm.graph.nodes:
+        if spec_of(node) is None:
+            continue
+        a = args_of(node)
+        impl = implementation("gguf", a.spec.name)
+        if impl is None or impl.refusal is not None:
+            why = impl.refusal if impl is not None else "no GGUF writer is registered for it"
+            raise ExportError(f"layer {quantized_layer_path(a)} is qc.{a.spec.name}: {why}")
+        layers.append(impl.load()(gm, a, quantized_layer_path(a)))
+    consumed = {getattr(args_of(layer.node), name).target for layer in layers for name in GPTQ_TENSORS}
+    heads = int(config["num_attention_heads"])
+    kv_heads = int(config.get("num_key_value_heads") or heads)
+    hidden, n_layers = int(config["hidden_size"]), int(config["num_hidden_layers"])
+    head_dim = int(config.get("head_dim") or hidden // heads)
+    names = gguf.get_tensor_name_map(arch, n_layers)
+
+    def gguf_name(hf_name: str) -> str:
+        name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+        if name is None:
+            raise ExportError(f"tensor {hf_name} has no llama.cpp name for {model_type}; GGUF export cannot place it")
+        return name
+
+    def rows(hf_name: str) -> Optional[torch.Tensor]:
+        if not pairs_rotary:
+            return None
+        for proj, n in (("q_proj", heads), ("k_proj", kv_heads)):
+            if f".self_attn.{proj}." in hf_name or hf_name.endswith(f".self_attn.{proj}"):
+                return _rotary_rows(n * head_dim, n)
+        return None
+
+    writer = gguf.GGUFWriter(None, gguf.MODEL_ARCH_NAMES[arch])
+    recipe = getattr(getattr(cm, "recipe", None), "name", None) or gm.meta.get("qcompiler_recipe", "")
+    writer.add_string(RECIPE_KEY, recipe)
+    writer.add_string("qcompiler.version", __version__)
+    writer.add_name(str(config.get("_name_or_path") or model_type))
+    writer.add_context_length(int(config.get("max_position_embeddings", 2048)))
+    writer.add_embedding_length(hidden)
+    writer.add_block_count(n_layers)
+    writer.add_feed_forward_length(int(config["intermediate_size"]))
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_rope_dimension_count(head_dim)
+    writer.add_rope_freq_base(_rope_theta(config, model_type))
+    writer.add_layer_norm_rms_eps(float(config.get("rms_norm_eps", 1e-6)))
+    vocab_size = int(config["vocab_size"])
+    writer.add_vocab_size(vocab_size)
+    tokenizer = _tokenizer(writer, gm, vocab_size)
+
+    counts: dict[str, int] = {}
+    for layer in layers:
+        data, qtype, how = _quant_tensor(layer, requantize)
+        order = rows(layer.path)
+        if order is not None:
+            data = data[order.numpy()]
+        writer.add_tensor(gguf_name(layer.path + ".weight"), data, raw_dtype=qtype)
+        counts[f"{qtype.name} ({how})"] = counts.get(f"{qtype.name} ({how})", 0) + 1
+    for hf_name, value in fp_tensors(gm, consumed).items():
+        value = value.float()
+        order = rows(hf_name)
+        if order is not None:
+            value = value[order]
+        if value.dim() == 1:
+            writer.add_tensor(gguf_name(hf_name), value.numpy())
+        else:
+            writer.add_tensor(gguf_name(hf_name), value.half().numpy())
+    main = max(counts, key=counts.get).split(" ")[0] if counts else "F16"
+    writer.add_file_type(_FILE_TYPES.get(main, gguf.LlamaFileType.MOSTLY_F16))
+    writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    summary = ", ".join(f"{n} {k}" for k, n in counts.items()) or "no quantized layers (F16)"
+    progress(f"GGUF ({gguf.MODEL_ARCH_NAMES[arch]}): {summary}; tokenizer {tokenizer}")
+    if any("re-rounded" in k for k in counts):
+        progress(
+            f"re-quantized to {requantize.upper()} by llama.cpp's round-to-nearest: those layers' "
+            "codes are not the ones the recipe chose"
+        )
+    with atomic_file(path) as tmp:
+        writer.path = tmp
+        writer.write_header_to_file(tmp)
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+    return path

@@ -1,0 +1,170 @@
+"""GGUF export: the blocks written are the codes GPTQ chose (read back with the ``gguf`` package's own
+dequantizer, an independent reference), names and metadata are llama.cpp's, bad targets are refused.
+llama.cpp itself running these files: tests/test_llama_cpp_runs_our_gguf.py."""
+
+import hashlib
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from causal_lms import calibration, causal_lm, prompt
+
+import qcompiler as qc
+from qcompiler.algorithms.packing import unpack_cols
+from qcompiler.interop.checkpoint import ExportError
+from qcompiler.interop.gguf_blocks import BLOCK_TYPES, pack_blocks
+from qcompiler.interop.gguf_export import _rotary_rows
+from qcompiler.ir.op_registry import args_of, quantized_layer_path, spec_of
+from qcompiler.ir.ops import GPTQ_TENSORS, dequantize_gptq
+from qcompiler.store.atomic import OutputPathError
+
+
+@pytest.mark.parametrize("kind", ["q4_0", "q8_0"])
+def test_blocks_dequantize_to_the_grid_values(kind):
+    """Random codes and fp16 scales packed as llama.cpp blocks read back, through gguf's reference
+    dequantizer, as exactly scale · (code − 2^(bits−1))."""
+    block = BLOCK_TYPES[kind]
+    g = torch.Generator().manual_seed(0)
+    codes = torch.randint(0, 2**block.bits, (6, 96), generator=g)
+    scales = (torch.rand(6, 3, generator=g) * 0.1).half()
+    data = pack_blocks(block, codes, scales)
+    back = gguf.quants.dequantize(data, gguf.GGMLQuantizationType[block.name])
+    want = (codes - 2 ** (block.bits - 1)).float() * scales.float().repeat_interleave(32, dim=1)
+    assert np.array_equal(back, want.numpy())
+
+
+def _layers(cm) -> dict:
+    gm = cm.graph_module
+    out = {}
+    for node in gm.graph.nodes:
+        if spec_of(node) is not None:
+            a = args_of(node)
+            out[quantized_layer_path(a)] = (dict(zip(GPTQ_TENSORS, a.tensors(gm, *GPTQ_TENSORS))), int(a.bits))
+    return out
+
+
+@pytest.fixture(scope="module")
+def llama_q4(tmp_path_factory):
+    model = causal_lm("llama")
+    cm = qc.compile(model, {"input_ids": prompt()}, recipe="gptq-q4_0", calibration=calibration(), backend="eager")
+    path = tmp_path_factory.mktemp("gguf") / "llama-q4_0.gguf"
+    cm.export_gguf(path, progress=lambda s: None)
+    return model, cm, path
+
+
+def test_q4_0_file_holds_the_recipes_codes_bit_identically(llama_q4):
+    """Every quantized layer's GGUF tensor dequantizes (gguf's reference) to the very weights the
+    graph computes with, once the query/key rows are put back in Hugging Face's rotary order."""
+    model, cm, path = llama_q4
+    reader = gguf.GGUFReader(str(path))
+    tensors = {t.name: t for t in reader.tensors}
+    cfg = model.config
+    head_dim = cfg.hidden_size // cfg.num_attention_heads
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, cfg.num_hidden_layers)
+    layers = _layers(cm)
+    assert len(layers) == 7 * cfg.num_hidden_layers
+    for path_, (t, bits) in layers.items():
+        entry = tensors[names.get_name(path_ + ".weight", try_suffixes=(".weight",))]
+        assert entry.tensor_type == gguf.GGMLQuantizationType.Q4_0
+        back = torch.from_numpy(gguf.quants.dequantize(entry.data, entry.tensor_type).copy())
+        heads = {"q_proj": cfg.num_attention_heads, "k_proj": cfg.num_key_value_heads}.get(path_.rsplit(".", 1)[1])
+        if heads:
+            back = back[torch.argsort(_rotary_rows(heads * head_dim, heads))]
+        assert torch.equal(back, dequantize_gptq(*(t[n] for n in GPTQ_TENSORS), bits))
+    # FP parts: F16 matrices, F32 norms, under llama.cpp's names
+    assert tensors["token_embd.weight"].tensor_type == gguf.GGMLQuantizationType.F16
+    assert tensors["output_norm.weight"].tensor_type == gguf.GGMLQuantizationType.F32
+    fields = reader.fields
+    arch = bytes(fields["general.architecture"].parts[-1]).decode()
+    assert arch == "llama"
+    assert int(fields["llama.attention.head_count_kv"].parts[-1][0]) == cfg.num_key_value_heads
+    assert int(fields["llama.block_count"].parts[-1][0]) == cfg.num_hidden_layers
+    assert bytes(fields["qcompiler.recipe"].parts[-1]).decode() == "gptq-q4_0"
+
+
+def test_rotary_rows_match_llama_cpp_converter_permute():
+    """The row order equals llama.cpp's converter's ``permute`` (reshape(h, 2, d/2).swapaxes(1, 2)),
+    written straightforwardly on a small matrix."""
+    heads, head_dim = 3, 8
+    w = torch.arange(heads * head_dim * 2).view(heads * head_dim, 2)
+    ref = w.reshape(heads, 2, head_dim // 2, 2).transpose(1, 2).reshape(w.shape)
+    assert torch.equal(w[_rotary_rows(heads * head_dim, heads)], ref)
+
+
+def test_other_grids_are_refused_unless_requantized(tmp_path):
+    model = causal_lm("qwen2")
+    cm = qc.compile(model, {"input_ids": prompt()}, recipe="rtn-w4g128", backend="eager")
+    with pytest.raises(
+        ExportError, match=r"layer model\.layers\.0\.self_attn\.q_proj is 4-bit groups of 128.*gptq-q4_0"
+    ):
+        cm.export_gguf(tmp_path / "a.gguf", progress=lambda s: None)
+    assert not (tmp_path / "a.gguf").exists()
+    said = []
+    cm.export_gguf(tmp_path / "a.gguf", requantize="q4_0", progress=said.append)
+    assert any("re-quantized to Q4_0 by llama.cpp's round-to-nearest" in s for s in said)
+    reader = gguf.GGUFReader(str(tmp_path / "a.gguf"))
+    # re-rounded by llama.cpp's RTN: within a Q4_0 step of the artifact's weights (|w| ≤ 8 d)
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN2, 2)
+    tensors = {t.name: t for t in reader.tensors}
+    for path_, (t, bits) in _layers(cm).items():
+        entry = tensors[names.get_name(path_ + ".weight", try_suffixes=(".weight",))]
+        w = dequantize_gptq(*(t[n] for n in GPTQ_TENSORS), bits)
+        back = torch.from_numpy(gguf.quants.dequantize(entry.data, entry.tensor_type).copy())
+        step = w.view(w.shape[0], -1, 32).abs().amax(-1, keepdim=True) / 8
+        assert bool(((back - w).view_as(step.expand(-1, -1, 32)).abs() <= step * 1.01 + 1e-6).all())
+    with pytest.raises(ExportError, match="requantize='q5_k' is not a GGUF block type"):
+        cm.export_gguf(tmp_path / "b.gguf", requantize="q5_k")
+
+
+def test_unsupported_architecture_is_one_line(tmp_path):
+    cm = qc.compile(causal_lm("gpt2"), {"input_ids": prompt()}, recipe="rtn-q4_0", backend="eager")
+    with pytest.raises(ExportError, match="model type 'gpt2' is not written to GGUF yet; supported: llama"):
+        cm.export_gguf(tmp_path / "g.gguf")
+    assert not list(tmp_path.iterdir())
+
+
+def test_an_existing_file_is_replaced_only_when_it_is_our_gguf(llama_q4, tmp_path):
+    _, cm, ours = llama_q4
+    other = tmp_path / "notes.gguf"
+    other.write_bytes(b"GGUF but not a real file")
+    digest = hashlib.sha256(other.read_bytes()).hexdigest()
+    with pytest.raises(OutputPathError, match="qcompiler's GGUF writer did not write it"):
+        cm.export_gguf(other, progress=lambda s: None)
+    assert hashlib.sha256(other.read_bytes()).hexdigest() == digest
+    again = tmp_path / "again.gguf"
+    again.write_bytes(ours.read_bytes())
+    cm.export_gguf(again, progress=lambda s: None)  # an earlier export of ours: replaced
+    assert again.read_bytes() == ours.read_bytes()  # deterministic
+    assert not [p for p in tmp_path.iterdir() if p.name not in ("notes.gguf", "again.gguf")]
+
+
+def test_zero_points_of_a_symmetric_q8_recipe_are_128():
+    """rtn-q8_0 is symmetric 8-bit in blocks of 32: the GGUF Q8_0 grid (int8 = code − 128)."""
+    cm = qc.compile(causal_lm("llama"), {"input_ids": prompt()}, recipe="rtn-q8_0", backend="eager")
+    for t, bits in _layers(cm).values():
+        assert bits == 8 and t["scales"].shape[0] == t["g_idx"].numel() // 32
+        assert bool((unpack_cols(t["qzeros"], 8, t["scales"].shape[1]) == 128).all())
+
+
+def test_symmetric_grid_is_llama_cpp_q4_0_rule():
+    """The symmetric min-max grid puts each block's signed extreme exactly on the codes' longer side
+    (llama.cpp's ``d = max/−8``): the extreme is reproduced to fp16 rounding of the scale, and the
+    rounding error is that of gguf's reference Q4_0 quantizer (llama.cpp's own RTN) within 1 %."""
+    from qcompiler.algorithms.quant_grid import fake_quantize, fit_grid
+
+    w = torch.randn(64, 256, generator=torch.Generator().manual_seed(0))
+    w[::3] = -w[::3]  # extremes of both signs
+    blocks = w.reshape(-1, 32)
+    grid = fit_grid(blocks, 4, sym=True)
+    ours = fake_quantize(blocks, grid, 4)
+    at = blocks.abs().argmax(1, keepdim=True)
+    extreme, got = blocks.gather(1, at), ours.gather(1, at)
+    assert bool(((got - extreme).abs() <= extreme.abs() * 2**-10).all())
+    assert bool((grid.scale * extreme < 0).all())  # the extreme is code 0: the scale has the other sign
+    ref = gguf.quants.dequantize(
+        gguf.quants.quantize(w.numpy(), gguf.GGMLQuantizationType.Q4_0), gguf.GGMLQuantizationType.Q4_0
+    )
+    ref_err = float(((torch.from_numpy(ref).reshape(-1, 32) - blocks) ** 2).sum())
+    our_err = float(((ours - blocks) ** 2).sum())
+    assert abs(our_err - ref_err) <= 0.01 * ref_err
