@@ -10,8 +10,8 @@ as text) and ``llama-quantize --pure`` quantizes the F16 file to each type, with
 embeddings and output head kept F16 as in qcompiler's files (so every file has the same bits per
 weight, counted from the tensors stored). qcompiler's rows are ``gptq-TYPE`` and ``rtn-TYPE``.
 Every file is then run by llama-cpp-python: perplexity over disjoint 256-token held-out windows
-(from its logits), next-token KL to the F16 file's logits, and decode tokens/s (128 greedy tokens,
-interleaved with the F16 file's run, median of 5 and the spread).
+(from its logits), next-token KL to the F16 file's logits, and decode tokens/s (128 greedy tokens after
+a 32-token prompt; each round times every file once, median of 5 rounds and the spread).
 
 ``BUILD/bin``: llama.cpp's tools built from the llama-cpp-python sdist's vendor/llama.cpp
 (``cmake -S vendor/llama.cpp -B BUILD -DLLAMA_CURL=OFF && cmake --build BUILD --target llama-quantize
@@ -70,8 +70,12 @@ def _bits_per_weight(path: Path) -> tuple[float, float]:
     return (q_bits / q_n if q_n else 16.0), all_bits / all_n
 
 
+def _llama_cpp_model(llama_cpp, path: Path):
+    return llama_cpp.Llama(model_path=str(path), n_ctx=512, logits_all=True, verbose=False, n_threads=2)
+
+
 def _run(llama_cpp, path: Path, windows: list[list[int]], reference) -> dict:
-    llm = llama_cpp.Llama(model_path=str(path), n_ctx=512, logits_all=True, verbose=False, n_threads=2)
+    llm = _llama_cpp_model(llama_cpp, path)
     nll = count = 0.0
     logps = []
     for w in windows:
@@ -87,8 +91,8 @@ def _run(llama_cpp, path: Path, windows: list[list[int]], reference) -> dict:
     return {"perplexity": float(np.exp(nll / count)), "kl": kl, "logp": logp}
 
 
-def _decode_rate(llama_cpp, path: Path, prompt: list[int], n: int = 128) -> float:
-    llm = llama_cpp.Llama(model_path=str(path), n_ctx=512, verbose=False, n_threads=2)
+def _decode_rate(llm, prompt: list[int], n: int = 128) -> float:
+    llm.reset()
     llm.eval(prompt)
     start = time.perf_counter()
     for _ in range(n):
@@ -161,14 +165,9 @@ def bench_model(label, loaded, work: Path, bin_dir: Path, calib: int, n_windows:
     held = loaded.tokens("heldout").reshape(-1)
     windows = [held[i * 256 : (i + 1) * 256].tolist() for i in range(n_windows)]
     reference = _run(llama_cpp, work / "f16.gguf", windows, None)["logp"]
-    prompt = held[:32].tolist()
     rows = []
     for row_name, (qtype, path) in files.items():
         r = _run(llama_cpp, path, windows, reference)
-        rates, base = [], []
-        for _ in range(reps):  # interleaved with the F16 file: the machine's drift hits both
-            rates.append(_decode_rate(llama_cpp, path, prompt))
-            base.append(_decode_rate(llama_cpp, work / "f16.gguf", prompt))
         q_bpw, file_bpw = _bits_per_weight(path)
         rows.append(
             {
@@ -180,14 +179,21 @@ def bench_model(label, loaded, work: Path, bin_dir: Path, calib: int, n_windows:
                 "bpw_file": round(file_bpw, 4),
                 "perplexity": round(r["perplexity"], 5),
                 "kl_to_f16": None if r["kl"] is None else round(r["kl"], 7),
-                "decode_tok_s": round(statistics.median(rates), 1),
-                "decode_tok_s_spread": [round(min(rates), 1), round(max(rates), 1)],
-                "f16_decode_tok_s": round(statistics.median(base), 1),
             }
         )
+    # Decode speed: every file once per round, rounds repeated (the machine's drift hits all alike).
+    runners = [_llama_cpp_model(llama_cpp, path) for _, path in files.values()]
+    rates = [[] for _ in runners]
+    for _ in range(reps):
+        for i, llm in enumerate(runners):
+            rates[i].append(_decode_rate(llm, held[:32].tolist()))
+    for row, r in zip(rows, rates):
+        row["decode_tok_s"] = round(statistics.median(r), 1)
+        row["decode_tok_s_spread"] = [round(min(r), 1), round(max(r), 1)]
         print(
-            f"{label:14} {row_name:30} {q_bpw:5.2f} bpw  ppl {r['perplexity']:8.4f}  "
-            f"KL {rows[-1]['kl_to_f16'] or 0:.6f}  {rows[-1]['decode_tok_s']:7.1f} tok/s"
+            f"{label:16} {row['file']:26} {row['bpw_quantized']:5.2f} bpw  ppl {row['perplexity']:8.4f}  "
+            f"KL {row['kl_to_f16'] or 0:.6f}  {row['decode_tok_s']:7.1f} tok/s ({row['decode_tok_s_spread'][0]}-"
+            f"{row['decode_tok_s_spread'][1]})"
         )
     return rows
 

@@ -168,3 +168,30 @@ def test_symmetric_grid_is_llama_cpp_q4_0_rule():
     ref_err = float(((torch.from_numpy(ref).reshape(-1, 32) - blocks) ** 2).sum())
     our_err = float(((ours - blocks) ** 2).sum())
     assert abs(our_err - ref_err) <= 0.01 * ref_err
+
+
+@pytest.mark.parametrize(
+    "files,message",
+    [
+        ({"tokenizer.model": b"spm"}, r"tokenizer \(tokenizer.model\) is not embedded in GGUF files yet"),
+        ({"tokenizer.json": b"{"}, "tokenizer.json is not valid JSON"),
+        (
+            {"tokenizer.json": b'{"model": {"type": "WordPiece"}, "decoder": {"type": "WordPiece"}}'},
+            "is a WordPiece tokenizer; GGUF export embeds byte-level BPE",
+        ),
+        (
+            {
+                "tokenizer.json": b'{"model": {"type": "BPE", "vocab": {}}, "decoder": {"type": "ByteLevel"},'
+                b'"pre_tokenizer": {"type": "Sequence", "pretokenizers": [{"type": "Split", "pattern": '
+                b'{"Regex": "\\\\s+|\\\\w+"}}, {"type": "ByteLevel", "use_regex": false}]}}'
+            },
+            "splits text with the regex .* which llama.cpp knows by no name",
+        ),
+    ],
+)
+def test_tokenizers_llama_cpp_would_read_differently_are_refused(files, message):
+    from qcompiler.interop.gguf_tokenizer import embed_tokenizer
+
+    writer = gguf.GGUFWriter(None, "llama")
+    with pytest.raises(ExportError, match=message):
+        embed_tokenizer(writer, files, {"vocab_size": 300})

@@ -112,3 +112,75 @@ def test_requantized_export_is_named_on_the_command_line(tinylm_q4, tmp_path, ca
     assert "re-quantized to Q4_0 by llama.cpp's round-to-nearest" in ok.output
     ids = m.encode("import os\n").reshape(-1).tolist()
     assert np.isfinite(_logits(_llama(tmp_path / "x.gguf"), ids)).all()
+
+
+def _bpe_model_folder(folder, split_regex, vocab_size=300):
+    """A random LLaMA whose folder holds a byte-level BPE tokenizer.json trained here on the bundled
+    text, pre-tokenized by ``split_regex`` (None: GPT-2's built-in ByteLevel regex), with two special
+    tokens and four padded embedding rows beyond the vocabulary."""
+    import json
+
+    from tokenizers import Regex, Tokenizer, decoders, pre_tokenizers, trainers
+    from tokenizers import models as tok_models
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from qcompiler.data import stdlib_text
+
+    tok = Tokenizer(tok_models.BPE())
+    if split_regex is None:
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    else:
+        tok.pre_tokenizer = pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(Regex(split_regex), behavior="isolated"),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
+        )
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), special_tokens=["<s>", "</s>"]
+    )
+    tok.train_from_iterator([stdlib_text("train")[:200_000]], trainer)
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=tok.get_vocab_size() + 4,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        bos_token_id=0,
+        eos_token_id=1,
+    )
+    LlamaForCausalLM(config).save_pretrained(folder)
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(
+        json.dumps({"bos_token": "<s>", "eos_token": "</s>", "add_bos_token": False})
+    )
+    return tok
+
+
+@pytest.mark.parametrize("pre", ["llama-bpe", "qwen2", "gpt-2"])
+def test_bpe_tokenizer_json_tokenizes_in_llama_cpp_as_in_transformers(pre, tmp_path):
+    """A byte-level BPE tokenizer.json is embedded with llama.cpp's pre-tokenizer of its exact regex:
+    llama.cpp's token ids of held-out text (code, digits, contractions, non-ASCII) are the
+    tokenizers library's, and detokenizing gives the text back."""
+    from qcompiler.data import stdlib_text
+    from qcompiler.interop.gguf_tokenizer import PRE_TOKENIZERS
+
+    regex = {name: r for r, name in PRE_TOKENIZERS.items()}.get(pre)
+    folder = tmp_path / "model"
+    folder.mkdir()
+    tok = _bpe_model_folder(folder, regex)
+    m = models.load(folder)
+    cm = qc.compile(m.model, {"input_ids": prompt()}, recipe="rtn-q8_0", backend="eager")
+    said = []
+    cm.export_gguf(tmp_path / "m.gguf", progress=said.append)
+    assert f"pre-tokenizer {pre}" in said[0]
+    llm = _llama(tmp_path / "m.gguf")
+    text = stdlib_text("heldout")[:3000] + "\nIt's 12345 dogs' café — naïve 9876543 'LL 'Re\n"
+    want = tok.encode(text).ids
+    assert llm.tokenize(text.encode(), add_bos=False, special=False) == want
+    assert llm.detokenize(want).decode() == text
+    assert llm.token_eos() == 1

@@ -20,7 +20,6 @@ import numpy as np
 import torch
 
 from qcompiler.algorithms.packing import unpack_cols, unpack_rows
-from qcompiler.data import ByteTokenizer
 from qcompiler.interop.checkpoint import (
     ONLINE_ROTATION,
     ExportError,
@@ -30,6 +29,7 @@ from qcompiler.interop.checkpoint import (
     source_folder,
 )
 from qcompiler.interop.gguf_blocks import BLOCK_TYPES, layer_fits, pack_blocks
+from qcompiler.interop.gguf_tokenizer import embed_tokenizer
 from qcompiler.ir.op_registry import (
     args_of,
     implement,
@@ -87,33 +87,6 @@ def _rope_theta(config: dict, model_type: str) -> float:
 def _rotary_rows(n_rows: int, heads: int) -> torch.Tensor:
     """Row order taking Hugging Face's half-split rotary layout to llama.cpp's adjacent pairs."""
     return torch.arange(n_rows).view(heads, 2, n_rows // heads // 2).transpose(1, 2).reshape(-1)
-
-
-def _tokenizer(writer: gguf.GGUFWriter, gm, vocab_size: int) -> str:
-    """Embed the tokenizer; returns what was embedded. The bundled byte-level LM's bytes become a
-    byte-level BPE vocabulary without merges (id = byte), exactly its ``ByteTokenizer``."""
-    files = model_files(gm)
-    tokenizer_files = sorted(n for n in files if n in ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt"))
-    if tokenizer_files:
-        raise ExportError(
-            f"the model's tokenizer ({', '.join(tokenizer_files)}) is not embedded in GGUF files yet; "
-            "only the byte-level tokenizer of 256-token models is"
-        )
-    if vocab_size == ByteTokenizer.vocab_size:
-        from transformers.convert_slow_tokenizer import bytes_to_unicode
-
-        alphabet = bytes_to_unicode()
-        writer.add_tokenizer_model("gpt2")
-        writer.add_tokenizer_pre("default")
-        writer.add_token_list([alphabet[b] for b in range(256)])
-        writer.add_token_types([gguf.TokenType.NORMAL] * 256)
-        # llama.cpp refuses a BPE vocabulary without merges and gguf writes no empty array: one merge
-        # that never applies (a letter and a digit never share a pre-tokenized word)
-        writer.add_token_merges(["a 1"])
-        writer.add_add_bos_token(False)
-        return "byte-level (256 tokens)"
-    writer.add_tokenizer_model("none")
-    return "none (token ids only)"
 
 
 def _quant_tensor(layer, requantize: Optional[str]) -> tuple[np.ndarray, gguf.GGMLQuantizationType, str]:
@@ -207,7 +180,7 @@ def export_gguf(cm, path, *, requantize: Optional[str] = None, protect=(), progr
     writer.add_layer_norm_rms_eps(float(config.get("rms_norm_eps", 1e-6)))
     vocab_size = int(config["vocab_size"])
     writer.add_vocab_size(vocab_size)
-    tokenizer = _tokenizer(writer, gm, vocab_size)
+    tokenizer = embed_tokenizer(writer, model_files(gm), config)
 
     counts: dict[str, int] = {}
     for layer in layers:
