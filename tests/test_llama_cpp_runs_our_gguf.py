@@ -42,10 +42,10 @@ def _logits(llm, ids: list[int]) -> np.ndarray:
     "arch,recipe",
     [
         ("llama", "gptq-q4_0"),
-        ("mistral", "rtn-q8_0"),
         ("qwen2", "gptq-q4_0"),
-        ("qwen3", "gptq-q4_0"),
-        ("llama", "none"),
+        pytest.param("mistral", "rtn-q8_0", marks=pytest.mark.slow),
+        pytest.param("qwen3", "gptq-q4_0", marks=pytest.mark.slow),
+        pytest.param("llama", "none", marks=pytest.mark.slow),
     ],
 )
 def test_llama_cpp_logits_match_the_graph(arch, recipe, tmp_path):
@@ -161,7 +161,9 @@ def _bpe_model_folder(folder, split_regex, vocab_size=300):
     return tok
 
 
-@pytest.mark.parametrize("pre", ["llama-bpe", "qwen2", "gpt-2"])
+@pytest.mark.parametrize(
+    "pre", ["llama-bpe", pytest.param("qwen2", marks=pytest.mark.slow), pytest.param("gpt-2", marks=pytest.mark.slow)]
+)
 def test_bpe_tokenizer_json_tokenizes_in_llama_cpp_as_in_transformers(pre, tmp_path):
     """A byte-level BPE tokenizer.json is embedded with llama.cpp's pre-tokenizer of its exact regex:
     llama.cpp's token ids of held-out text (code, digits, contractions, non-ASCII) are the
