@@ -74,8 +74,7 @@ def _llama_cpp_model(llama_cpp, path: Path):
     return llama_cpp.Llama(model_path=str(path), n_ctx=512, logits_all=True, verbose=False, n_threads=2)
 
 
-def _run(llama_cpp, path: Path, windows: list[list[int]], reference) -> dict:
-    llm = _llama_cpp_model(llama_cpp, path)
+def _run(llm, windows: list[list[int]], reference) -> dict:
     nll = count = 0.0
     logps = []
     for w in windows:
@@ -164,10 +163,11 @@ def bench_model(label, loaded, work: Path, bin_dir: Path, calib: int, n_windows:
             print(f"  {label}: {recipe} written", file=sys.stderr)
     held = loaded.tokens("heldout").reshape(-1)
     windows = [held[i * 256 : (i + 1) * 256].tolist() for i in range(n_windows)]
-    reference = _run(llama_cpp, work / "f16.gguf", windows, None)["logp"]
+    runners = {row_name: _llama_cpp_model(llama_cpp, path) for row_name, (_, path) in files.items()}
+    reference = _run(runners["F16 (qcompiler)"], windows, None)["logp"]
     rows = []
     for row_name, (qtype, path) in files.items():
-        r = _run(llama_cpp, path, windows, reference)
+        r = _run(runners[row_name], windows, reference)
         q_bpw, file_bpw = _bits_per_weight(path)
         rows.append(
             {
@@ -182,10 +182,9 @@ def bench_model(label, loaded, work: Path, bin_dir: Path, calib: int, n_windows:
             }
         )
     # Decode speed: every file once per round, rounds repeated (the machine's drift hits all alike).
-    runners = [_llama_cpp_model(llama_cpp, path) for _, path in files.values()]
     rates = [[] for _ in runners]
     for _ in range(reps):
-        for i, llm in enumerate(runners):
+        for i, llm in enumerate(runners.values()):
             rates[i].append(_decode_rate(llm, held[:32].tolist()))
     for row, r in zip(rows, rates):
         row["decode_tok_s"] = round(statistics.median(r), 1)
@@ -204,6 +203,7 @@ def main() -> None:
     ap.add_argument("--calib", type=int, default=128, help="calibration windows of 256 tokens")
     ap.add_argument("--windows", type=int, default=64, help="held-out windows of 256 tokens")
     ap.add_argument("--reps", type=int, default=5, help="decode-speed repeats")
+    ap.add_argument("--quick", action="store_true", help="write under results/quick/ (a check of the script)")
     args = ap.parse_args()
     torch.set_num_threads(2)
     rows = []
@@ -214,7 +214,7 @@ def main() -> None:
             work.mkdir()
             loaded = models.load(source or _random_llama(work / "hf"))
             rows += bench_model(label, loaded, work, args.llama_cpp_bin, args.calib, args.windows, args.reps)
-    out = write_rows("gguf", rows, calib_windows=args.calib, heldout_windows=args.windows)
+    out = write_rows("gguf", rows, args.quick, calib_windows=args.calib, heldout_windows=args.windows)
     print(f"wrote {out}")
 
 

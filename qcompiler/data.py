@@ -58,6 +58,15 @@ class ByteTokenizer:
         """The text of byte token ids (invalid UTF-8 replaced)."""
         return bytes(int(i) for i in ids).decode("utf-8", errors="replace")
 
+    @staticmethod
+    def byte_level_tokens() -> list[str]:
+        """Token ``i`` as byte-level BPE vocabularies spell byte ``i`` (GPT-2's byte-to-unicode map):
+        the vocabulary of this tokenizer's Hugging Face and GGUF forms."""
+        from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+        alphabet = bytes_to_unicode()
+        return [alphabet[b] for b in range(256)]
+
     def save_pretrained(self, folder) -> list[str]:
         """The same tokenizer as Hugging Face files (``tokenizer.json``: byte-level BPE with the 256
         bytes as its vocabulary and no merges, id = byte value), so that runtimes which load a
@@ -66,10 +75,9 @@ class ByteTokenizer:
         import json
 
         from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-        from transformers.convert_slow_tokenizer import bytes_to_unicode
 
-        alphabet = bytes_to_unicode()
-        tok = Tokenizer(models.BPE(vocab={alphabet[b]: b for b in range(256)}, merges=[]))
+        tokens = self.byte_level_tokens()
+        tok = Tokenizer(models.BPE(vocab={t: b for b, t in enumerate(tokens)}, merges=[]))
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
         tok.decoder = decoders.ByteLevel()
         folder = Path(folder)
@@ -80,7 +88,7 @@ class ByteTokenizer:
                     "tokenizer_class": "PreTrainedTokenizerFast",
                     "clean_up_tokenization_spaces": False,
                     "model_max_length": 1 << 30,
-                    "pad_token": alphabet[0],
+                    "pad_token": tokens[0],
                 },
                 indent=2,
             )

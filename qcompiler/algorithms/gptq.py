@@ -29,6 +29,7 @@ __all__ = [
     "gptq_quantize_reference",
     "rtn_quantize",
     "group_index",
+    "groups_in_column_order",
     "output_error",
     "quadratic_form",
     "lazy_sweep",
@@ -71,6 +72,11 @@ def group_index(in_features: int, group_size: int, perm: Optional[torch.Tensor] 
     g_idx = torch.empty(in_features, dtype=torch.int32)
     g_idx[perm] = g
     return g_idx
+
+
+def groups_in_column_order(g_idx: torch.Tensor, group_size: int) -> bool:
+    """Whether ``g_idx`` is ``group_index``'s natural order (contiguous groups, no act-order gather)."""
+    return group_size == -1 or torch.equal(g_idx.long(), group_index(g_idx.numel(), group_size).long())
 
 
 def invert_lower_triangular_(L: torch.Tensor, parts: int = 4) -> torch.Tensor:

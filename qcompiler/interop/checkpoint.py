@@ -54,10 +54,13 @@ class QuantLayer:
     group_size: int
 
 
-def layer_writers(gm: GraphModule, target: str, fmt: str) -> list[tuple[OpArgs, str, object]]:
+def layer_writers(
+    gm: GraphModule, target: str, fmt: str, *, require_any: bool = True
+) -> list[tuple[OpArgs, str, object]]:
     """``(arguments, layer path, writer)`` for each ``qc`` node, the writer being what ``target``
     registered for its op; an op the target refuses (or never registered) is an error naming the
-    layer, the format and the reason."""
+    layer, the format and the reason. ``require_any``: a graph without quantized layers is an error
+    (formats that also hold FP models, GGUF's F16, pass False)."""
     found = []
     for node in gm.graph.nodes:
         if spec_of(node) is None:
@@ -69,7 +72,7 @@ def layer_writers(gm: GraphModule, target: str, fmt: str) -> list[tuple[OpArgs, 
             why = impl.refusal if impl is not None else "no writer is registered for it"
             raise ExportError(f"layer {path} is qc.{a.spec.name}: {why}")
         found.append((a, path, impl.load()))
-    if not found:
+    if not found and require_any:
         raise ExportError(f"the graph has no quantized layers to write in the {fmt} format")
     return found
 

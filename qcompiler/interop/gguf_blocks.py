@@ -16,6 +16,8 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from qcompiler.algorithms.gptq import groups_in_column_order
+
 __all__ = ["BlockType", "BLOCK_TYPES", "layer_fits", "pack_blocks"]
 
 
@@ -41,7 +43,7 @@ def layer_fits(block: BlockType, bits: int, group_size: int, zeros: torch.Tensor
         return f"{bits}-bit groups of {group_size}, not {block.bits}-bit blocks of {block.block}"
     if not bool((zeros == 2 ** (bits - 1)).all()):
         return "asymmetric (zero points), while GGUF's symmetric blocks have none"
-    if not torch.equal(g_idx.long(), torch.arange(g_idx.numel()) // group_size):
+    if not groups_in_column_order(g_idx, group_size):
         return "act-order groups (g_idx) out of column order"
     return None
 

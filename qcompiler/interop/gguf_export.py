@@ -12,6 +12,7 @@ Face's rotates halves), which permutes whole rows and so leaves the blocks' code
 
 from __future__ import annotations
 
+from collections import Counter
 from pathlib import Path
 from typing import Optional
 
@@ -25,20 +26,13 @@ from qcompiler.interop.checkpoint import (
     ExportError,
     fp_tensors,
     gptq_layer,
+    layer_writers,
     model_config_of,
     source_folder,
 )
 from qcompiler.interop.gguf_blocks import BLOCK_TYPES, layer_fits, pack_blocks
 from qcompiler.interop.gguf_tokenizer import embed_tokenizer
-from qcompiler.ir.op_registry import (
-    args_of,
-    implement,
-    implementation,
-    quantized_layer_path,
-    refuse,
-    register_target,
-    spec_of,
-)
+from qcompiler.ir.op_registry import args_of, implement, refuse, register_target
 from qcompiler.ir.ops import GPTQ_TENSORS, dequantize_gptq
 from qcompiler.store.atomic import atomic_file, check_output_file
 from qcompiler.store.model_files import model_files
@@ -131,16 +125,7 @@ def export_gguf(cm, path, *, requantize: Optional[str] = None, protect=(), progr
         )
     path = check_output_file(Path(path), "GGUF", ours=is_qcompiler_gguf, protect=(*protect, *source_folder(gm)))
     arch, pairs_rotary = GGUF_ARCHITECTURES[model_type]
-    layers = []
-    for node in gm.graph.nodes:
-        if spec_of(node) is None:
-            continue
-        a = args_of(node)
-        impl = implementation("gguf", a.spec.name)
-        if impl is None or impl.refusal is not None:
-            why = impl.refusal if impl is not None else "no GGUF writer is registered for it"
-            raise ExportError(f"layer {quantized_layer_path(a)} is qc.{a.spec.name}: {why}")
-        layers.append(impl.load()(gm, a, quantized_layer_path(a)))
+    layers = [write(gm, a, path) for a, path, write in layer_writers(gm, "gguf", "GGUF", require_any=False)]
     consumed = {getattr(args_of(layer.node), name).target for layer in layers for name in GPTQ_TENSORS}
     heads = int(config["num_attention_heads"])
     kv_heads = int(config.get("num_key_value_heads") or heads)
@@ -182,14 +167,14 @@ def export_gguf(cm, path, *, requantize: Optional[str] = None, protect=(), progr
     writer.add_vocab_size(vocab_size)
     tokenizer = embed_tokenizer(writer, model_files(gm), config)
 
-    counts: dict[str, int] = {}
+    counts: Counter = Counter()  # (GGUF type, "exact" | "re-rounded") -> layers
     for layer in layers:
         data, qtype, how = _quant_tensor(layer, requantize)
         order = rows(layer.path)
         if order is not None:
             data = data[order.numpy()]
         writer.add_tensor(gguf_name(layer.path + ".weight"), data, raw_dtype=qtype)
-        counts[f"{qtype.name} ({how})"] = counts.get(f"{qtype.name} ({how})", 0) + 1
+        counts[qtype.name, how] += 1
     for hf_name, value in fp_tensors(gm, consumed).items():
         value = value.float()
         order = rows(hf_name)
@@ -199,18 +184,17 @@ def export_gguf(cm, path, *, requantize: Optional[str] = None, protect=(), progr
             writer.add_tensor(gguf_name(hf_name), value.numpy())
         else:
             writer.add_tensor(gguf_name(hf_name), value.half().numpy())
-    main = max(counts, key=counts.get).split(" ")[0] if counts else "F16"
+    main = counts.most_common(1)[0][0][0] if counts else "F16"
     writer.add_file_type(_FILE_TYPES.get(main, gguf.LlamaFileType.MOSTLY_F16))
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
-    summary = ", ".join(f"{n} {k}" for k, n in counts.items()) or "no quantized layers (F16)"
+    summary = ", ".join(f"{n} {name} ({how})" for (name, how), n in counts.items()) or "no quantized layers (F16)"
     progress(f"GGUF ({gguf.MODEL_ARCH_NAMES[arch]}): {summary}; tokenizer {tokenizer}")
-    if any("re-rounded" in k for k in counts):
+    if any(how == "re-rounded" for _, how in counts):
         progress(
             f"re-quantized to {requantize.upper()} by llama.cpp's round-to-nearest: those layers' "
             "codes are not the ones the recipe chose"
         )
     with atomic_file(path) as tmp:
-        writer.path = tmp
         writer.write_header_to_file(tmp)
         writer.write_kv_data_to_file()
         writer.write_tensors_to_file()

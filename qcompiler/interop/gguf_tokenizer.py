@@ -31,6 +31,9 @@ PRE_TOKENIZERS = {
     _WORDS + r"\p{N}{1,3}" + _REST: "llama-bpe",  # digits in threes
     _WORDS + r"\p{N}" + _REST: "qwen2",  # digits one by one
 }
+# llama.cpp refuses a BPE vocabulary without merges and gguf writes no empty array: a merge that never
+# applies (a letter and a digit never share a pre-tokenized word) stands in for none
+_NO_MERGES = ["a 1"]
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt")
 
 
@@ -78,21 +81,16 @@ def _bpe(writer: gguf.GGUFWriter, tj: dict, vocab_size: int) -> str:
     writer.add_tokenizer_pre(pre)
     writer.add_token_list(names)
     writer.add_token_types(kinds)
-    writer.add_token_merges(merges or ["a 1"])  # no merges: see _bytes
+    writer.add_token_merges(merges or _NO_MERGES)
     return f"byte-level BPE, {len(tokens)} tokens, {len(merges)} merges, pre-tokenizer {pre}"
 
 
 def _bytes(writer: gguf.GGUFWriter) -> str:
-    from transformers.convert_slow_tokenizer import bytes_to_unicode
-
-    alphabet = bytes_to_unicode()
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("default")
-    writer.add_token_list([alphabet[b] for b in range(256)])
+    writer.add_token_list(ByteTokenizer.byte_level_tokens())
     writer.add_token_types([gguf.TokenType.NORMAL] * 256)
-    # llama.cpp refuses a BPE vocabulary without merges and gguf writes no empty array: one merge
-    # that never applies (a letter and a digit never share a pre-tokenized word)
-    writer.add_token_merges(["a 1"])
+    writer.add_token_merges(_NO_MERGES)
     writer.add_add_bos_token(False)
     return "byte-level (256 tokens)"
 

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from qcompiler.algorithms.gptq import groups_in_column_order
 from qcompiler.algorithms.packing import pack_cols, unpack_cols
 from qcompiler.interop.checkpoint import (
     DEFAULT_SHARD_BYTES,
@@ -58,12 +59,6 @@ refuse("gptq", "spqr_dense_linear", _ONLY_GPTQ)
 refuse("gptq", "sparse_outlier_linear", _ONLY_GPTQ)
 refuse("gptq", "spqr_experts_linear", _ONLY_GPTQ)
 refuse("gptq", "hadamard", ONLINE_ROTATION)
-
-
-def _is_act_order(g_idx: torch.Tensor, group_size: int) -> bool:
-    if group_size == -1:
-        return False
-    return not torch.equal(g_idx.long(), torch.arange(g_idx.numel()) // group_size)
 
 
 def _split_for_loaders(layer: QuantLayer, model_type) -> list[QuantLayer]:
@@ -138,7 +133,7 @@ def export_gptq(
         if v1:
             t["qzeros"] = zeros_to_v1(t["qzeros"], layer.bits, t["scales"].shape[1])
         tensors.update({f"{layer.path}.{name}": value for name, value in t.items()})
-    desc_act = any(_is_act_order(layer.tensors["g_idx"], layer.group_size) for layer in layers)
+    desc_act = any(not groups_in_column_order(layer.tensors["g_idx"], layer.group_size) for layer in layers)
     sym = all(bool((zeros(layer) == (1 << (layer.bits - 1))).all()) for layer in layers)
     quant = {
         "quant_method": "gptq",
