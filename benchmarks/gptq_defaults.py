@@ -21,7 +21,6 @@ from results_file import write_rows
 
 import qcompiler as qc
 from qcompiler import models
-from qcompiler.calib import calibration as calibration_engine
 from qcompiler.evaluation.eval import bits_per_parameter
 from qcompiler.evaluation.quality import QualityJudge
 
@@ -31,7 +30,6 @@ VARIANTS = {
     "act-order+static": dict(act_order=True, static_groups=True),
     "act-order": dict(act_order=True),
     "mse-grid": dict(grid="mse"),
-    "hessian-fp64": dict(),  # the engine's HESSIAN_DTYPE, set around the compile
     "all": dict(true_sequential=True, act_order=True, static_groups=True, grid="mse"),
 }
 
@@ -46,7 +44,6 @@ def run(model_names, bits_list, variants, calib: int) -> list[dict]:
         for bits in bits_list:
             for variant in variants:
                 settings = dict(bits=bits, group_size=128, **VARIANTS[variant])
-                calibration_engine.HESSIAN_DTYPE = torch.float64 if variant == "hessian-fp64" else torch.float32
                 torch.manual_seed(0)
                 start = time.perf_counter()
                 cm = qc.compile(
@@ -57,7 +54,6 @@ def run(model_names, bits_list, variants, calib: int) -> list[dict]:
                     progress=False,
                 )
                 seconds = time.perf_counter() - start
-                calibration_engine.HESSIAN_DTYPE = torch.float32
                 value = judge.score(cm)
                 row = dict(
                     model=name,

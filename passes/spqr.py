@@ -25,7 +25,7 @@ from qcompiler.ir.ops import SPQR_DENSE_TENSORS, to_csr
 from qcompiler.ir.tensors import set_tensor
 from qcompiler.pipeline.folding import replace_linear
 from qcompiler.pipeline.pass_base import GraphProperty
-from qcompiler.pipeline.weight_only import ExpertsFormat, LayerQuant, check_packable
+from qcompiler.pipeline.weight_only import ExpertsFormat, LayerQuant, LayerRewrite, check_packable, register_rewrite
 from qcompiler.pipeline.weight_quantizer import WeightQuantizer
 
 __all__ = ["SpQR", "pack_spqr"]
@@ -150,10 +150,14 @@ class SpQR(WeightQuantizer):
             "damp": res.damp,
             "damp_steps": res.damp_steps,
         }
-        out_features = W.shape[0]
-        return LayerQuant(
-            res.dequantized, figures, tensors, lambda gm, layer, stored: self._rewrite(gm, layer, stored, out_features)
+        constants = dict(
+            bits=self.bits,
+            group_size=self.group_size,
+            stat_bits=self.stat_bits,
+            stat_group_size=self.stat_group_size,
+            out_features=W.shape[0],
         )
+        return LayerQuant(res.dequantized, figures, tensors, LayerRewrite("spqr", constants))
 
     def _no_tokens(self, layer: LinearLayer, W: torch.Tensor, H: None) -> LayerQuant:
         return self.quantize_layer(layer, W, torch.eye(W.shape[1], device=W.device))
@@ -183,32 +187,44 @@ class SpQR(WeightQuantizer):
             ),
         )
 
-    def _rewrite(self, gm: GraphModule, layer: LinearLayer, tensors: dict, out_features: int) -> None:
-        dense = replace_linear(
-            gm,
-            layer,
-            "spqr_dense_linear",
-            {n: tensors[n] for n in SPQR_DENSE_TENSORS},
-            lambda x, a: dict(
-                x=x,
-                **a,
-                bias=layer.bias_node,
-                bits=self.bits,
-                group_size=self.group_size,
-                stat_bits=self.stat_bits,
-                stat_group_size=self.stat_group_size,
-            ),
-        )
-        graph = gm.graph
-        base = layer.path
-        for n in ("row_ptr", "col_idx", "values"):
-            set_tensor(gm, f"{base}.{n}", tensors[n])
-        users = list(dense.users)
-        with graph.inserting_before(dense.next):  # a fixed point keeps creation order
-            attrs = {n: graph.get_attr(f"{base}.{n}") for n in ("row_ptr", "col_idx", "values")}
-            sparse = call_op(graph, "sparse_outlier_linear", x=args_of(dense).x, **attrs, out_features=out_features)
-            total = graph.call_function(aten.add.Tensor, (dense, sparse))
-        for node in (sparse, total):
-            node.meta.update({k: v for k, v in dense.meta.items() if k in ("nn_module_stack", "val")})
-        for user in users:
-            user.replace_input_with(dense, total)
+
+@register_rewrite("spqr")
+def _spqr_rewrite(
+    gm: GraphModule,
+    layer: LinearLayer,
+    tensors: dict,
+    bits: int,
+    group_size: int,
+    stat_bits: int,
+    stat_group_size: int,
+    out_features: int,
+) -> None:
+    """The dense low-bit op in the linear's place, plus the sparse outlier op added to its output."""
+    dense = replace_linear(
+        gm,
+        layer,
+        "spqr_dense_linear",
+        {n: tensors[n] for n in SPQR_DENSE_TENSORS},
+        lambda x, a: dict(
+            x=x,
+            **a,
+            bias=layer.bias_node,
+            bits=bits,
+            group_size=group_size,
+            stat_bits=stat_bits,
+            stat_group_size=stat_group_size,
+        ),
+    )
+    graph = gm.graph
+    base = layer.path
+    for n in ("row_ptr", "col_idx", "values"):
+        set_tensor(gm, f"{base}.{n}", tensors[n])
+    users = list(dense.users)
+    with graph.inserting_before(dense.next):  # a fixed point keeps creation order
+        attrs = {n: graph.get_attr(f"{base}.{n}") for n in ("row_ptr", "col_idx", "values")}
+        sparse = call_op(graph, "sparse_outlier_linear", x=args_of(dense).x, **attrs, out_features=out_features)
+        total = graph.call_function(aten.add.Tensor, (dense, sparse))
+    for node in (sparse, total):
+        node.meta.update({k: v for k, v in dense.meta.items() if k in ("nn_module_stack", "val")})
+    for user in users:
+        user.replace_input_with(dense, total)

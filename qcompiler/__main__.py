@@ -22,7 +22,13 @@ from qcompiler.generation import timed_generation
 
 
 def main(argv=None) -> int:
-    """``python -m qcompiler``: the bundled demo, or the command line when given a command."""
+    """``python -m qcompiler``: the bundled demo, or the command line when given a command
+    (``python -m qcompiler quantize ...``: what ``torchrun -m qcompiler`` and ``--nproc`` run)."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args and not args[0].startswith("-"):
+        from qcompiler.cli import main as command_line
+
+        return command_line(args)
     ap = argparse.ArgumentParser(prog="python -m qcompiler", description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="tinylm", help="tinylm | minilm | path to a Hugging Face model folder")
     ap.add_argument("--recipe", default="gptq-w4g128", help="built-in recipe name (see --list)")
@@ -30,7 +36,7 @@ def main(argv=None) -> int:
     ap.add_argument("--list", action="store_true", help="list built-in recipes and exit")
     ap.add_argument("--prompt", default="class Parser:\n    def __init__(self", help="causal LMs: prompt to continue")
     ap.add_argument("--new-tokens", type=int, default=48, help="causal LMs: tokens to generate")
-    args = ap.parse_args(argv)
+    args = ap.parse_args(args)
     if args.list:
         for r in qc.list_recipes():
             print(f"{r.name:22s} {r.description}")

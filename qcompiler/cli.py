@@ -14,6 +14,7 @@ Errors are one line on stderr (exit 2: bad arguments or inputs; 1: system or int
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 import unicodedata
@@ -27,6 +28,8 @@ from rich.table import Table
 
 from qcompiler.backends import available_backends
 from qcompiler.export_formats import ExportOptions, export_format, export_format_names
+
+_ARGV: list[str] = []  # the command line main() runs (each rank of --nproc gets it again)
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__.splitlines()[0])
 
@@ -161,13 +164,21 @@ def quantize(
     trust_remote_code: bool = typer.Option(
         False, help="run the model folder's own Python code (auto_map); off by default: only for folders you trust"
     ),
+    nproc: int = typer.Option(
+        1,
+        min=1,
+        max=1024,
+        help="ranks to start on this machine (each calibrates a share of the windows; layers are solved "
+        "in parallel); under torchrun leave it at 1",
+    ),
+    rank_timeout: float = typer.Option(
+        1800.0, min=10.0, help="seconds a rank waits for the others before the run fails (distributed runs)"
+    ),
 ):
     """Quantize MODEL with RECIPE and save the result to --out."""
-    import qcompiler as qc
     from qcompiler.calib.host_memory import bound_kernel_cache
     from qcompiler.compiler import resolve_device
-    from qcompiler.evaluation.eval import bits_per_parameter
-    from qcompiler.models import load
+    from qcompiler.distributed.ranks import join_from_environment, leave
     from qcompiler.pipeline.recipe_files import resolve_recipe
     from qcompiler.store.atomic import check_output_folder
 
@@ -176,6 +187,64 @@ def quantize(
     compute = resolve_device(device)
     protect = [model] if Path(model).is_dir() else []
     check_output_folder(out_dir, "artifact", overwrite=overwrite, protect=protect)
+    if nproc > 1 and "WORLD_SIZE" not in os.environ:
+        from qcompiler.distributed.launch import run_ranks
+
+        command = [sys.executable, "-m", "qcompiler", *_without_option(_ARGV, "--nproc")]
+        code = run_ranks(command, nproc, say=lambda line: err.print(f"[qcompiler] {line}"))
+        raise typer.Exit(code)
+    ranks = join_from_environment(compute, rank_timeout)
+    try:
+        _quantize_on_rank(
+            ranks,
+            model=model,
+            resolved=resolved,
+            calibration_options=(calib, samples, seqlen, seed, packing, calib_field),
+            compute=compute,
+            offload=offload,
+            stream=stream,
+            trust_remote_code=trust_remote_code,
+            out_dir=out_dir,
+            overwrite=overwrite,
+            protect=protect,
+        )
+    finally:
+        leave()
+
+
+def _without_option(argv: list[str], name: str) -> list[str]:
+    """``argv`` without ``name VALUE`` / ``name=VALUE``."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == name:
+            skip = True
+        elif not a.startswith(name + "="):
+            out.append(a)
+    return out
+
+
+def _quantize_on_rank(
+    ranks,
+    *,
+    model: str,
+    resolved,
+    calibration_options: tuple,
+    compute,
+    offload: bool,
+    stream: bool,
+    trust_remote_code: bool,
+    out_dir: Path,
+    overwrite: bool,
+    protect: list,
+) -> None:
+    """The quantize command's work on one rank (rank 0 saves and prints)."""
+    import qcompiler as qc
+    from qcompiler.evaluation.eval import bits_per_parameter
+    from qcompiler.models import load
+
+    calib, samples, seqlen, seed, packing, calib_field = calibration_options
     loaded = load(model, stream=stream, trust_remote_code=trust_remote_code)
     calibration = (
         _calibration(loaded, calib, samples, seqlen, seed, packing, calib_field)
@@ -184,9 +253,16 @@ def quantize(
     )
     start = time.perf_counter()
     cm = qc.compile(
-        loaded.model, loaded.example_inputs(), recipe=resolved, calibration=calibration, device=compute, offload=offload
+        loaded.model,
+        loaded.example_inputs(),
+        recipe=resolved,
+        calibration=calibration,
+        device=ranks.device(compute),
+        offload=offload,
     )
     seconds = time.perf_counter() - start
+    if not ranks.is_root:  # every rank holds the same model; one writes it
+        return
     cm.save(
         out_dir,
         metadata={
@@ -205,7 +281,8 @@ def quantize(
         bits = f"{bits_per_parameter(cm.graph_module):.3f} bits per quantized weight"
     except ValueError:
         bits = "no quantized linear layers"
-    out.print(f"{len(cm.report.layer_table())} layer records, {bits}, {seconds:.1f}s; saved to {out_dir}")
+    where = f" on {ranks.world} ranks" if ranks.distributed else ""
+    out.print(f"{len(cm.report.layer_table())} layer records, {bits}, {seconds:.1f}s{where}; saved to {out_dir}")
 
 
 def _triton_runtime() -> None:
@@ -443,12 +520,18 @@ def main(argv=None) -> int:
     from qcompiler.errors import QCompilerError
 
     args = list(sys.argv[1:] if argv is None else argv)
+    _ARGV[:] = args  # what --nproc starts each rank with
     debug = "--debug" in args
     if not [a for a in args if a != "--debug"]:
         args = ["--help"]
 
-    def fail(message: str, code: int) -> int:
+    rank = int(os.environ.get("RANK", "0")) if int(os.environ.get("WORLD_SIZE", "1")) > 1 else 0
+
+    def fail(message: str, code: int, *, same_on_every_rank: bool = False) -> int:
+        if rank and same_on_every_rank:
+            return code  # rank 0 prints the same line
         message = " ".join(line.strip() for line in str(message).splitlines() if line.strip())
+        message = f"rank {rank}: {message}" if rank else message
         err.print(f"error: {message}", soft_wrap=True)
         return code
 
@@ -456,6 +539,8 @@ def main(argv=None) -> int:
         code = app(args=args, prog_name="qcompiler", standalone_mode=False)
         if code == 130:  # typer turns Ctrl-C into an exit code in non-standalone mode
             raise KeyboardInterrupt
+        if isinstance(code, int) and code:  # typer.Exit(code) is returned, not raised, here
+            return code
     except (KeyboardInterrupt, typer.Abort):
         if debug:
             raise
@@ -469,7 +554,7 @@ def main(argv=None) -> int:
     except (QCompilerError, ValueError, FileNotFoundError, NotADirectoryError, IsADirectoryError) as e:
         if debug:
             raise
-        return fail(str(e), 2)
+        return fail(str(e), 2, same_on_every_rank=True)
     except OSError as e:
         if debug:
             raise

@@ -7,6 +7,7 @@ from typing import Any, Callable, Iterable, Iterator, Optional
 import torch
 from torch.fx import GraphModule
 
+from qcompiler.distributed.ranks import current_ranks
 from qcompiler.errors import CalibrationError
 from qcompiler.frontend import lazy_weights
 from qcompiler.frontend.capture import CaptureInfo, capture, fill_optional_inputs, normalize_inputs
@@ -355,7 +356,7 @@ def compile(
 
     resolved = resolve_recipe(recipe)
     get_backend(backend)  # an unknown backend fails before any work
-    compute = resolve_device(device)
+    compute = current_ranks().device(resolve_device(device))  # a rank of a distributed run: its own GPU
     manager = PassManager(resolved.passes)
     manager.validate(has_calibration=calibration is not None)
     gm = capture(model, example_inputs)

@@ -65,6 +65,7 @@ def test_awq_runs_on_a_mixture_of_experts_model_and_keeps_its_outputs():
     assert ((got - ref).abs().max() / ref.abs().max()).item() <= 1e-4
 
 
+@pytest.mark.slow  # 20 s: CI runs it with -m slow
 def test_awq_lowers_round_to_nearests_loss_on_minilm(minilm):
     judge = QualityJudge(minilm, sentences=96)
     calib = minilm.calibration(32, 128)

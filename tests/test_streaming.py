@@ -66,6 +66,7 @@ def test_streamed_compile_equals_full_load(folder, recipe):
     assert torch.equal(main_output(got(**x)), main_output(want(**x))), f"{recipe}: streamed differs from full load"
 
 
+@pytest.mark.slow
 def test_streamed_auto_bits_equals_full_load(folder):
     """The sensitivity runs read a streamed model's weights from disk: same plan, same tensors."""
     full, streamed = load(folder), load(folder, stream=True)

@@ -7,8 +7,13 @@ and statistics plus the model, whatever the depth. A pass quantizes a block, the
 re-runs that block with its quantized weights to produce the next block's inputs (sequential
 calibration, as the GPTQ reference does).
 
-Statistics are streamed: a Hessian ``H = 2/n Σ x xᵀ`` (fp32) and per-input-channel ``max|x|`` per
-observed linear. Rows whose attention-mask entry is 0 (padding) never enter them.
+Statistics are streamed: a Hessian ``H = 2/n Σ x xᵀ`` (summed in float64, read as fp32) and
+per-input-channel ``max|x|`` per observed linear. Rows whose attention-mask entry is 0 (padding)
+never enter them.
+
+Several ranks (``qcompiler/distributed/``): each rank runs its contiguous shard of the batches, and
+``collect`` combines the ranks' statistics before returning them, so every rank gets the whole
+set's — bit for bit what one process computes (see ``_add_batch_products``).
 
 Device onloading: with ``device`` set, each run copies only the weights the running nodes read to
 that device and drops them afterwards, so the device holds one block's weights, the cached block
@@ -18,6 +23,7 @@ The graph's own weights never move.
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Optional
@@ -28,6 +34,7 @@ from torch.fx import GraphModule, Interpreter, Node
 from torch.utils._pytree import tree_map
 
 from qcompiler.calib.host_memory import return_freed_memory
+from qcompiler.distributed.ranks import current_ranks
 from qcompiler.errors import CalibrationError
 from qcompiler.ir.experts import ExpertLinear, expert_rows, find_expert_linears
 from qcompiler.ir.graph import LinearLayer, block_of, find_linears, module_path, source_of
@@ -40,31 +47,20 @@ _HESSIAN_BLOCKS = 4  # x xᵀ as 4 x 4 blocks, upper triangle only: 10 of 16 GEM
 _BLOCKED_FROM = 512  # 1.5-2.2x faster than one full addmm at widths 1024-4096; below 512 no gain)
 
 
-def _block_starts(H: torch.Tensor) -> tuple[range, int]:
-    step = -(-H.shape[0] // _HESSIAN_BLOCKS)
-    return range(0, H.shape[0], step), step
-
-
-def _accumulate_upper(H: torch.Tensor, x: torch.Tensor, beta: float, alpha: float) -> None:
-    """``H = beta·H + alpha·xᵀx`` on the block upper triangle (diagonal blocks whole): a symmetric
-    rank-k update, which torch has no call for, as row-block GEMMs."""
-    starts, step = _block_starts(H)
-    for i in starts:
-        H[i : i + step, i:].addmm_(x[:, i : i + step].t(), x[:, i:], beta=beta, alpha=alpha)
+def _block_starts(width: int) -> tuple[range, int]:
+    """Row blocks of an ``[width, width]`` sum: 4 x 4 blocks from ``_BLOCKED_FROM`` up, one below."""
+    step = -(-width // _HESSIAN_BLOCKS) if width >= _BLOCKED_FROM else width
+    return range(0, width, step), step
 
 
 def _mirror_upper(H: torch.Tensor) -> None:
     """Copy the block upper triangle onto the lower one: H becomes exactly symmetric."""
-    starts, step = _block_starts(H)
+    starts, step = _block_starts(H.shape[0])
     for i in starts:
         H[i + step :, i : i + step].copy_(H[i : i + step, i + step :].t())
         diagonal = H[i : i + step, i : i + step]
         diagonal.copy_(torch.triu(diagonal) + torch.triu(diagonal, 1).t())
 
-
-# What Hessians accumulate in. float32 by default: float64 changed no measured result on the bundled
-# models (benchmarks/gptq_defaults.py, docs/methods/gptq.md) and costs twice the memory and time.
-HESSIAN_DTYPE = torch.float32
 
 _CHUNK_ELEMENTS = 1 << 22  # rows are upcast to float32 in chunks of 16 MB, not a copy of the whole batch
 
@@ -77,6 +73,25 @@ def float_row_chunks(rows: torch.Tensor) -> Iterator[torch.Tensor]:
         yield rows[i : i + step].float()
 
 
+def _add_batch_products(total: torch.Tensor, rows: torch.Tensor) -> None:
+    """``total += xᵀx`` for one batch's rows: the product in float32 (GEMMs over row chunks), then
+    added to the float64 ``total``, on the block upper triangle only (a symmetric rank-k update,
+    which torch has no call for: 10 of 16 GEMM blocks, 1.5-2.2x faster than one full GEMM at widths
+    1024-4096).
+
+    Why float64: each batch's float32 product is one number per entry, and float64 sums of float32
+    numbers are exact unless an entry's per-batch values span more than ~2^25 in magnitude, so the
+    total does not depend on the order batches are added in: a run split over ranks sums to the
+    bits of one process's run (``qcompiler/distributed/``)."""
+    starts, step = _block_starts(total.shape[0])
+    for i in starts:
+        part = None
+        for chunk in float_row_chunks(rows):
+            a, b = chunk[:, i : i + step].t(), chunk[:, i:]
+            part = a @ b if part is None else part.addmm_(a, b)
+        total[i : i + step, i:].add_(part)
+
+
 @dataclass
 class LayerStats:
     """Streaming statistics of one linear's input rows."""
@@ -87,50 +102,70 @@ class LayerStats:
     rows: int = 0
     keep: int = 0  # keep up to this many input rows (first seen)
     sample: Optional[torch.Tensor] = None  # [<= keep, in] the kept rows
-    output_energy: dict = field(default_factory=dict)  # path -> 2/n Σ ‖W x‖² (a layer that ran in FP)
-    _hessian: Optional[torch.Tensor] = None  # running mean; wide ones hold only the upper blocks
-    _mirrored: bool = True  # until read after an update
+    output_energy: dict = field(default_factory=dict)  # path -> per-batch Σ ‖W x‖² (a layer that ran in FP)
+    _sum: Optional[torch.Tensor] = None  # float64 Σ x xᵀ, block upper triangle (see _add_batch_products)
+    _hessian: Optional[torch.Tensor] = None  # float32 2/n Σ x xᵀ, once read
 
     @property
     def hessian(self) -> Optional[torch.Tensor]:
-        """``[in, in]`` float32, ``2/n Σ x xᵀ`` over the rows seen."""
-        if not self._mirrored:
-            _mirror_upper(self._hessian)
-            self._mirrored = True
+        """``[in, in]`` float32, ``2/n Σ x xᵀ`` over the rows seen (the float64 sum is dropped)."""
+        if self._hessian is None and self._sum is not None and self.rows:
+            _mirror_upper(self._sum)
+            self._hessian = self._sum.mul_(2.0 / self.rows).float()
+            self._sum = None
         return self._hessian
+
+    def release(self) -> None:
+        """Drop the Hessian (this rank solves no layer that reads it)."""
+        self._sum = self._hessian = None
 
     def reference_energy(self, path: str) -> Optional[float]:
         """``tr(W H Wᵀ)`` of layer ``path`` from its FP outputs, if the collect computed them."""
-        total = self.output_energy.get(path)
-        return None if total is None or self.rows == 0 else 2.0 * float(total) / self.rows
+        parts = self.output_energy.get(path)
+        return None if parts is None or self.rows == 0 else 2.0 * math.fsum(parts) / self.rows
 
     def add(self, x: torch.Tensor) -> None:
         """Accumulate one batch of input rows ``x`` [rows, in]."""
-        for chunk in float_row_chunks(x.reshape(-1, self.in_features)):
-            self._add_rows(chunk)
-
-    def _add_rows(self, x: torch.Tensor) -> None:
-        m = x.shape[0]
+        rows = x.reshape(-1, self.in_features)
+        m = rows.shape[0]
         if m == 0:
             return
-        amax = x.abs().amax(dim=0)
-        self.absmax = amax if self.absmax is None else torch.maximum(self.absmax, amax)
-        have = 0 if self.sample is None else self.sample.shape[0]
-        if have < self.keep:
-            extra = x[: self.keep - have].clone()
-            self.sample = extra if self.sample is None else torch.cat([self.sample, extra])
+        if self._hessian is not None:
+            raise RuntimeError("statistics were read; they take no more rows")
+        for chunk in float_row_chunks(rows):
+            amax = chunk.abs().amax(dim=0)
+            self.absmax = amax if self.absmax is None else torch.maximum(self.absmax, amax)
+            have = 0 if self.sample is None else self.sample.shape[0]
+            if have < self.keep:
+                extra = chunk[: self.keep - have].clone()
+                self.sample = extra if self.sample is None else torch.cat([self.sample, extra])
         if self.want_hessian:
-            if self._hessian is None:
-                self._hessian = torch.zeros(self.in_features, self.in_features, device=x.device, dtype=HESSIAN_DTYPE)
-            x = x.to(self._hessian.dtype)
-            # running mean of 2 x xᵀ (no scaled copy of the rows)
-            beta, alpha = self.rows / (self.rows + m), 2.0 / (self.rows + m)
-            if self.in_features >= _BLOCKED_FROM:
-                _accumulate_upper(self._hessian, x, beta, alpha)
-                self._mirrored = False
-            else:
-                self._hessian.addmm_(x.t(), x, beta=beta, alpha=alpha)
+            if self._sum is None:
+                self._sum = torch.zeros(self.in_features, self.in_features, device=x.device, dtype=torch.float64)
+            _add_batch_products(self._sum, rows)
         self.rows += m
+
+    def reduce_across_ranks(self, device: Optional[torch.device]) -> None:
+        """Combine every rank's statistics into the whole calibration set's, on every rank: sums
+        (exact, see ``_add_batch_products``), maxima, the first ``keep`` rows in rank order (the
+        windows' order) and each batch's output energy (summed by ``math.fsum``, order-free)."""
+        from qcompiler.distributed.collectives import all_max, all_sum, gather_rows
+
+        where = device if device is not None else torch.device("cpu")
+        self.rows = int(all_sum(torch.tensor([self.rows], dtype=torch.int64)))
+        if self.want_hessian:
+            if self._sum is None:
+                self._sum = torch.zeros(self.in_features, self.in_features, device=where, dtype=torch.float64)
+            self._sum = all_sum(self._sum)
+        absmax = self.absmax if self.absmax is not None else torch.zeros(self.in_features, device=where)
+        self.absmax = all_max(absmax) if self.rows else None
+        if self.keep:
+            sample = self.sample if self.sample is not None else torch.zeros(0, self.in_features, device=where)
+            gathered = gather_rows(sample)[: self.keep]
+            self.sample = gathered if gathered.shape[0] else None
+        for path in sorted(self.output_energy):
+            parts = torch.tensor(self.output_energy[path], dtype=torch.float64)
+            self.output_energy[path] = gather_rows(parts).tolist()
 
 
 def _check_finite(path: str, st: LayerStats) -> None:
@@ -188,6 +223,8 @@ class CalibrationEngine:
     ):
         if not batches:
             raise CalibrationError("the calibration set is empty: pass at least one batch of inputs")
+        self.ranks = current_ranks()
+        batches = self.ranks.shard(batches)
         self.gm = gm
         self.log = log
         self.device = None if device is None else torch.device(device)
@@ -377,6 +414,10 @@ class CalibrationEngine:
         nodes = [layer.node for layer in layers] + [expert.node for expert in experts]
         last = max(self._index[node] for node in nodes) if nodes else seg.start
         self._run_range(seg.start, last, observers, advance_to=None, after=outputs)  # the last node does not run
+        if self.ranks.distributed:
+            distinct = {id(st): st for st in stats.values()}  # insertion order: the same on every rank
+            for st in distinct.values():
+                st.reduce_across_ranks(self.device)
         return stats
 
     @staticmethod
@@ -403,11 +444,11 @@ class CalibrationEngine:
             y = y.detach().reshape(-1, y.shape[-1])
             if mask is not None and mask.numel() == y.shape[0]:
                 y = y[mask]
-            # squared norms in float32 per chunk, summed in float64: no full float32 copy of the outputs
-            total = st.output_energy.get(layer.path, 0.0)
+            # squared norms in float32 per chunk, one float64 total per batch (summed by reference_energy)
+            total = torch.zeros((), dtype=torch.float64, device=y.device)
             for chunk in float_row_chunks(y):
                 total = total + torch.linalg.vector_norm(chunk).double() ** 2
-            st.output_energy[layer.path] = total
+            st.output_energy.setdefault(layer.path, []).append(float(total))
 
         return observe
 

@@ -21,6 +21,8 @@ from typing import Any, ClassVar, Optional
 import torch
 from torch.fx import GraphModule
 
+from qcompiler.distributed.ranks import current_ranks
+
 __all__ = ["GraphProperty", "Pass", "PassContext", "PassRecord", "PassResult"]
 
 
@@ -69,8 +71,9 @@ class PassContext:
     offload: bool = False  # keep cached block inputs on the CPU, move them per batch
 
     def log(self, message: str) -> None:
-        """Progress line (stderr), shown unless the user turned progress off."""
-        if self.progress:
+        """Progress line (stderr), shown unless the user turned progress off; in a distributed run
+        only rank 0 prints (every rank computes the same report)."""
+        if self.progress and current_ranks().is_root:
             print(f"[qcompiler] {message}", file=sys.stderr, flush=True)
 
 

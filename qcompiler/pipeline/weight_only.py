@@ -16,15 +16,17 @@ from torch.fx import GraphModule, Node
 from qcompiler.algorithms.finite import all_finite
 from qcompiler.algorithms.gptq import QuantResult, output_error, rtn_quantize
 from qcompiler.algorithms.packing import packed_length
-from qcompiler.calib.calibration import CalibrationEngine
+from qcompiler.calib.calibration import CalibrationEngine, LayerStats
 from qcompiler.calib.host_memory import return_freed_memory
+from qcompiler.distributed.collectives import broadcast_json, broadcast_tensors
+from qcompiler.distributed.ranks import current_ranks, solve_cost
 from qcompiler.errors import QuantizationError
 from qcompiler.frontend import lazy_weights
 from qcompiler.ir.experts import ExpertLinear, find_expert_linears
 from qcompiler.ir.graph import LinearLayer, block_of, find_linears, is_router
 from qcompiler.ir.op_registry import storage_ops
-from qcompiler.ir.ops import GPTQ_TENSORS, GPTQWeight, pack_gptq
-from qcompiler.ir.tensors import set_tensor
+from qcompiler.ir.ops import GPTQ_TENSORS, pack_gptq
+from qcompiler.ir.tensors import get_raw_tensor, set_tensor
 from qcompiler.pipeline.folding import replace_experts, replace_linear
 from qcompiler.pipeline.layer_filter import ignore_reason, report_unmatched
 from qcompiler.pipeline.pass_base import PassContext
@@ -45,6 +47,31 @@ __all__ = [
 ]
 
 
+_REWRITES: dict[str, Callable] = {}
+
+
+def register_rewrite(kind: str):
+    """Register ``fn(gm, layer, tensors, **constants)`` as the rewrite named ``kind``."""
+
+    def add(fn: Callable) -> Callable:
+        _REWRITES[kind] = fn
+        return fn
+
+    return add
+
+
+class LayerRewrite(NamedTuple):
+    """How the final rewrite swaps a solved layer's node: a rewrite registered by name and its
+    constants (JSON values). Data, not a closure, so a layer solved by one rank of a distributed
+    run can be rewritten on every rank; a closure still works in one process."""
+
+    kind: str
+    constants: dict
+
+    def __call__(self, gm: GraphModule, layer: LinearLayer, tensors: dict) -> None:
+        _REWRITES[self.kind](gm, layer, tensors, **self.constants)
+
+
 class LayerQuant(NamedTuple):
     """What a method made of one layer (its tensors may live on the compute device: the caller moves
     ``tensors`` to where the graph's weights live before ``rewrite`` stores them)."""
@@ -52,9 +79,21 @@ class LayerQuant(NamedTuple):
     dequantized: torch.Tensor  # [out, in]: what the stored tensors stand for
     figures: dict  # per-layer report entries
     tensors: dict  # name -> tensor the rewrite stores
-    rewrite: Callable[[GraphModule, LinearLayer, dict], None]  # swaps the node for the method's op(s)
-    packed: Optional[GPTQWeight] = None  # set when stored in the GPTQ layout
+    rewrite: Callable[[GraphModule, LinearLayer, dict], None]  # swaps the node for the method's op(s): a LayerRewrite
     damped_error: Optional[tuple[float, float]] = None  # GPTQ's (‖E‖², λ): output_error without a GEMM
+
+
+class SolvedLayer(NamedTuple):
+    """One layer's solve as every rank applies it: the report figures, the stored tensors (on the
+    weights' device), the rewrite, and the dequantized weight as the graph stores it (its dtype and
+    layout; None when not stored back) — or only ``skipped``, why it stays in full precision."""
+
+    figures: dict = {}
+    tensors: dict = {}
+    rewrite: Optional[Callable] = None
+    weight: Optional[torch.Tensor] = None
+    skipped: Optional[str] = None
+    error: Optional[str] = None  # a QuantizationError on the owner rank, raised on every rank
 
 
 QuantizeFn = Callable[[LinearLayer, torch.Tensor, Optional[torch.Tensor]], LayerQuant]
@@ -143,6 +182,7 @@ class _BlockQuantizer:
         self.experts_done: list[tuple[ExpertLinear, str, dict, dict]] = []  # expert, op, tensors, constants
         self.skipped: list[str] = []
         self._on_device: list = []  # (Hessian, its compute-device copy): siblings share one copy, so one factor
+        self.ranks = current_ranks()
 
     def _to_compute(self, H: Optional[torch.Tensor], compute) -> Optional[torch.Tensor]:
         if H is None:
@@ -183,20 +223,21 @@ class _BlockQuantizer:
             figures["rel_error"] = output_error(W, result.dequantized, H, result.damped_error, energy)
         return result, figures
 
-    def linear(
+    def skip_reason(self, path: str) -> Optional[str]:
+        """Why a layer is kept in full precision before any solve (the same on every rank)."""
+        return "mixture-of-experts router" if is_router(path) else ignore_reason(path, self.ignore)
+
+    def solve_linear(
         self,
         layer: LinearLayer,
         H: Optional[torch.Tensor],
-        start: float,
         *,
         energy: Optional[float] = None,
         method: Optional[QuantizeFn] = None,
         store: bool = True,
-    ) -> None:
-        if is_router(layer.path):
-            return self.skip(layer.path, "mixture-of-experts router")
-        if why := ignore_reason(layer.path, self.ignore):
-            return self.skip(layer.path, why)
+    ) -> SolvedLayer:
+        """Solve one layer on this rank (the caller applies the result on every rank)."""
+        start = time.perf_counter()
         stored = layer.weight(self.gm)  # read once (a streamed weight comes from disk)
         compute = self.ctx.device or stored.device
         result, figures = self.solve(
@@ -208,10 +249,22 @@ class _BlockQuantizer:
             energy,
         )
         if result is None:
-            return self.skip(layer.path, figures)
-        if store:  # later blocks must see the quantized weights; nothing runs after the head
-            store_dequantized(self.gm, layer, result.dequantized, stored)
+            return SolvedLayer(skipped=figures)
         figures["seconds"] = round(time.perf_counter() - start, 4)
+        weight = None
+        if store:  # later blocks must see the quantized weights; nothing runs after the head
+            W_hat = result.dequantized.t() if layer.transposed else result.dequantized
+            weight = W_hat.to(device=stored.device, dtype=stored.dtype).contiguous()
+        # Only what is stored is kept (on the weights' device), not the fp32 dequantized weight.
+        return SolvedLayer(figures, {k: v.to(stored.device) for k, v in result.tensors.items()}, result.rewrite, weight)
+
+    def apply_linear(self, layer: LinearLayer, solved: SolvedLayer) -> None:
+        """Record a solved layer and put its dequantized weight into the graph."""
+        if solved.skipped is not None:
+            return self.skip(layer.path, solved.skipped)
+        if solved.weight is not None:
+            set_tensor(self.gm, layer.weight_node.target, solved.weight)
+        figures = solved.figures
         if figures.get("damp_steps"):
             self.record.notes.append(
                 f"{layer.path}: Hessian needed damping {figures['damp']:g} "
@@ -220,12 +273,95 @@ class _BlockQuantizer:
         self.record.layers[layer.path] = figures
         error = f", relative output error {figures['rel_error']:.3g}" if "rel_error" in figures else ""
         self.ctx.log(f"  {layer.path}: {figures.get('bits', '?')}-bit{error}, {figures['seconds']:.2f}s")
-        # Only what is stored is kept (on the weights' device), not the fp32 dequantized weight.
-        self.done.append((layer, {k: v.to(stored.device) for k, v in result.tensors.items()}, result.rewrite))
+        self.done.append((layer, solved.tensors, solved.rewrite))
+
+    def linear(self, layer: LinearLayer, H: Optional[torch.Tensor], *, method=None, store: bool = True) -> None:
+        """Solve and apply one layer on this rank (every rank does the same: RTN without calibration, the head)."""
+        if why := self.skip_reason(layer.path):
+            return self.skip(layer.path, why)
+        self.apply_linear(layer, self.solve_linear(layer, H, method=method, store=store))
+
+    def linears(self, layers: list[LinearLayer], stats: dict[str, LayerStats]) -> None:
+        """Solve one collect's layers, each on its owner rank (``solve_cost``-balanced), then apply
+        every result on every rank in graph order. A Hessian (and its compute-device factor) goes once
+        its last reader here is solved."""
+        todo = []
+        for layer in layers:
+            if why := self.skip_reason(layer.path):
+                self.skip(layer.path, why)
+            else:
+                todo.append(layer)
+        costs = []
+        for layer in todo:
+            shape = get_raw_tensor(self.gm, layer.weight_node.target).shape
+            costs.append(solve_cost(*(shape[::-1] if layer.transposed else shape)))
+        owners = self.ranks.owners(costs)
+        mine = [layer for layer, owner in zip(todo, owners) if owner == self.ranks.rank]
+        for st in {id(st): st for st in stats.values()}.values():
+            if not any(stats[layer.path] is st for layer in mine):
+                st.release()  # another rank solves every layer that reads it
+        solved: dict[str, SolvedLayer] = {}
+        for k, layer in enumerate(mine):
+            st = stats[layer.path]
+            solved[layer.path] = self._attempt(
+                lambda: self.solve_linear(layer, st.hessian, energy=st.reference_energy(layer.path))
+            )
+            if not any(stats[later.path] is st for later in mine[k + 1 :]):
+                self.drop_hessians()
+            return_freed_memory()
+        for layer, owner in zip(todo, owners):
+            self.apply_linear(layer, self._share(solved.get(layer.path), owner, self._home(layer.weight_node)))
+
+    def _attempt(self, solve: Callable[[], SolvedLayer]) -> SolvedLayer:
+        """``solve()``; in a distributed run a QuantizationError becomes a result that every rank
+        raises, so all ranks stop with the owner's one line instead of waiting for it."""
+        if not self.ranks.distributed:
+            return solve()
+        try:
+            return solve()
+        except QuantizationError as exc:
+            return SolvedLayer(error=str(exc))
+
+    def _home(self, weight_node: Node) -> torch.device:
+        """Where the graph's weights live (a streamed placeholder: they are read onto the CPU)."""
+        device = get_raw_tensor(self.gm, weight_node.target).device
+        return torch.device("cpu") if device.type == "meta" else device
+
+    def _share(self, solved: Optional[SolvedLayer], owner: int, home: torch.device) -> SolvedLayer:
+        """The owner's ``solved`` on every rank (as is in one process)."""
+        if not self.ranks.distributed:
+            return solved
+        header = None
+        if solved is not None:  # this rank is the owner
+            if solved.error is not None or solved.skipped is not None:
+                header = {"error": solved.error, "skipped": solved.skipped}
+            elif not isinstance(solved.rewrite, LayerRewrite):
+                header = {
+                    "error": f"{self.record.name}: its layers' rewrite is a closure; a distributed run needs a "
+                    "LayerRewrite (qcompiler.pipeline.weight_only.register_rewrite)"
+                }
+            else:
+                header = {
+                    "figures": solved.figures,
+                    "rewrite": [solved.rewrite.kind, solved.rewrite.constants],
+                    "weight": solved.weight is not None,
+                }
+        header = broadcast_json(header, owner)
+        if header.get("error"):
+            raise QuantizationError(header["error"])
+        if header.get("skipped"):
+            return SolvedLayer(skipped=header["skipped"])
+        tensors = broadcast_tensors(None if solved is None else solved.tensors, owner, home)
+        weight = None
+        if header["weight"]:
+            weight = broadcast_tensors(None if solved is None else {"weight": solved.weight}, owner, home)["weight"]
+        kind, constants = header["rewrite"]
+        return SolvedLayer(header["figures"], tensors, LayerRewrite(kind, constants), weight)
 
     def experts(self, expert: ExpertLinear, stats: Optional[dict], *, store: bool = True) -> None:
-        """Quantize each expert matrix of one 3-D parameter; later blocks see the dequantized ones.
-        An expert no calibration row reached is quantized by the format's ``no_tokens``, with a note."""
+        """Quantize each expert matrix of one 3-D parameter (the experts shared out among the ranks);
+        later blocks see the dequantized ones. An expert no calibration row reached is quantized by
+        the format's ``no_tokens``, with a note."""
         fmt = self.experts_format
         why = ignore_reason(expert.path, self.ignore) or (
             None if fmt else f"{self.record.name} does not quantize 3-D expert weights"
@@ -233,40 +369,52 @@ class _BlockQuantizer:
         if why:
             return self.skip(expert.path, why)
         start, stored = time.perf_counter(), expert.stored(self.gm)
-        compute = self.ctx.device or stored.device
-        dequantized, results, errors = [], [], []
-        for e in range(expert.num_experts):
-            path = expert.expert_path(e)
-            layer = LinearLayer(expert.node, path, expert.input, expert.weight_node, None, False)
-            st = None if stats is None else stats[path]
-            H = None if st is None or st.rows == 0 else st.hessian.to(compute)
-            method = self.quantize if st is None or H is not None else fmt.no_tokens
-            W = expert.expert_weight(stored, e).detach().float().to(compute)
-            result, figures = self.solve(method, layer, path, W, H)
-            if result is None:
-                return self.skip(expert.path, figures)
-            if st is not None:
-                figures["calib_rows"] = st.rows
+        owners = self.ranks.owners([1.0] * expert.num_experts)  # equal shapes: equal costs
+        mine = {
+            e: self._attempt(lambda e=e: self._solve_expert(expert, stored, stats, e))
+            for e in range(expert.num_experts)
+            if owners[e] == self.ranks.rank
+        }
+        parts = [self._share(mine.get(e), owners[e], stored.device) for e in range(expert.num_experts)]
+        if skipped := next((p.skipped for p in parts if p.skipped is not None), None):
+            return self.skip(expert.path, skipped)
+        errors = []
+        for e, part in enumerate(parts):
+            path, figures = expert.expert_path(e), part.figures
             if "rel_error" in figures:
                 errors.append(figures["rel_error"])
-            elif st is not None:
-                figures["fallback"] = fmt.no_tokens_name
+            if "fallback" in figures:
                 self.record.notes.append(f"{path}: received no calibration tokens, quantized with {fmt.no_tokens_name}")
             self.record.layers[path] = figures
-            dequantized.append(result.dequantized.to(stored.device))
-            results.append(result._replace(dequantized=None))  # the fp32 copy above is the one kept
         if store:
-            W_hat = torch.stack(dequantized)  # [E, out, in]
+            W_hat = torch.stack([part.weight for part in parts])  # [E, out, in]
             set_tensor(
-                self.gm,
-                expert.weight_node.target,
-                (W_hat if expert.transposed else W_hat.transpose(1, 2)).to(stored.dtype).contiguous(),
+                self.gm, expert.weight_node.target, (W_hat if expert.transposed else W_hat.transpose(1, 2)).contiguous()
             )
-        op, tensors, constants = fmt.stack(results)
+        op, tensors, constants = fmt.stack([LayerQuant(None, p.figures, p.tensors, p.rewrite) for p in parts])
         self.experts_done.append((expert, op, {k: v.to(stored.device) for k, v in tensors.items()}, constants))
         error = f", mean relative output error {sum(errors) / len(errors):.3g}" if errors else ""
-        bits, seconds = results[0].figures.get("bits", "?"), time.perf_counter() - start
+        bits, seconds = parts[0].figures.get("bits", "?"), time.perf_counter() - start
         self.ctx.log(f"  {expert.path}: {expert.num_experts} experts, {bits}-bit{error}, {seconds:.2f}s")
+
+    def _solve_expert(self, expert: ExpertLinear, stored: torch.Tensor, stats: Optional[dict], e: int) -> SolvedLayer:
+        """One expert's matrix on this rank: its weight comes back ``[out, in]`` in the stored dtype."""
+        fmt, path = self.experts_format, expert.expert_path(e)
+        compute = self.ctx.device or stored.device
+        layer = LinearLayer(expert.node, path, expert.input, expert.weight_node, None, False)
+        st = None if stats is None else stats[path]
+        H = None if st is None or st.rows == 0 else st.hessian.to(compute)
+        method = self.quantize if st is None or H is not None else fmt.no_tokens
+        W = expert.expert_weight(stored, e).detach().float().to(compute)
+        result, figures = self.solve(method, layer, path, W, H)
+        if result is None:
+            return SolvedLayer(skipped=figures)
+        if st is not None:
+            figures["calib_rows"] = st.rows
+            if "rel_error" not in figures:
+                figures["fallback"] = fmt.no_tokens_name
+        weight = result.dequantized.to(device=stored.device, dtype=stored.dtype)
+        return SolvedLayer(figures, {k: v.to(stored.device) for k, v in result.tensors.items()}, result.rewrite, weight)
 
     def block_done(self, start: int, experts_start: int) -> None:
         """Park the results of ``done[start:]`` and ``experts_done[experts_start:]`` (one block's
@@ -312,7 +460,7 @@ def quantize_block_linears(gm: GraphModule, ctx: PassContext, quantizer) -> bool
             raise QuantizationError("calibration data is required")
         for layer in find_linears(gm):  # nothing runs the graph: no need to store what stands for the codes
             if block_of(layer.path) is not None:
-                walk.linear(layer, None, time.perf_counter(), store=False)
+                walk.linear(layer, None, store=False)
         for expert in find_expert_linears(gm):
             if block_of(expert.path) is not None:
                 walk.experts(expert, None, store=False)
@@ -323,7 +471,7 @@ def quantize_block_linears(gm: GraphModule, ctx: PassContext, quantizer) -> bool
         if not heads:
             ctx.record.notes.append("asked to quantize the output head, but the graph has no lm_head/embed_out linear")
         for layer in heads:
-            walk.linear(layer, None, time.perf_counter(), method=head, store=False)
+            walk.linear(layer, None, method=head, store=False)
     report_unmatched(
         ctx.record.name,
         ignore,
@@ -355,16 +503,12 @@ def _calibrated_walk(walk: _BlockQuantizer, engine: CalibrationEngine, quantizer
         for group in seg.sibling_groups() if quantizer.sequential_groups else [seg.linears]:
             if not group:
                 continue
-            start = time.perf_counter()
             stats = engine.collect(seg, group)
             return_freed_memory()
-            for layer in group:  # popped: a Hessian (and its factor) goes once its last reader is solved
-                st = stats.pop(layer.path)
-                walk.linear(layer, st.hessian, start, energy=st.reference_energy(layer.path))
-                if not any(other is st for other in stats.values()):
-                    walk.drop_hessians()
-                return_freed_memory()
-            del stats, st  # nothing of this collect lives into the next one
+            walk.linears(group, stats)
+            del stats  # nothing of this collect lives into the next one
+            walk.drop_hessians()
+            return_freed_memory()
         for expert in seg.experts:  # one at a time: down_proj sees the quantized gate_up_proj
             walk.experts(expert, engine.collect(seg, [], experts=[expert]) if walk.experts_format else None)
         quantizer.after_block(walk.gm, seg, walk.ctx)
@@ -384,19 +528,23 @@ def gptq_layer_quant(layer: LinearLayer, W: torch.Tensor, res: QuantResult, bits
     if res.damp:
         figures.update(damp=res.damp, damp_steps=res.damp_steps)
 
-    stored_bits, stored_group = packed.bits, packed.group_size  # not ``packed``: the closure would keep its tensors
-
-    def rewrite(gm: GraphModule, layer: LinearLayer, tensors: dict) -> None:
-        replace_linear(
-            gm,
-            layer,
-            "quant_linear",
-            tensors,
-            lambda x, a: dict(x=x, **a, bias=layer.bias_node, bits=stored_bits, group_size=stored_group),
-        )
-
     return LayerQuant(
-        res.dequantized, figures, {f: getattr(packed, f) for f in GPTQ_TENSORS}, rewrite, packed, res.damped_error
+        res.dequantized,
+        figures,
+        {f: getattr(packed, f) for f in GPTQ_TENSORS},
+        LayerRewrite("quant_linear", {"bits": packed.bits, "group_size": packed.group_size}),
+        res.damped_error,
+    )
+
+
+@register_rewrite("quant_linear")
+def _quant_linear(gm: GraphModule, layer: LinearLayer, tensors: dict, bits: int, group_size: int) -> None:
+    replace_linear(
+        gm,
+        layer,
+        "quant_linear",
+        tensors,
+        lambda x, a: dict(x=x, **a, bias=layer.bias_node, bits=bits, group_size=group_size),
     )
 
 
@@ -422,10 +570,9 @@ def gptq_experts(no_tokens: QuantizeFn) -> ExpertsFormat:
     leading expert dim); an expert without calibration rows is quantized by ``no_tokens`` (RTN)."""
 
     def stack(results: list[LayerQuant]) -> tuple[str, dict, dict]:
-        packs = [r.packed for r in results]
-        if any(p is None for p in packs):
+        if any(getattr(r.rewrite, "kind", None) != "quant_linear" for r in results):
             raise QuantizationError("an expert's result is not in the GPTQ layout")
-        tensors = {f: torch.stack([getattr(p, f) for p in packs]) for f in GPTQ_TENSORS}
-        return "quant_experts_linear", tensors, dict(bits=packs[0].bits, group_size=packs[0].group_size)
+        tensors = {f: torch.stack([r.tensors[f] for r in results]) for f in GPTQ_TENSORS}
+        return "quant_experts_linear", tensors, dict(results[0].rewrite.constants)
 
     return ExpertsFormat(stack, no_tokens, "RTN")

@@ -1,0 +1,54 @@
+"""Run by tests/test_distributed.py as 1 and as 2 ranks (``run_ranks``): each case compiles a small
+random-weight model with a recipe inside the process group; rank 0 saves each artifact under the
+folder given, so the test can compare the tensors of the two runs bit for bit."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from causal_lms import causal_lm, prompt  # noqa: E402
+
+import qcompiler as qc  # noqa: E402
+from qcompiler.distributed.ranks import join_from_environment, leave  # noqa: E402
+
+CASES = {  # name: (architecture, recipe)
+    "llama-gptq": ("llama", "gptq-w4g128"),
+    "llama-spqr": ("llama", "spqr-w3g16"),
+    "llama-smoothquant-w8a8": ("llama", "w8a8-smoothquant-auto"),
+    "qwen2-w8a8-static": ("qwen2", "w8a8-static"),
+    "mixtral-gptq": ("mixtral", "gptq-w4g128"),
+    "qwen2_moe-rtn": ("qwen2_moe", "rtn-w4g128"),
+}
+
+
+def calibration() -> list[dict]:
+    """Five batches (shards of 3 and 2 on two ranks); the last one padded."""
+    gen = torch.Generator().manual_seed(1)
+    batches = [{"input_ids": torch.randint(3, 128, (2, 24), generator=gen)} for _ in range(5)]
+    mask = torch.ones(2, 24, dtype=torch.long)
+    mask[1, 17:] = 0
+    batches[-1]["attention_mask"] = mask
+    return batches
+
+
+def main(out: Path, cases: list[str]) -> None:
+    ranks = join_from_environment(None, 120.0)
+    try:
+        for name in cases:
+            arch, recipe = CASES[name]
+            cm = qc.compile(
+                causal_lm(arch), {"input_ids": prompt()}, recipe=recipe, calibration=calibration(), progress=False
+            )
+            if ranks.is_root:
+                cm.save(out / name)
+    finally:
+        leave()
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]), sys.argv[2:] or list(CASES))

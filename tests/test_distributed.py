@@ -1,0 +1,113 @@
+"""Quantizing over several ranks (gloo, processes on this CPU): the tensors are the bits of one
+process's run, a rank that dies stops the run with one line and publishes nothing, and the
+pieces (shards, owners) behave as the docs say."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import distributed_cases
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from qcompiler.distributed.launch import run_ranks
+from qcompiler.distributed.ranks import Ranks, solve_cost
+from qcompiler.errors import CalibrationError
+
+CASES = Path(__file__).parent / "distributed_cases.py"
+
+
+def _one_process(out: Path, cases: list[str]) -> None:
+    """The reference: the same cases in this process, on one thread like each rank (float32 GEMMs
+    round differently on 2 threads, in one process too)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        distributed_cases.main(out, cases)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize(
+    "cases",
+    [
+        pytest.param(["llama-gptq", "mixtral-gptq"], id="gptq-dense-and-moe"),
+        pytest.param(
+            ["llama-spqr", "llama-smoothquant-w8a8", "qwen2-w8a8-static", "qwen2_moe-rtn"],
+            id="spqr-smoothquant-static-moe",
+            marks=pytest.mark.slow,
+        ),
+    ],
+)
+def test_two_ranks_store_the_bits_of_one_rank(tmp_path, monkeypatch, cases):
+    """Each rank calibrates its shard (3 and 2 of 5 batches, one padded), the statistics are summed
+    exactly, each layer is solved by one rank and sent to the other: every stored tensor and the
+    graph equal a one-process run's bit for bit."""
+    _one_process(tmp_path / "one", cases)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    assert run_ranks([sys.executable, str(CASES), str(tmp_path / "two"), *cases], 2) == 0
+    for case in cases:
+        one, two = (load_file(str(tmp_path / run / case / "tensors.safetensors")) for run in ("one", "two"))
+        assert one.keys() == two.keys()
+        differ = [name for name in one if not torch.equal(one[name], two[name])]
+        assert not differ, f"{case}: {len(differ)} tensors differ, e.g. {differ[:3]}"
+        graphs = [json.loads((tmp_path / run / case / "graph.json").read_text()) for run in ("one", "two")]
+        assert graphs[0] == graphs[1], case
+
+
+def test_a_killed_rank_stops_the_run_with_one_line_and_publishes_nothing(tmp_path):
+    """kill -9 of rank 1 once the pass starts: the other rank is stopped, the command exits non-zero
+    within 60 s naming the rank, and --out never appears."""
+    out = tmp_path / "out"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, "-m", "qcompiler", "quantize", "bundled:tinylm", "--recipe", "gptq-w4g128"]
+    proc = subprocess.Popen(
+        [*command, "--samples", "16", "--nproc", "2", "--out", str(out)],
+        env=env,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    lines, pids = [], None
+    for line in proc.stderr:
+        lines.append(line)
+        if pids is None and (m := re.search(r"pids (\d+) (\d+)", line)):
+            pids = int(m[1]), int(m[2])
+        if "pass 1/1" in line:  # both ranks joined the process group and captured the model
+            break
+    assert pids is not None, "".join(lines)
+    os.kill(pids[1], signal.SIGKILL)
+    killed = time.monotonic()
+    rest = proc.stderr.read()
+    code = proc.wait(timeout=60)
+    assert time.monotonic() - killed < 60
+    assert code != 0
+    assert f"rank 1 (pid {pids[1]}) was killed by SIGKILL; stopped the other ranks" in rest
+    assert not out.exists() and not list(tmp_path.iterdir())
+
+
+def test_shards_are_contiguous_in_order_and_cover_every_batch_once():
+    items = list(range(7))
+    shards = [Ranks(r, 3).shard(items) for r in range(3)]
+    assert shards == [[0, 1, 2], [3, 4], [5, 6]]
+    assert Ranks().shard(items) == items
+    with pytest.raises(CalibrationError, match="2 batches for 3 ranks"):
+        Ranks(0, 3).shard([0, 1])
+
+
+def test_owners_balance_solve_cost_the_same_way_on_every_rank():
+    """Longest first onto the least loaded rank: a block's four big and four small layers split
+    evenly, and every rank computes the same owners."""
+    costs = [solve_cost(1536, 4096), solve_cost(4096, 1536), solve_cost(4096, 1536)] + [solve_cost(1536, 1536)] * 4
+    owners = [Ranks(r, 2).owners(costs) for r in range(2)]
+    assert owners[0] == owners[1]
+    load = [sum(c for c, o in zip(costs, owners[0]) if o == r) for r in range(2)]
+    assert max(load) / sum(load) < 0.65  # the down_proj alone is 0.59 of the total
+    assert Ranks().owners(costs) == [0] * len(costs)
