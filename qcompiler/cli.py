@@ -174,6 +174,10 @@ def quantize(
     rank_timeout: float = typer.Option(
         1800.0, min=10.0, help="seconds a rank waits for the others before the run fails (distributed runs)"
     ),
+    checkpoint: Optional[Path] = typer.Option(
+        None, help="folder where each finished block is recorded, so that --resume can continue a killed run"
+    ),
+    resume: bool = typer.Option(False, help="continue the run recorded in --checkpoint (same model, recipe, data)"),
 ):
     """Quantize MODEL with RECIPE and save the result to --out."""
     from qcompiler.calib.host_memory import bound_kernel_cache
@@ -186,6 +190,16 @@ def quantize(
     resolved = resolve_recipe(recipe)  # a bad recipe, device or output path fails before any loading
     compute = resolve_device(device)
     protect = [model] if Path(model).is_dir() else []
+    if resume and checkpoint is None:
+        raise typer.BadParameter("--resume continues the run recorded in --checkpoint DIR: give the folder")
+    if checkpoint is not None:
+        if checkpoint.resolve() == out_dir.resolve() or (
+            protect and checkpoint.resolve().is_relative_to(Path(model).resolve())
+        ):
+            raise typer.BadParameter(
+                f"--checkpoint {checkpoint} must be a folder of its own, not --out or inside the model"
+            )
+        protect.append(checkpoint)
     check_output_folder(out_dir, "artifact", overwrite=overwrite, protect=protect)
     if nproc > 1 and "WORLD_SIZE" not in os.environ:
         from qcompiler.distributed.launch import run_ranks
@@ -207,6 +221,7 @@ def quantize(
             out_dir=out_dir,
             overwrite=overwrite,
             protect=protect,
+            progress=(checkpoint, resume),
         )
     finally:
         leave()
@@ -238,11 +253,13 @@ def _quantize_on_rank(
     out_dir: Path,
     overwrite: bool,
     protect: list,
+    progress: tuple,
 ) -> None:
     """The quantize command's work on one rank (rank 0 saves and prints)."""
     import qcompiler as qc
     from qcompiler.evaluation.eval import bits_per_parameter
     from qcompiler.models import load
+    from qcompiler.pipeline.run_checkpoint import remove_progress
 
     calib, samples, seqlen, seed, packing, calib_field = calibration_options
     loaded = load(model, stream=stream, trust_remote_code=trust_remote_code)
@@ -259,6 +276,9 @@ def _quantize_on_rank(
         calibration=calibration,
         device=ranks.device(compute),
         offload=offload,
+        checkpoint=progress[0],
+        resume=progress[1],
+        keep_checkpoint=True,  # until the artifact is saved
     )
     seconds = time.perf_counter() - start
     if not ranks.is_root:  # every rank holds the same model; one writes it
@@ -276,6 +296,8 @@ def _quantize_on_rank(
         overwrite=overwrite,
         protect=protect,
     )
+    if progress[0] is not None:
+        remove_progress(progress[0])
     out.print(_layer_table(cm.report, f"{model} · {resolved.name}"))
     try:
         bits = f"{bits_per_parameter(cm.graph_module):.3f} bits per quantized weight"

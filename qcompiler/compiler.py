@@ -18,6 +18,7 @@ from qcompiler.pipeline.pass_manager import PassManager
 from qcompiler.pipeline.recipe_files import resolve_recipe
 from qcompiler.pipeline.recipes import Recipe
 from qcompiler.pipeline.report import Report
+from qcompiler.pipeline.run_checkpoint import RunCheckpoint, run_fingerprint
 from qcompiler.store import artifact
 
 __all__ = ["compile", "load", "CompiledModel", "normalize_calibration"]
@@ -340,6 +341,9 @@ def compile(
     progress: bool = True,
     device="auto",
     offload: bool = False,
+    checkpoint=None,
+    resume: bool = False,
+    keep_checkpoint: bool = False,
 ) -> CompiledModel:
     """Capture ``model``, apply ``recipe``'s passes in order, and prepare ``backend`` to run it.
 
@@ -351,6 +355,10 @@ def compile(
     ``device``: where calibration and the solvers run, one block at a time (``auto``: the GPU when
     there is one); the model's weights stay where they are. ``offload``: keep the cached block inputs
     on the CPU (for calibration sets larger than the device's memory).
+    ``checkpoint``: a folder where each finished block of a weight-quantizing pass is recorded;
+    ``resume=True`` continues a run killed with the same model, recipe and calibration (the result's
+    tensors equal an uninterrupted run's); the folder is removed when compile returns, unless
+    ``keep_checkpoint`` (qcompiler/pipeline/run_checkpoint.py).
     """
     from qcompiler.backends import get_backend  # qcompiler.backends imports this module's package
 
@@ -376,7 +384,17 @@ def compile(
         device=compute,
         offload=offload,
     )
+    if checkpoint is not None:
+        ctx.checkpoint = RunCheckpoint(
+            checkpoint,
+            run_fingerprint(gm, resolved.passes, ctx.calibration),
+            resume=resume,
+            writer=current_ranks().is_root,
+            log=ctx.log,
+        )
     gm, report = manager.run(gm, ctx)
+    if ctx.checkpoint is not None and not keep_checkpoint:
+        ctx.checkpoint.remove()
     lazy_weights.materialize_all(gm, ctx.log)  # streamed weights no pass replaced
     refuse_non_finite(gm)
     return on_backend(gm, resolved, report, backend, ctx.example_inputs, backend_options)

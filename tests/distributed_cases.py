@@ -4,7 +4,10 @@ folder given, so the test can compare the tensors of the two runs bit for bit.""
 
 from __future__ import annotations
 
+import os
+import signal
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -36,10 +39,30 @@ def calibration() -> list[dict]:
     return batches
 
 
+def _die_at_block(block: int, note: Path) -> None:
+    """This rank kills itself (SIGKILL: nothing of it unwinds) when the walk starts ``block``."""
+    from qcompiler.pipeline import weight_only
+
+    solve, seen = weight_only._solve_block, [0]
+
+    def dying(*args, **kwargs):
+        if seen[0] == block:
+            note.write_text(str(time.time()))
+            os.kill(os.getpid(), signal.SIGKILL)
+        seen[0] += 1
+        return solve(*args, **kwargs)
+
+    weight_only._solve_block = dying
+
+
 def main(out: Path, cases: list[str]) -> None:
+    """Each case in turn; a name ending in ``+rank1-dies`` makes rank 1 kill itself in block 2."""
     ranks = join_from_environment(None, 120.0)
     try:
         for name in cases:
+            name, dies = name.removesuffix("+rank1-dies"), name.endswith("+rank1-dies")
+            if dies and ranks.rank == 1:
+                _die_at_block(1, out.parent / "rank1-died-at")
             arch, recipe = CASES[name]
             cm = qc.compile(
                 causal_lm(arch), {"input_ids": prompt()}, recipe=recipe, calibration=calibration(), progress=False

@@ -13,7 +13,6 @@ import sys
 import time
 from pathlib import Path
 
-import distributed_cases
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -25,15 +24,12 @@ from qcompiler.errors import CalibrationError
 CASES = Path(__file__).parent / "distributed_cases.py"
 
 
-def _one_process(out: Path, cases: list[str]) -> None:
-    """The reference: the same cases in this process, on one thread like each rank (float32 GEMMs
-    round differently on 2 threads, in one process too)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        distributed_cases.main(out, cases)
-    finally:
-        torch.set_num_threads(threads)
+def _start_one_process(out: Path, cases: list[str]) -> subprocess.Popen:
+    """The reference: the same cases in one process of its own, started beside the ranks (the bits
+    do not depend on how busy the cores are), one thread like each rank (float32 GEMMs round
+    differently on 2 threads, in one process too)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "WORLD_SIZE": "1"}
+    return subprocess.Popen([sys.executable, str(CASES), str(out), *cases], env=env)
 
 
 @pytest.mark.parametrize(
@@ -47,13 +43,24 @@ def _one_process(out: Path, cases: list[str]) -> None:
         ),
     ],
 )
-def test_two_ranks_store_the_bits_of_one_rank(tmp_path, monkeypatch, cases):
+def test_two_ranks_store_the_bits_of_one_rank_and_a_killed_rank_stops_the_run(tmp_path, monkeypatch, cases):
     """Each rank calibrates its shard (3 and 2 of 5 batches, one padded), the statistics are summed
     exactly, each layer is solved by one rank and sent to the other: every stored tensor and the
-    graph equal a one-process run's bit for bit."""
-    _one_process(tmp_path / "one", cases)
+    graph equal a one-process run's bit for bit. Then, in the same launch, rank 1 is killed (SIGKILL)
+    in the middle of one more case: the launch ends within 60 s with one line naming it, and that
+    case publishes nothing."""
+    reference = _start_one_process(tmp_path / "one", cases)
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    assert run_ranks([sys.executable, str(CASES), str(tmp_path / "two"), *cases], 2) == 0
+    said = []
+    code = run_ranks(
+        [sys.executable, str(CASES), str(tmp_path / "two"), *cases, "llama-gptq+rank1-dies"], 2, say=said.append
+    )
+    ended = time.time()
+    assert reference.wait(timeout=600) == 0
+    assert code == 1
+    assert re.fullmatch(r"rank 1 \(pid \d+\) was killed by SIGKILL; stopped the other ranks", said[-1]), said
+    assert ended - float((tmp_path / "rank1-died-at").read_text()) < 60
+    assert sorted(p.name for p in (tmp_path / "two").iterdir()) == sorted(cases)  # the killed case: nothing
     for case in cases:
         one, two = (load_file(str(tmp_path / run / case / "tensors.safetensors")) for run in ("one", "two"))
         assert one.keys() == two.keys()
@@ -63,9 +70,10 @@ def test_two_ranks_store_the_bits_of_one_rank(tmp_path, monkeypatch, cases):
         assert graphs[0] == graphs[1], case
 
 
-def test_a_killed_rank_stops_the_run_with_one_line_and_publishes_nothing(tmp_path):
-    """kill -9 of rank 1 once the pass starts: the other rank is stopped, the command exits non-zero
-    within 60 s naming the rank, and --out never appears."""
+@pytest.mark.slow
+def test_the_cli_killed_in_one_rank_exits_non_zero_with_one_line_and_publishes_nothing(tmp_path):
+    """kill -9 of rank 1 of ``qcompiler quantize --nproc 2`` once the pass starts: the other rank is
+    stopped, the command exits non-zero within 60 s naming the rank, and --out never appears."""
     out = tmp_path / "out"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     command = [sys.executable, "-m", "qcompiler", "quantize", "bundled:tinylm", "--recipe", "gptq-w4g128"]
@@ -91,6 +99,20 @@ def test_a_killed_rank_stops_the_run_with_one_line_and_publishes_nothing(tmp_pat
     assert code != 0
     assert f"rank 1 (pid {pids[1]}) was killed by SIGKILL; stopped the other ranks" in rest
     assert not out.exists() and not list(tmp_path.iterdir())
+
+
+def test_nproc_starts_the_same_command_as_ranks_and_returns_their_exit_code(tmp_path, monkeypatch):
+    """``--nproc 2``: the ranks run ``python -m qcompiler`` with the same arguments minus --nproc,
+    and the command's exit code is the launch's."""
+    import qcompiler.distributed.launch as launch
+    from qcompiler.cli import main
+
+    started = []
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.setattr(launch, "run_ranks", lambda command, n, say: started.append((command, n)) or 3)
+    argv = ["quantize", "bundled:tinylm", "--nproc", "2", "--samples", "16", "--out", str(tmp_path / "o")]
+    assert main(argv) == 3
+    assert started == [([sys.executable, "-m", "qcompiler", *argv[:2], *argv[4:]], 2)]
 
 
 def test_shards_are_contiguous_in_order_and_cover_every_batch_once():

@@ -69,6 +69,8 @@ class PassContext:
     progress: bool = True
     device: Optional[torch.device] = None  # where calibration and solvers run (None: where the weights are)
     offload: bool = False  # keep cached block inputs on the CPU, move them per batch
+    checkpoint: Any = None  # a RunCheckpoint: where finished blocks are recorded (run_checkpoint.py)
+    pass_index: int = 0  # the running pass's place in the recipe (set by the pass manager)
 
     def log(self, message: str) -> None:
         """Progress line (stderr), shown unless the user turned progress off; in a distributed run

@@ -75,6 +75,7 @@ class PassManager:
         report = Report()
         for i, p in enumerate(self.passes):
             ctx.log(f"pass {i + 1}/{len(self.passes)}: {p!r}")
+            ctx.pass_index = i
             try:
                 with torch.no_grad():
                     result = run_checked(p, gm, ctx, where=f"pass #{i + 1}")

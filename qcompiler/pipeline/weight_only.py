@@ -109,6 +109,48 @@ class ExpertsFormat(NamedTuple):
     no_tokens_name: str
 
 
+def solved_header(solved: SolvedLayer, pass_name: str) -> dict:
+    """``solved`` without its tensors, as JSON data (what crosses to other ranks and into a run's
+    checkpoint file); a rewrite that is a closure cannot be described and becomes an error."""
+    if solved.error is not None or solved.skipped is not None:
+        return {"error": solved.error, "skipped": solved.skipped}
+    if not isinstance(solved.rewrite, LayerRewrite):
+        return {
+            "error": f"{pass_name}: its layers' rewrite is a closure; distributed and resumable runs need a "
+            "LayerRewrite (qcompiler.pipeline.weight_only.register_rewrite)"
+        }
+    return {
+        "figures": solved.figures,
+        "rewrite": [solved.rewrite.kind, solved.rewrite.constants],
+        "tensors": list(solved.tensors),  # in order: the rewrite creates its get_attr nodes in it
+        "weight": solved.weight is not None,
+    }
+
+
+def solved_tensors(solved: SolvedLayer) -> dict[str, torch.Tensor]:
+    """Every tensor of ``solved`` by one name: the stored ones as ``t.NAME``, the weight as ``weight``."""
+    out = {f"t.{name}": t for name, t in solved.tensors.items()}
+    if solved.weight is not None:
+        out["weight"] = solved.weight
+    return out
+
+
+def solved_from(header: dict, tensors: dict[str, torch.Tensor]) -> SolvedLayer:
+    """The SolvedLayer ``solved_header`` and ``solved_tensors`` describe."""
+    if header.get("error"):
+        return SolvedLayer(error=header["error"])
+    if header.get("skipped"):
+        return SolvedLayer(skipped=header["skipped"])
+    kind, constants = header["rewrite"]
+    stored = {name: tensors[f"t.{name}"] for name in header["tensors"]}
+    return SolvedLayer(header["figures"], stored, LayerRewrite(kind, constants), tensors.get("weight"))
+
+
+def _moved(solved: SolvedLayer, device: torch.device) -> SolvedLayer:
+    weight = None if solved.weight is None else solved.weight.to(device)
+    return solved._replace(tensors={k: v.to(device) for k, v in solved.tensors.items()}, weight=weight)
+
+
 class UnpackableLayer(QuantizationError):
     """A layer whose shape the packed layout cannot hold: it is skipped with a note, the rest quantize."""
 
@@ -183,6 +225,7 @@ class _BlockQuantizer:
         self.skipped: list[str] = []
         self._on_device: list = []  # (Hessian, its compute-device copy): siblings share one copy, so one factor
         self.ranks = current_ranks()
+        self.journal: list[tuple[str, str, object]] = []  # what was applied since the block began (run_checkpoint.py)
 
     def _to_compute(self, H: Optional[torch.Tensor], compute) -> Optional[torch.Tensor]:
         if H is None:
@@ -196,6 +239,7 @@ class _BlockQuantizer:
         self._on_device.clear()
 
     def skip(self, path: str, why: str) -> None:
+        self.journal.append(("skip", path, why))
         self.skipped.append(path)
         self.record.notes.append(f"{path}: kept in full precision ({why})")
         self.ctx.log(f"  {path}: kept in full precision ({why})")
@@ -262,6 +306,7 @@ class _BlockQuantizer:
         """Record a solved layer and put its dequantized weight into the graph."""
         if solved.skipped is not None:
             return self.skip(layer.path, solved.skipped)
+        self.journal.append(("linear", layer.path, solved))
         if solved.weight is not None:
             set_tensor(self.gm, layer.weight_node.target, solved.weight)
         figures = solved.figures
@@ -331,40 +376,23 @@ class _BlockQuantizer:
         """The owner's ``solved`` on every rank (as is in one process)."""
         if not self.ranks.distributed:
             return solved
-        header = None
-        if solved is not None:  # this rank is the owner
-            if solved.error is not None or solved.skipped is not None:
-                header = {"error": solved.error, "skipped": solved.skipped}
-            elif not isinstance(solved.rewrite, LayerRewrite):
-                header = {
-                    "error": f"{self.record.name}: its layers' rewrite is a closure; a distributed run needs a "
-                    "LayerRewrite (qcompiler.pipeline.weight_only.register_rewrite)"
-                }
-            else:
-                header = {
-                    "figures": solved.figures,
-                    "rewrite": [solved.rewrite.kind, solved.rewrite.constants],
-                    "weight": solved.weight is not None,
-                }
+        header = None if solved is None else solved_header(solved, self.record.name)  # None: not the owner
         header = broadcast_json(header, owner)
         if header.get("error"):
             raise QuantizationError(header["error"])
-        if header.get("skipped"):
-            return SolvedLayer(skipped=header["skipped"])
-        tensors = broadcast_tensors(None if solved is None else solved.tensors, owner, home)
-        weight = None
-        if header["weight"]:
-            weight = broadcast_tensors(None if solved is None else {"weight": solved.weight}, owner, home)["weight"]
-        kind, constants = header["rewrite"]
-        return SolvedLayer(header["figures"], tensors, LayerRewrite(kind, constants), weight)
+        tensors = (
+            {}
+            if "figures" not in header
+            else broadcast_tensors(None if solved is None else solved_tensors(solved), owner, home)
+        )
+        return solved_from(header, tensors)
 
     def experts(self, expert: ExpertLinear, stats: Optional[dict], *, store: bool = True) -> None:
         """Quantize each expert matrix of one 3-D parameter (the experts shared out among the ranks);
         later blocks see the dequantized ones. An expert no calibration row reached is quantized by
         the format's ``no_tokens``, with a note."""
-        fmt = self.experts_format
         why = ignore_reason(expert.path, self.ignore) or (
-            None if fmt else f"{self.record.name} does not quantize 3-D expert weights"
+            None if self.experts_format else f"{self.record.name} does not quantize 3-D expert weights"
         )
         if why:
             return self.skip(expert.path, why)
@@ -376,9 +404,14 @@ class _BlockQuantizer:
             if owners[e] == self.ranks.rank
         }
         parts = [self._share(mine.get(e), owners[e], stored.device) for e in range(expert.num_experts)]
+        self.apply_experts(expert, parts, store=store, seconds=time.perf_counter() - start)
+
+    def apply_experts(self, expert: ExpertLinear, parts: list[SolvedLayer], *, store: bool, seconds: float) -> None:
+        """Record one 3-D parameter's solved experts and put its dequantized weights into the graph."""
         if skipped := next((p.skipped for p in parts if p.skipped is not None), None):
             return self.skip(expert.path, skipped)
-        errors = []
+        self.journal.append(("experts", expert.path, parts))
+        errors, fmt = [], self.experts_format
         for e, part in enumerate(parts):
             path, figures = expert.expert_path(e), part.figures
             if "rel_error" in figures:
@@ -386,16 +419,29 @@ class _BlockQuantizer:
             if "fallback" in figures:
                 self.record.notes.append(f"{path}: received no calibration tokens, quantized with {fmt.no_tokens_name}")
             self.record.layers[path] = figures
+        home = self._home(expert.weight_node)
         if store:
             W_hat = torch.stack([part.weight for part in parts])  # [E, out, in]
-            set_tensor(
-                self.gm, expert.weight_node.target, (W_hat if expert.transposed else W_hat.transpose(1, 2)).contiguous()
-            )
+            W_hat = W_hat if expert.transposed else W_hat.transpose(1, 2)
+            set_tensor(self.gm, expert.weight_node.target, W_hat.contiguous())
         op, tensors, constants = fmt.stack([LayerQuant(None, p.figures, p.tensors, p.rewrite) for p in parts])
-        self.experts_done.append((expert, op, {k: v.to(stored.device) for k, v in tensors.items()}, constants))
+        self.experts_done.append((expert, op, {k: v.to(home) for k, v in tensors.items()}, constants))
         error = f", mean relative output error {sum(errors) / len(errors):.3g}" if errors else ""
-        bits, seconds = parts[0].figures.get("bits", "?"), time.perf_counter() - start
+        bits = parts[0].figures.get("bits", "?")
         self.ctx.log(f"  {expert.path}: {expert.num_experts} experts, {bits}-bit{error}, {seconds:.2f}s")
+
+    def replay(self, events: list, seg) -> None:
+        """Apply a block's results recorded by an earlier run (``run_checkpoint.py``), in order."""
+        linears = {layer.path: layer for layer in seg.linears}
+        experts = {expert.path: expert for expert in seg.experts}
+        for kind, path, solved in events:
+            if kind == "skip":
+                self.skip(path, solved)
+            elif kind == "linear":
+                self.apply_linear(linears[path], _moved(solved, self._home(linears[path].weight_node)))
+            else:
+                home = self._home(experts[path].weight_node)
+                self.apply_experts(experts[path], [_moved(p, home) for p in solved], store=True, seconds=0.0)
 
     def _solve_expert(self, expert: ExpertLinear, stored: torch.Tensor, stats: Optional[dict], e: int) -> SolvedLayer:
         """One expert's matrix on this rank: its weight comes back ``[out, in]`` in the stored dtype."""
@@ -492,26 +538,44 @@ def quantize_block_linears(gm: GraphModule, ctx: PassContext, quantizer) -> bool
     return False
 
 
+def _solve_block(walk: _BlockQuantizer, engine: CalibrationEngine, quantizer, seg) -> None:
+    """One block: the quantizer's ``before_block``, collect each group's statistics, solve, ``after_block``."""
+    quantizer.before_block(walk.gm, seg, engine, walk.ctx)
+    for group in seg.sibling_groups() if quantizer.sequential_groups else [seg.linears]:
+        if not group:
+            continue
+        stats = engine.collect(seg, group)
+        return_freed_memory()
+        walk.linears(group, stats)
+        del stats  # nothing of this collect lives into the next one
+        walk.drop_hessians()
+        return_freed_memory()
+    for expert in seg.experts:  # one at a time: down_proj sees the quantized gate_up_proj
+        walk.experts(expert, engine.collect(seg, [], experts=[expert]) if walk.experts_format else None)
+    quantizer.after_block(walk.gm, seg, walk.ctx)
+
+
 def _calibrated_walk(walk: _BlockQuantizer, engine: CalibrationEngine, quantizer) -> None:
     """Block by block: the quantizer's ``before_block``, collect the inputs' statistics, solve,
     ``after_block``, move on with the quantized weights."""
     previous: list[Node] = []
-    for seg in engine.blocks():
+    progress = walk.ctx.checkpoint
+    if progress is not None and not quantizer.replayable:
+        raise QuantizationError(
+            f"{quantizer.name} has its own before_block() / after_block(): a run with it cannot record resumable "
+            "progress (its hooks may change the graph in ways a replay of its results would not redo)"
+        )
+    for k, seg in enumerate(engine.blocks()):
         _release(walk.gm, previous)  # the previous block has run with them: nothing reads them again
-        quantizer.before_block(walk.gm, seg, engine, walk.ctx)
         first, first_expert = len(walk.done), len(walk.experts_done)
-        for group in seg.sibling_groups() if quantizer.sequential_groups else [seg.linears]:
-            if not group:
-                continue
-            stats = engine.collect(seg, group)
-            return_freed_memory()
-            walk.linears(group, stats)
-            del stats  # nothing of this collect lives into the next one
-            walk.drop_hessians()
-            return_freed_memory()
-        for expert in seg.experts:  # one at a time: down_proj sees the quantized gate_up_proj
-            walk.experts(expert, engine.collect(seg, [], experts=[expert]) if walk.experts_format else None)
-        quantizer.after_block(walk.gm, seg, walk.ctx)
+        walk.journal.clear()
+        recorded = None if progress is None else progress.recorded(walk.ctx.pass_index, k)
+        if recorded is not None:  # an earlier run solved it: apply, and the engine re-runs it forward
+            walk.replay(recorded, seg)
+        else:
+            _solve_block(walk, engine, quantizer, seg)
+            if progress is not None:
+                progress.record(walk.ctx.pass_index, k, walk.journal)
         previous = [layer.weight_node for layer in seg.linears if layer.path in walk.record.layers] + [
             expert.weight_node for expert, *_ in walk.experts_done[first_expert:]
         ]  # quantized, not skipped

@@ -61,6 +61,12 @@ class WeightQuantizer(Pass):
         """Called once a block's layers are solved (their dequantized weights are in the graph)."""
 
     @property
+    def replayable(self) -> bool:
+        """Whether a block's recorded results are all a resumed run needs (no per-block hooks of its own)."""
+        cls = type(self)
+        return cls.before_block is WeightQuantizer.before_block and cls.after_block is WeightQuantizer.after_block
+
+    @property
     def ignored(self) -> tuple[str, ...]:
         """Module-path patterns kept in full precision (the ``ignore`` field, if the pass has one)."""
         return getattr(self, "ignore", ())

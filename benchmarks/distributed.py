@@ -1,0 +1,190 @@
+"""GPTQ over ranks: wall time and each rank's peak memory, and what that projects to at scale.
+
+    python benchmarks/distributed.py           # the 0.44 B LLaMA (1536 wide, 12 layers, bf16), 16 x 512 tokens (~25 min)
+    python benchmarks/distributed.py --quick   # a tiny LLaMA (checks the script)
+
+The model (benchmarks/scale.py's: random weights, sharded bf16 safetensors, a byte-level tokenizer)
+is quantized with ``gptq-w4g128`` by the CLI a user runs, calibration windows from real text, in
+three configurations per round, rounds interleaved so that drift of this shared machine hits all
+alike: 1 rank x 1 thread, 1 rank x 2 threads, 2 ranks x 1 thread (``--nproc 2``). Every rank
+reports its own quantize seconds and its own peak RSS (VmHWM: benchmarks/peak_memory.py); the wall
+is the whole command's, start-up and save included. The 2-rank artifact is checked bit-identical
+to the 1 rank x 1 thread one (same threads per process).
+
+From rank 0's per-block log of the 1 x 1 runs, each block's time splits into solves (the layers'
+own seconds) and the rest (calibration forward passes, Hessian products, block advance); the
+projection table scales both by FLOPs to real model shapes on N ranks (the formula is printed with
+the table). Writes benchmarks/results/distributed.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from results_file import write_rows
+from scale import SIZES, _byte_level_tokenizer, save_model
+
+HERE = Path(__file__).resolve().parent
+CONFIGS = [("1 rank x 1 thread", 1, 1), ("1 rank x 2 threads", 1, 2), ("2 ranks x 1 thread", 2, 1)]
+RANK = (  # one rank: the CLI, then its own seconds and peak
+    f"import sys, time; sys.path.insert(0, {str(HERE)!r}); "
+    "from peak_memory import peak_rss_mb; from qcompiler.cli import main; "
+    "t = time.perf_counter(); rc = main(sys.argv[1:]); "
+    "import os; print('RESULT', os.environ.get('RANK', '0'), time.perf_counter() - t, peak_rss_mb(), rc, flush=True)"
+)
+LAUNCH = "import sys; from qcompiler.distributed.launch import run_ranks; sys.exit(run_ranks(sys.argv[2:], int(sys.argv[1])))"
+
+
+def run(folder: Path, calib: Path, out: Path, size: dict, nproc: int, threads: int) -> dict:
+    rank = [sys.executable, "-c", RANK, "quantize", str(folder), "--recipe", "gptq-w4g128", "--calib", str(calib)]
+    rank += ["--samples", str(size["nsamples"]), "--seqlen", str(size["seqlen"]), "--device", "cpu", "--out", str(out)]
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+    start = time.perf_counter()
+    done = subprocess.run([sys.executable, "-c", LAUNCH, str(nproc), *rank], capture_output=True, text=True, env=env)
+    wall = time.perf_counter() - start
+    results = [line.split() for line in done.stdout.splitlines() if line.startswith("RESULT")]
+    if done.returncode or len(results) != nproc or any(r[4] != "0" for r in results):
+        sys.exit(f"quantize failed:\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}")
+    ranks = sorted((int(r[1]), float(r[2]), float(r[3])) for r in results)
+    return {
+        "wall_s": wall,
+        "quantize_s": ranks[0][1],
+        "peak_rss_MB_per_rank": [r[2] for r in ranks],
+        "blocks": _block_times(done.stderr),
+    }
+
+
+def _block_times(log: str) -> list[dict]:
+    """Per block: its seconds and the sum of its layers' solve seconds (rank 0's log)."""
+    blocks, solves = [], 0.0
+    for line in log.splitlines():
+        if m := re.search(r"\]   \S+: .*, ([\d.]+)s$", line):
+            solves += float(m[1])
+        elif m := re.search(r"\] block \d+/\d+ \S+: \d+ linears, ([\d.]+)s$", line):
+            blocks.append({"seconds": float(m[1]), "solve_seconds": solves})
+            solves = 0.0
+    return blocks
+
+
+def identical(a: Path, b: Path) -> bool:
+    from safetensors.torch import load_file
+
+    x, y = load_file(str(a / "tensors.safetensors")), load_file(str(b / "tensors.safetensors"))
+    return x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)
+
+
+# Real shapes (config.json of each): hidden, FFN (per expert), layers, experts, experts per token.
+TARGETS = {
+    "Llama-3-8B": dict(hidden=4096, kv=1024, ffn=14336, layers=32, experts=1, active=1),
+    "Llama-3-70B": dict(hidden=8192, kv=1024, ffn=28672, layers=80, experts=1, active=1),
+    "Qwen3-235B-A22B": dict(hidden=4096, q=8192, kv=512, ffn=1536, layers=94, experts=128, active=8),
+}
+
+
+def _block_work(shape: dict, tokens: int) -> tuple[float, float]:
+    """(calibration FLOPs, solve cost Σ in³ + out·in²) of one block."""
+    h, q, kv, f = shape["hidden"], shape.get("q", shape["hidden"]), shape["kv"], shape["ffn"]
+    e, k = shape["experts"], shape["active"]
+    params_per_token = h * (q + 2 * kv) + q * h + k * 3 * h * f  # the weights one token meets
+    hessian_inputs = [h, q, h, f] if e == 1 else [h, q] + [h, f] * e  # MoE: each expert's rows
+    hessian_rows = [tokens, tokens, tokens, tokens] if e == 1 else [tokens, tokens] + [tokens * k // e] * 2 * e
+    flops = 2 * tokens * params_per_token + sum(2 * n * w * w for n, w in zip(hessian_rows, hessian_inputs))
+    layers = [(q, h), (kv, h), (kv, h), (h, q), (f, h), (f, h), (h, f)]  # (out, in)
+    cost = e * sum(i**3 + o * i * i for o, i in layers[4:]) + sum(i**3 + o * i * i for o, i in layers[:4])
+    return float(flops), float(cost)
+
+
+def projection(measured: dict, rows: list) -> None:
+    size = measured["size"]
+    here = dict(hidden=size["hidden"], kv=size["hidden"] * size["kv_heads"] // size["heads"], ffn=size["ffn"])
+    here.update(layers=size["layers"], experts=1, active=1)
+    flops, cost = _block_work(here, size["nsamples"] * size["seqlen"])
+    calib_rate, solve_rate = flops / measured["calib_s"], cost / measured["solve_s"]
+    print(
+        "\nprojection: T(N) = layers x (calibration FLOPs / (N x C) + solve cost / (N x S)), 128 x 2048 tokens, "
+        f"C = {calib_rate / 1e9:.1f} GFLOP/s and S = {solve_rate / 1e9:.2f} G(in^3 + out*in^2)/s measured on one "
+        "thread here; assumes solves split evenly (enough layers or experts per block), no communication cost "
+        "(a block's float64 Hessians are 0.1-1 GB: seconds on a fast link) and that a rank holds one block"
+    )
+    for name, shape in TARGETS.items():
+        f, c = _block_work(shape, 128 * 2048)
+        for n in (1, 4, 8):
+            hours = shape["layers"] * (f / (n * calib_rate) + c / (n * solve_rate)) / 3600
+            rows.append({"projection": name, "ranks": n, "hours_cpu_thread_each": hours})
+            print(f"  {name:16s} {n} rank{'s' if n > 1 else ' '}: {hours:9.1f} h (one CPU thread per rank)")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--rounds", type=int, default=2)
+    args = ap.parse_args()
+    size = dict(SIZES["quick" if args.quick else "big"])
+    size["layers"] = size.pop("depths")[-1]
+    size["nsamples"] = 16 if not args.quick else 32  # batches of 1024 tokens: 8 (2) batches, shared by the ranks
+    rows: list = []
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        folder, calib = tmp / "model", tmp / "calib.txt"
+        disk = save_model(folder, size, torch.bfloat16)
+        _byte_level_tokenizer(folder)
+        import qcompiler.data as data
+
+        calib.write_text(data.stdlib_text("train")[:400_000])
+        runs: dict[str, list[dict]] = {label: [] for label, *_ in CONFIGS}
+        for r in range(args.rounds):
+            for label, nproc, threads in CONFIGS:
+                out = tmp / f"out-{nproc}-{threads}-{r}"
+                result = run(folder, calib, out, size, nproc, threads)
+                runs[label].append(result)
+                print(
+                    f"round {r + 1} {label:20s} wall {result['wall_s']:7.1f}s  quantize {result['quantize_s']:7.1f}s  "
+                    f"peak RSS per rank {', '.join(f'{m:.0f}' for m in result['peak_rss_MB_per_rank'])} MB",
+                    flush=True,
+                )
+            same = identical(tmp / f"out-1-1-{r}", tmp / f"out-2-1-{r}")
+            print(f"round {r + 1}: 2-rank artifact bit-identical to 1 rank x 1 thread: {same}", flush=True)
+            rows.append({"round": r + 1, "two_ranks_bit_identical_to_one": same})
+        base = statistics.median(x["wall_s"] for x in runs["1 rank x 1 thread"])
+        print(f"\n{'configuration':20s} {'wall (median)':>14s} {'spread':>8s} {'vs 1x1':>7s} {'peak RSS/rank':>14s}")
+        for label, *_ in CONFIGS:
+            walls = [x["wall_s"] for x in runs[label]]
+            peak = max(max(x["peak_rss_MB_per_rank"]) for x in runs[label])
+            row = {
+                "configuration": label,
+                "wall_s_median": statistics.median(walls),
+                "wall_s": walls,
+                "quantize_s": [x["quantize_s"] for x in runs[label]],
+                "peak_rss_MB_max_rank": peak,
+                "peak_over_bf16_file": peak / (disk / 2**20),
+                "vs_1x1": statistics.median(walls) / base,
+            }
+            rows.append(row)
+            print(
+                f"{label:20s} {row['wall_s_median']:13.1f}s {max(walls) - min(walls):7.1f}s {row['vs_1x1']:6.2f}x "
+                f"{peak:9.0f} MB ({row['peak_over_bf16_file']:.2f}x the bf16 file)"
+            )
+        one = runs["1 rank x 1 thread"]
+        blocks = [b for x in one for b in x["blocks"]]
+        measured = {
+            "size": size,
+            "calib_s": statistics.median(b["seconds"] - b["solve_seconds"] for b in blocks),
+            "solve_s": statistics.median(b["solve_seconds"] for b in blocks),
+        }
+        rows.append({"per_block_1x1": measured})
+        projection(measured, rows)
+    path = write_rows("distributed", rows, args.quick, bf16_file_MB=disk / 2**20, size=size)
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
