@@ -79,10 +79,11 @@ def _add_batch_products(total: torch.Tensor, rows: torch.Tensor) -> None:
     which torch has no call for: 10 of 16 GEMM blocks, 1.5-2.2x faster than one full GEMM at widths
     1024-4096).
 
-    Why float64: each batch's float32 product is one number per entry, and float64 sums of float32
-    numbers are exact unless an entry's per-batch values span more than ~2^25 in magnitude, so the
-    total does not depend on the order batches are added in: a run split over ranks sums to the
-    bits of one process's run (``qcompiler/distributed/``)."""
+    Why float64: each batch's float32 product is one number per entry, and a float64 sum of B
+    float32 numbers is exact while they span less than 2^(28 - log2 B) in magnitude (2^24 at 16
+    batches; only an entry that is nearly 0 in some batch but not in others exceeds it), so the total
+    does not depend on the order batches are added in: a run split over ranks sums to the bits of
+    one process's run (``qcompiler/distributed/``)."""
     starts, step = _block_starts(total.shape[0])
     for i in starts:
         part = None
@@ -145,18 +146,24 @@ class LayerStats:
             _add_batch_products(self._sum, rows)
         self.rows += m
 
-    def reduce_across_ranks(self, device: Optional[torch.device]) -> None:
+    def reduce_across_ranks(self, device: Optional[torch.device], hessian_to: Optional[set[int]] = None) -> None:
         """Combine every rank's statistics into the whole calibration set's, on every rank: sums
         (exact, see ``_add_batch_products``), maxima, the first ``keep`` rows in rank order (the
-        windows' order) and each batch's output energy (summed by ``math.fsum``, order-free)."""
-        from qcompiler.distributed.collectives import all_max, all_sum, gather_rows
+        windows' order) and each batch's output energy (summed by ``math.fsum``, order-free). The
+        Hessian goes only to the ranks ``hessian_to`` (None: all)."""
+        from qcompiler.distributed.collectives import all_max, all_sum, gather_rows, sum_to
 
         where = device if device is not None else torch.device("cpu")
         self.rows = int(all_sum(torch.tensor([self.rows], dtype=torch.int64)))
         if self.want_hessian:
             if self._sum is None:
                 self._sum = torch.zeros(self.in_features, self.in_features, device=where, dtype=torch.float64)
-            self._sum = all_sum(self._sum)
+            if hessian_to is None or len(hessian_to) > 1:
+                self._sum = all_sum(self._sum)
+            elif hessian_to:  # one rank solves every layer that reads it
+                self._sum = sum_to(self._sum, next(iter(hessian_to)))
+            else:  # nobody reads it
+                self._sum = None
         absmax = self.absmax if self.absmax is not None else torch.zeros(self.in_features, device=where)
         self.absmax = all_max(absmax) if self.rows else None
         if self.keep:
@@ -386,10 +393,13 @@ class CalibrationEngine:
         hessian: bool = True,
         keep_rows: int = 0,
         experts: list[ExpertLinear] = (),
+        owners: Optional[dict[str, int]] = None,
     ) -> dict[str, LayerStats]:
         """Run ``seg`` over every batch and return input statistics of ``layers`` (by module path)
         and of each expert of ``experts`` (by ``{path}.{e}``: the rows the router sent it);
-        ``keep_rows`` input rows per layer are kept as a sample (for searches that need real rows)."""
+        ``keep_rows`` input rows per layer are kept as a sample (for searches that need real rows).
+        Over several ranks, ``owners`` (layer path -> the rank that solves it) sends each Hessian only
+        to the ranks that read it (the others get none); without it every rank gets every one."""
         if self.position != seg.start:
             raise RuntimeError(f"engine is at node {self.position}, not at the start of block {seg.name}")
         stats: dict[str, LayerStats] = {}
@@ -416,8 +426,9 @@ class CalibrationEngine:
         self._run_range(seg.start, last, observers, advance_to=None, after=outputs)  # the last node does not run
         if self.ranks.distributed:
             distinct = {id(st): st for st in stats.values()}  # insertion order: the same on every rank
-            for st in distinct.values():
-                st.reduce_across_ranks(self.device)
+            for key, st in distinct.items():
+                to = None if owners is None else {owners[p] for p, s in stats.items() if id(s) == key and p in owners}
+                st.reduce_across_ranks(self.device, hessian_to=to)
         return stats
 
     @staticmethod

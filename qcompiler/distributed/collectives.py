@@ -13,7 +13,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-__all__ = ["all_sum", "all_max", "gather_rows", "broadcast_json", "broadcast_tensors"]
+__all__ = ["all_sum", "sum_to", "all_max", "gather_rows", "broadcast_json", "broadcast_tensors"]
 
 _DTYPES = {
     str(dt): dt
@@ -48,6 +48,13 @@ def all_sum(t: torch.Tensor) -> torch.Tensor:
     """The element-wise sum over ranks. For float64 sums of float32 products (the Hessians) every
     partial sum is exact in practice, so the order the backend adds in does not change a bit."""
     return _reduced(t, dist.ReduceOp.SUM)
+
+
+def sum_to(t: torch.Tensor, dst: int) -> Optional[torch.Tensor]:
+    """The element-wise sum over ranks on rank ``dst`` (exact as ``all_sum``); None elsewhere."""
+    buf = t.to(_wire())
+    dist.reduce(buf, dst, op=dist.ReduceOp.SUM)
+    return buf.to(t.device) if dist.get_rank() == dst else None
 
 
 def all_max(t: torch.Tensor) -> torch.Tensor:

@@ -326,10 +326,8 @@ class _BlockQuantizer:
             return self.skip(layer.path, why)
         self.apply_linear(layer, self.solve_linear(layer, H, method=method, store=store))
 
-    def linears(self, layers: list[LinearLayer], stats: dict[str, LayerStats]) -> None:
-        """Solve one collect's layers, each on its owner rank (``solve_cost``-balanced), then apply
-        every result on every rank in graph order. A Hessian (and its compute-device factor) goes once
-        its last reader here is solved."""
+    def plan(self, layers: list[LinearLayer]) -> dict[str, int]:
+        """The owner rank of each layer to solve (``solve_cost``-balanced); the others are skipped here."""
         todo = []
         for layer in layers:
             if why := self.skip_reason(layer.path):
@@ -340,7 +338,13 @@ class _BlockQuantizer:
         for layer in todo:
             shape = get_raw_tensor(self.gm, layer.weight_node.target).shape
             costs.append(solve_cost(*(shape[::-1] if layer.transposed else shape)))
-        owners = self.ranks.owners(costs)
+        return {layer.path: owner for layer, owner in zip(todo, self.ranks.owners(costs))}
+
+    def linears(self, layers: list[LinearLayer], owner_of: dict[str, int], stats: dict[str, LayerStats]) -> None:
+        """Solve the planned layers this rank owns, then apply every result on every rank in graph
+        order. A Hessian (and its compute-device factor) goes once its last reader here is solved."""
+        todo = [layer for layer in layers if layer.path in owner_of]
+        owners = [owner_of[layer.path] for layer in todo]
         mine = [layer for layer, owner in zip(todo, owners) if owner == self.ranks.rank]
         for st in {id(st): st for st in stats.values()}.values():
             if not any(stats[layer.path] is st for layer in mine):
@@ -544,9 +548,10 @@ def _solve_block(walk: _BlockQuantizer, engine: CalibrationEngine, quantizer, se
     for group in seg.sibling_groups() if quantizer.sequential_groups else [seg.linears]:
         if not group:
             continue
-        stats = engine.collect(seg, group)
+        owners = walk.plan(group)
+        stats = engine.collect(seg, group, owners=owners)
         return_freed_memory()
-        walk.linears(group, stats)
+        walk.linears(group, owners, stats)
         del stats  # nothing of this collect lives into the next one
         walk.drop_hessians()
         return_freed_memory()
