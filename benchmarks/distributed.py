@@ -69,7 +69,7 @@ def _block_times(log: str) -> list[dict]:
     for line in log.splitlines():
         if m := re.search(r"\]   \S+: .*, ([\d.]+)s$", line):
             solves += float(m[1])
-        elif m := re.search(r"\] block \d+/\d+ \S+: \d+ linears, ([\d.]+)s$", line):
+        elif m := re.search(r"\] block \d+/\d+ \S+: \d+ linears, ([\d.]+)s(,|$)", line):
             blocks.append({"seconds": float(m[1]), "solve_seconds": solves})
             solves = 0.0
     return blocks

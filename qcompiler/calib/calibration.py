@@ -198,6 +198,16 @@ class _DeviceInterpreter(Interpreter):
         return super().call_function(target, args, kwargs)
 
 
+def _duration(seconds: float) -> str:
+    """``42s``, ``7m05s``, ``3h12m``: a progress line's estimate."""
+    seconds = int(round(seconds))
+    if seconds < 60:
+        return f"{seconds}s"
+    if seconds < 3600:
+        return f"{seconds // 60}m{seconds % 60:02d}s"
+    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
+
+
 @dataclass
 class Segment:
     """The nodes from one block's first node up to the next block's first node."""
@@ -306,16 +316,17 @@ class CalibrationEngine:
 
     def blocks(self) -> Iterator[Segment]:
         """Segments in order; the caller must ``advance(seg)`` before moving to the next."""
+        first = time.perf_counter()
         for k, seg in enumerate(self.segments):
             start = time.perf_counter()
             yield seg
             if self.position != seg.end and k + 1 < len(self.segments):  # nothing reads the last block's output
                 self.advance(seg)
             return_freed_memory()
-            self.log(
-                f"block {k + 1}/{len(self.segments)} {seg.name}: {len(seg.linears)} linears, "
-                f"{time.perf_counter() - start:.1f}s"
-            )
+            now, left = time.perf_counter(), len(self.segments) - k - 1
+            eta = f", about {_duration((now - first) / (k + 1) * left)} left" if left else ""
+            done = f"block {k + 1}/{len(self.segments)} {seg.name}: {len(seg.linears)} linears, {now - start:.1f}s"
+            self.log(done + eta)
 
     # -- execution -------------------------------------------------------------------------
     def _live_after(self, index: int) -> set[Node]:
