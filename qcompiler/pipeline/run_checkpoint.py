@@ -28,7 +28,7 @@ from torch.fx import GraphModule
 from qcompiler.errors import QCompilerError
 from qcompiler.ir.tensors import get_raw_tensor
 from qcompiler.store.atomic import atomic_file, write_text_atomically
-from qcompiler.store.regular_files import read_regular_file
+from qcompiler.store.regular_files import read_regular_file, sha256_of
 
 __all__ = ["ProgressError", "RunCheckpoint", "remove_progress", "run_fingerprint"]
 
@@ -46,14 +46,6 @@ def _tensor_digest(digest, t: torch.Tensor) -> None:
     digest.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
 
 
-def _file_sha256(path: Path, chunk: int = 1 << 24) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def run_fingerprint(gm: GraphModule, passes, calibration: list) -> dict:
     """What a resumed run must share with the run that recorded the progress."""
     import transformers
@@ -64,7 +56,10 @@ def run_fingerprint(gm: GraphModule, passes, calibration: list) -> dict:
     source = lazy_source(gm)
     if source is not None:  # streamed: the files the weights come from
         folder = source.checkpoint.folder
-        model = {f.name: _file_sha256(f) for f in sorted(folder.glob("*.safetensors"))}
+        model = {}
+        for path in sorted(folder.glob("*.safetensors")):
+            with open(path, "rb") as f:
+                model[path.name] = sha256_of(f)
     else:
         digest = hashlib.sha256()
         for name in sorted(gm.state_dict()):

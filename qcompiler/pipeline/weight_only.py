@@ -364,11 +364,11 @@ class _BlockQuantizer:
     def _attempt(self, solve: Callable[[], SolvedLayer]) -> SolvedLayer:
         """``solve()``; in a distributed run a QuantizationError becomes a result that every rank
         raises, so all ranks stop with the owner's one line instead of waiting for it."""
-        if not self.ranks.distributed:
-            return solve()
         try:
             return solve()
         except QuantizationError as exc:
+            if not self.ranks.distributed:
+                raise
             return SolvedLayer(error=str(exc))
 
     def _home(self, weight_node: Node) -> torch.device:
@@ -551,9 +551,8 @@ def _solve_block(walk: _BlockQuantizer, engine: CalibrationEngine, quantizer, se
         owners = walk.plan(group)
         stats = engine.collect(seg, group, owners=owners)
         return_freed_memory()
-        walk.linears(group, owners, stats)
+        walk.linears(group, owners, stats)  # it drops each compute-device Hessian after its last reader
         del stats  # nothing of this collect lives into the next one
-        walk.drop_hessians()
         return_freed_memory()
     for expert in seg.experts:  # one at a time: down_proj sees the quantized gate_up_proj
         walk.experts(expert, engine.collect(seg, [], experts=[expert]) if walk.experts_format else None)

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import hashlib
 import json
 import os
 from datetime import datetime, timezone
@@ -43,7 +42,7 @@ from qcompiler.pipeline.report import Report
 from qcompiler.store.atomic import publish_directory
 from qcompiler.store.graph_format import ArtifactError, graph_from_data, graph_to_data
 from qcompiler.store.model_files import MAX_MODEL_FILE_BYTES, STORED_KEY, TOKENIZER_FILES, model_files
-from qcompiler.store.regular_files import open_regular, read_regular_file
+from qcompiler.store.regular_files import open_regular, read_regular_file, sha256_of
 from qcompiler.store.sharding import DEFAULT_SHARD_BYTES, plan_shards, shard_names
 from qcompiler.version import __version__
 
@@ -158,7 +157,7 @@ def save(
         manifest["sha256"] = {}
         for name in file_names(manifest):  # hashed in chunks: the tensors file is never read back whole
             with open(tmp / name, "rb") as f:
-                manifest["sha256"][name] = _sha256_file(f)
+                manifest["sha256"][name] = sha256_of(f)
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
     return path
 
@@ -172,13 +171,6 @@ def _refuse_export_only(gm) -> None:
                 f"node {node.name} is qc.{op_spec.name}, which exists only inside the "
                 f"{op_spec.export_only} export; save the graph before it is lowered"
             )
-
-
-def _sha256_file(f, chunk: int = 1 << 24) -> str:
-    digest = hashlib.sha256()
-    while block := f.read(chunk):
-        digest.update(block)
-    return digest.hexdigest()
 
 
 def _check_manifest(manifest, where) -> dict:
@@ -323,7 +315,7 @@ def _read_all(path: Path) -> tuple[dict, dict]:
                     limit = MAX_MODEL_FILE_BYTES if role == "model_files" else _MAX_JSON_BYTES
                     if not name.endswith(".safetensors") and os.fstat(f.fileno()).st_size > limit:
                         raise ArtifactError(f"artifact {path}: {name} is over the {limit}-byte bound")
-                    if manifest["version"] >= 2 and sums.get(name) != _sha256_file(f):
+                    if manifest["version"] >= 2 and sums.get(name) != sha256_of(f):
                         raise ArtifactError(
                             f"artifact {path}: {name} does not match its SHA-256 in the manifest (damaged or modified)"
                         )

@@ -3,10 +3,11 @@ FIFO or device (a reader would block, or read ``/dev/zero`` forever), and never 
 
 from __future__ import annotations
 
+import hashlib
 import os
 import stat
 
-__all__ = ["open_regular", "read_regular_file"]
+__all__ = ["open_regular", "read_regular_file", "sha256_of"]
 
 
 def open_regular(path, *, dir_fd: int | None = None):
@@ -31,3 +32,11 @@ def read_regular_file(path, limit: int, *, dir_fd: int | None = None) -> bytes:
     if len(data) > limit:
         raise ValueError(f"{path} grew past the {limit}-byte bound while read")
     return data
+
+
+def sha256_of(f, chunk: int = 1 << 24) -> str:
+    """The SHA-256 hex digest of the rest of the open binary file ``f``, read in 16 MB chunks."""
+    digest = hashlib.sha256()
+    while block := f.read(chunk):
+        digest.update(block)
+    return digest.hexdigest()
