@@ -279,6 +279,7 @@ def _quantize_on_rank(
         checkpoint=progress[0],
         resume=progress[1],
         keep_checkpoint=True,  # until the artifact is saved
+        materialize=False,  # a streamed model's results stay on disk: the save writes one tensor at a time
     )
     seconds = time.perf_counter() - start
     if not ranks.is_root:  # every rank holds the same model; one writes it

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from typing import Any, Callable, Iterable, Iterator, Optional
 
 import torch
@@ -55,6 +56,11 @@ class CompiledModel:
             bad = low if low < 0 else high
             raise ValueError(f"input_ids holds token id {bad}, outside the model's vocabulary [0, {vocab})")
 
+    def materialize(self) -> "CompiledModel":
+        """Read the tensors a ``compile(..., materialize=False)`` left on disk (nothing otherwise)."""
+        lazy_weights.materialize_all(self.graph_module, lambda m: print(f"[qcompiler] {m}", file=sys.stderr))
+        return self
+
     @property
     def capture_info(self) -> CaptureInfo:
         """What capture recorded about the model (class, call signature, config, cache layout)."""
@@ -70,6 +76,7 @@ class CompiledModel:
         """Call like the original model. A causal LM captured with its cache takes ``input_ids``,
         optional ``attention_mask`` / ``position_ids`` and ``past_key_values`` (the flat tuple a
         previous call returned) and returns ``.logits`` and ``.past_key_values``."""
+        self.materialize()
         for name, value in self.capture_info.constant_kwargs.items():
             kwargs.setdefault(name, value)
         fill_optional_inputs(self.capture_info, kwargs)
@@ -125,6 +132,7 @@ class CompiledModel:
         Batches of prompts are left-padded (``attention_mask`` zeros on the left). ``streamer`` is
         called with each step's tokens ``[B]`` as they are made; :meth:`stream` yields them instead.
         """
+        self.materialize()
         tokens = []
         for token in self.stream(
             input_ids,
@@ -158,6 +166,7 @@ class CompiledModel:
         seed: Optional[int] = None,
     ) -> Iterator[torch.Tensor]:
         """Yield each step's new tokens ``[B]`` (see :meth:`generate`)."""
+        self.materialize()
         layout = self.cache_layout
         if layout is None:
             raise ValueError(
@@ -190,12 +199,14 @@ class CompiledModel:
 
     def with_backend(self, backend: str, **options) -> "CompiledModel":
         """The same quantized graph on another backend: no recapture, no calibration, weights shared."""
+        self.materialize()
         report = Report([p for p in self.report.passes if not p.name.startswith("backend:")])
         return on_backend(self.graph_module, self.recipe, report, backend, self.example_inputs, options)
 
     def export_onnx(self, path, *, accuracy_level: Optional[int] = None, fused_attention: bool = True, protect=()):
         """Write the graph as an ONNX model that ONNX Runtime runs (see docs/backends/onnx.md); an
         existing file is replaced only when it is an earlier qcompiler ONNX export."""
+        self.materialize()
         from qcompiler.backends.onnx_export import export_onnx
 
         return export_onnx(
@@ -211,6 +222,7 @@ class CompiledModel:
     def export_gguf(self, path, *, requantize: Optional[str] = None, protect=(), progress=print):
         """Write one GGUF file that llama.cpp runs (docs/formats.md, "GGUF"); layers on GGUF's own grids
         (recipes ``gptq-q4_0``, ``gptq-q8_0``) are written code for code, others only with ``requantize``."""
+        self.materialize()
         from qcompiler.interop.gguf_export import export_gguf
 
         return export_gguf(self, path, requantize=requantize, protect=protect, progress=progress)
@@ -344,6 +356,7 @@ def compile(
     checkpoint=None,
     resume: bool = False,
     keep_checkpoint: bool = False,
+    materialize: bool = True,
 ) -> CompiledModel:
     """Capture ``model``, apply ``recipe``'s passes in order, and prepare ``backend`` to run it.
 
@@ -359,11 +372,17 @@ def compile(
     ``resume=True`` continues a run killed with the same model, recipe and calibration (the result's
     tensors equal an uninterrupted run's); the folder is removed when compile returns, unless
     ``keep_checkpoint`` (qcompiler/pipeline/run_checkpoint.py).
+    ``materialize=False`` (a streamed model, eager backend): leave the tensors that wait on disk —
+    weights no pass changed, a weight pass's parked results — there, so that ``save`` writes them
+    one at a time and the whole model is never resident; the first call (or ``materialize()``)
+    reads them.
     """
     from qcompiler.backends import get_backend  # qcompiler.backends imports this module's package
 
     resolved = resolve_recipe(recipe)
     get_backend(backend)  # an unknown backend fails before any work
+    if not materialize and backend != "eager":
+        raise ValueError(f"materialize=False leaves weights on disk; backend {backend!r} needs them: use 'eager'")
     compute = current_ranks().device(resolve_device(device))  # a rank of a distributed run: its own GPU
     manager = PassManager(resolved.passes)
     manager.validate(has_calibration=calibration is not None)
@@ -395,6 +414,7 @@ def compile(
     gm, report = manager.run(gm, ctx)
     if ctx.checkpoint is not None and not keep_checkpoint:
         ctx.checkpoint.remove()
-    lazy_weights.materialize_all(gm, ctx.log)  # streamed weights no pass replaced
-    refuse_non_finite(gm)
+    if materialize:
+        lazy_weights.materialize_all(gm, ctx.log)  # streamed weights no pass replaced, parked results
+    refuse_non_finite(gm)  # one tensor at a time: placeholders are read and dropped
     return on_backend(gm, resolved, report, backend, ctx.example_inputs, backend_options)

@@ -82,7 +82,7 @@ def test_interrupted_save_leaves_the_previous_artifact(tmp_path, monkeypatch):
 
     def failing(tensors, filename, metadata=None):
         calls.append(filename)
-        if len(calls) == 2:  # the weights are written; the crash comes mid-save
+        if len(calls) == 1:  # the example inputs, after the weights: the crash comes mid-save
             raise KeyboardInterrupt("injected")
         real(tensors, filename, metadata=metadata)
 

@@ -6,8 +6,11 @@ storage), which torch.export captures like real ones; buffers the model computes
 tables) stay real. ``attach`` swaps the captured graph's fake tensors for ``meta`` placeholders and
 records which checkpoint tensor each one is; ``graph.get_tensor`` then reads a placeholder's
 tensor from disk on every access, so the calibration engine holds one block's weights at a time
-and a pass's result, once stored, replaces the placeholder. ``materialize_all`` reads what is
-still a placeholder (embeddings, norms, layers kept in full precision) when the passes are done.
+and a pass's result, once stored, replaces the placeholder. A weight pass's results parked on
+disk while it ran (``store/spill.py``) become placeholders too (``adopt_parked``), read from their
+files. ``materialize_all`` reads what is still a placeholder (embeddings, norms, layers kept in
+full precision, parked results) when the passes are done; ``compile(..., materialize=False)``
+leaves them on disk, and the artifact writer reads them one at a time.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from torch.fx.experimental.symbolic_shapes import ShapeEnv
 from qcompiler.errors import PassError
 from qcompiler.frontend.checkpoint_keys import Converted, Entry, checkpoint_keys
 from qcompiler.ir.tensors import LAZY_META_KEY, drop_tensor, get_raw_tensor, set_tensor
+from qcompiler.store.spill import Parked, Spill
 
 __all__ = [
     "Checkpoint",
@@ -36,6 +40,8 @@ __all__ = [
     "LazySource",
     "lazy_source",
     "materialize_all",
+    "adopt_parked",
+    "keep_spill",
     "release",
 ]
 
@@ -178,14 +184,23 @@ def _check_against_checkpoint(model: torch.nn.Module, checkpoint: Checkpoint) ->
 
 @dataclass
 class LazySource:
-    """Where each placeholder of a captured graph comes from."""
+    """Where each placeholder of a captured graph comes from: the model's checkpoint, or a pass's
+    results parked on disk (``store/spill.py``)."""
 
     checkpoint: Checkpoint
     keys: dict[str, Entry] = field(default_factory=dict)  # graph target -> checkpoint tensor(s)
     dtypes: dict[str, torch.dtype] = field(default_factory=dict)
+    parked: dict[str, tuple[Parked, str]] = field(default_factory=dict)  # graph target -> (file, key)
+    spills: list[Spill] = field(default_factory=list)  # the folders of those files, kept as long as the graph
+
+    def __contains__(self, target: str) -> bool:
+        return target in self.keys or target in self.parked
 
     def read(self, target: str) -> torch.Tensor:
         """The real tensor behind the placeholder at graph target ``target``."""
+        if target in self.parked:
+            file, key = self.parked[target]
+            return file.read_one(key)
         return self.checkpoint.read_entry(self.keys[target], self.dtypes[target])
 
 
@@ -212,6 +227,24 @@ def attach(gm: GraphModule, model: torch.nn.Module) -> None:
 def lazy_source(gm: GraphModule) -> Optional[LazySource]:
     """The streamed-weights source of ``gm``, or None for a fully loaded model."""
     return gm.meta.get(LAZY_META_KEY)
+
+
+def adopt_parked(gm: GraphModule, parked: Parked, values: dict[str, torch.Tensor]) -> None:
+    """Swap the tensors a rewrite stored from ``values`` (read from the file ``parked``; found by
+    identity) for placeholders read from that file on use. A tensor the rewrite derived from them
+    (a new object) stays in memory as stored."""
+    source = lazy_source(gm)
+    by_id = {id(t): key for key, t in values.items()}
+    for target, tensor in list(gm.named_buffers()):
+        key = by_id.get(id(tensor))
+        if key is not None:
+            source.parked[target] = (parked, key)
+            _set_placeholder(gm, target, tensor)
+
+
+def keep_spill(gm: GraphModule, spill: Spill) -> None:
+    """Keep ``spill``'s files while the graph may read them (closed by ``materialize_all``)."""
+    lazy_source(gm).spills.append(spill)
 
 
 def _set_placeholder(gm: GraphModule, target: str, like: torch.Tensor) -> None:
@@ -241,15 +274,20 @@ def materialize_all(gm: GraphModule, log: Callable[[str], None] = lambda _m: Non
                 f"placeholder (read weights with qcompiler.ir.graph.get_tensor or layer.weight(gm), "
                 f"not gm.get_parameter)"
             )
-    todo = [t for t in used if t in source.keys and get_raw_tensor(gm, t).is_meta]
-    if todo:
-        log(f"reading {len(todo)} tensors kept in full precision from {source.checkpoint.folder}")
+    todo = [t for t in used if t in source and get_raw_tensor(gm, t).is_meta]
+    kept = sum(t not in source.parked for t in todo)
+    if kept:
+        log(f"reading {kept} tensors kept in full precision from {source.checkpoint.folder}")
+    if len(todo) > kept:
+        log(f"reading {len(todo) - kept} quantized tensors back from the spill")
     for target in todo:
         set_tensor(
             gm, target, source.read(target), parameter=isinstance(get_raw_tensor(gm, target), torch.nn.Parameter)
         )
     stale = [t for t, v in gm.state_dict().items() if v.is_meta]
     del gm.meta[LAZY_META_KEY]
+    for spill in source.spills:
+        spill.close()
     if stale:  # placeholders no node reads any more (rewritten layers): drop them
         for target in stale:
             drop_tensor(gm, target)

@@ -124,6 +124,8 @@ def export_compressed_tensors(
     max_shard_bytes: int = DEFAULT_SHARD_BYTES,
 ):
     """Write ``cm`` as a compressed-tensors checkpoint folder (atomic)."""
+    if hasattr(cm, "materialize"):  # weights a compile(materialize=False) left on disk
+        cm.materialize()
     gm = cm.graph_module if hasattr(cm, "graph_module") else cm
     config = model_config_of(gm)
     tensors, groups, consumed = {}, {}, set()

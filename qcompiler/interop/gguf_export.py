@@ -116,6 +116,8 @@ def _check_requantize(requantize: Optional[str]) -> None:
 def export_gguf(cm, path, *, requantize: Optional[str] = None, protect=(), progress=print) -> Path:
     """Write ``cm`` as one GGUF file for llama.cpp (atomic; replaces only an earlier qcompiler GGUF)."""
     _check_requantize(requantize)
+    if hasattr(cm, "materialize"):  # weights a compile(materialize=False) left on disk
+        cm.materialize()
     gm = cm.graph_module if hasattr(cm, "graph_module") else cm
     config = model_config_of(gm)
     model_type = config.get("model_type")

@@ -100,6 +100,8 @@ def export_gptq(
     """Write ``cm``'s GPTQ/RTN layers as a GPTQ Hugging Face checkpoint folder (atomic)."""
     if zero_format not in ("auto", "v1", "v2"):
         raise ValueError(f"zero_format must be 'auto', 'v1' or 'v2', got {zero_format!r}")
+    if hasattr(cm, "materialize"):  # weights a compile(materialize=False) left on disk
+        cm.materialize()
     gm = cm.graph_module if hasattr(cm, "graph_module") else cm
     config = model_config_of(gm)
     layers = [write(gm, a, path) for a, path, write in layer_writers(gm, "gptq", "GPTQ")]

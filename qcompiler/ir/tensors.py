@@ -26,7 +26,7 @@ def get_tensor(gm: GraphModule, target: str) -> torch.Tensor:
     obj = get_raw_tensor(gm, target)
     if isinstance(obj, torch.Tensor) and obj.is_meta:
         source = gm.meta.get(LAZY_META_KEY)
-        if source is not None and target in source.keys:
+        if source is not None and target in source:
             return source.read(target)
     return obj
 

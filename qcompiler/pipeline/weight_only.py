@@ -30,7 +30,7 @@ from qcompiler.ir.tensors import get_raw_tensor, set_tensor
 from qcompiler.pipeline.folding import replace_experts, replace_linear
 from qcompiler.pipeline.layer_filter import ignore_reason, report_unmatched
 from qcompiler.pipeline.pass_base import PassContext
-from qcompiler.store.spill import Spill
+from qcompiler.store.spill import Parked, Spill
 
 __all__ = [
     "LayerQuant",
@@ -218,8 +218,8 @@ class _BlockQuantizer:
     ):
         self.gm, self.ctx, self.record = gm, ctx, ctx.record
         self.quantize, self.experts_format, self.ignore = quantize, experts, ignore
-        # (layer, its tensors or a function reading them back from the spill, rewrite)
-        self.done: list[tuple[LinearLayer, Union[dict, Callable[[], dict]], Callable]] = []
+        # (layer, its tensors or the spill file they were parked in, rewrite)
+        self.done: list[tuple[LinearLayer, Union[dict, Parked], Callable]] = []
         self._spill = Spill() if lazy_weights.lazy_source(gm) is not None else None  # streamed: a big model
         self.experts_done: list[tuple[ExpertLinear, str, dict, dict]] = []  # expert, op, tensors, constants
         self.skipped: list[str] = []
@@ -479,15 +479,25 @@ class _BlockQuantizer:
             self.experts_done[k] = (expert, op, self._spill.park(tensors), constants)
 
     def rewrite(self) -> bool:
-        """Swap every solved node for the method's op(s); returns whether anything was quantized."""
+        """Swap every solved node for the method's op(s); returns whether anything was quantized.
+        A parked layer's tensors go back to its file once stored (``lazy_weights.adopt_parked``):
+        the graph holds one layer's results at a time here, and the spill lives as long as it."""
         for layer, tensors, rewrite in self.done:
-            rewrite(self.gm, layer, tensors() if callable(tensors) else tensors)
+            self._stored(tensors, lambda t, layer=layer, rewrite=rewrite: rewrite(self.gm, layer, t))
         for expert, op, tensors, constants in self.experts_done:
-            replace_experts(self.gm, expert, op, tensors() if callable(tensors) else tensors, constants)
+            self._stored(tensors, lambda t, e=expert, op=op, c=constants: replace_experts(self.gm, e, op, t, c))
         if self._spill is not None:
-            self._spill.close()
+            lazy_weights.keep_spill(self.gm, self._spill)
         self.gm.graph.eliminate_dead_code()
         return bool(self.done or self.experts_done)
+
+    def _stored(self, tensors, store: Callable[[dict], object]) -> None:
+        if not isinstance(tensors, Parked):
+            store(tensors)
+            return
+        values = tensors.read()
+        store(values)
+        lazy_weights.adopt_parked(self.gm, tensors, values)
 
 
 def quantize_block_linears(gm: GraphModule, ctx: PassContext, quantizer) -> bool:

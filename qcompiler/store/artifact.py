@@ -33,6 +33,7 @@ from safetensors.torch import save_file
 from qcompiler.errors import RecipeError
 from qcompiler.frontend.capture import OPTIONAL_INPUTS, CaptureInfo
 from qcompiler.ir.op_registry import spec_of
+from qcompiler.ir.tensors import get_tensor
 from qcompiler.pipeline.pass_base import GraphProperty, PassRecord
 from qcompiler.pipeline.pass_contract import properties_of, record_properties, witnesses
 from qcompiler.pipeline.pass_registry import pass_name, resolve_pass
@@ -43,6 +44,7 @@ from qcompiler.store.atomic import publish_directory
 from qcompiler.store.graph_format import ArtifactError, graph_from_data, graph_to_data
 from qcompiler.store.model_files import MAX_MODEL_FILE_BYTES, STORED_KEY, TOKENIZER_FILES, model_files
 from qcompiler.store.regular_files import open_regular, read_regular_file, sha256_of
+from qcompiler.store.safetensors_stream import StreamedTensor, write_streamed
 from qcompiler.store.sharding import DEFAULT_SHARD_BYTES, plan_shards, shard_names
 from qcompiler.version import __version__
 
@@ -151,7 +153,8 @@ def save(
         for name, data in extra.items():
             (tmp / name).write_bytes(data)
         for name, shard in zip(names, shards):
-            save_file({k: tensors[k] for k in shard}, str(tmp / name), metadata={"format": FORMAT})
+            with open(tmp / name, "wb") as f:
+                write_streamed(f, {k: _stored(cm.graph_module, k, tensors[k]) for k in shard}, {"format": FORMAT})
         save_file(examples, str(tmp / _FILES["example_inputs"]), metadata={"format": FORMAT})
         (tmp / _FILES["graph"]).write_text(json.dumps(structure))
         manifest["sha256"] = {}
@@ -160,6 +163,20 @@ def save(
                 manifest["sha256"][name] = sha256_of(f)
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
     return path
+
+
+def _stored(gm, target: str, tensor: torch.Tensor) -> StreamedTensor:
+    """A tensor to write; one still on disk (a streamed run's result) is read only when written."""
+    if not tensor.is_meta:
+        return StreamedTensor(tensor.dtype, tuple(tensor.shape), lambda: tensor)
+
+    def read() -> torch.Tensor:
+        value = get_tensor(gm, target)
+        if value.is_meta:
+            raise ArtifactError(f"cannot store {target}: the graph holds no data for it (a meta tensor)")
+        return value
+
+    return StreamedTensor(tensor.dtype, tuple(tensor.shape), read)
 
 
 def _refuse_export_only(gm) -> None:

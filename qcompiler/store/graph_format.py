@@ -31,7 +31,7 @@ import torch.utils._pytree as pytree
 from torch.fx.graph import _PyTreeCodeGen
 
 from qcompiler.errors import ArtifactError
-from qcompiler.ir.tensors import get_tensor, set_tensor
+from qcompiler.ir.tensors import get_raw_tensor, set_tensor
 from qcompiler.store.graph_spec import call_structure, check_dotted, check_identifier, short
 
 __all__ = ["graph_to_data", "graph_from_data", "ArtifactError"]
@@ -216,7 +216,8 @@ def _resolve_target(name: str):
 
 
 def graph_to_data(gm: fx.GraphModule) -> tuple[dict, dict[str, torch.Tensor]]:
-    """``(structure, tensors)``: JSON-ready structure and the tensors it names."""
+    """``(structure, tensors)``: JSON-ready structure and the tensors it names; a streamed graph's
+    tensors still on disk are their ``meta`` placeholders (read them with ``get_tensor``)."""
     nodes, tensors, aliases, kinds, seen = [], {}, {}, {}, {}
     skipped = set()
     for node in gm.graph.nodes:
@@ -227,12 +228,14 @@ def graph_to_data(gm: fx.GraphModule) -> tuple[dict, dict[str, torch.Tensor]]:
             raise ArtifactError(f"cannot store node {node.name}: calls submodule {node.target!r}")
         entry = {"name": node.name, "op": node.op}
         if node.op == "get_attr":
-            tensor = get_tensor(gm, node.target)
+            tensor = get_raw_tensor(gm, node.target)
             if not isinstance(tensor, torch.Tensor):
                 raise ArtifactError(f"get_attr node {node.name} names {node.target!r}, which is not a tensor")
             kinds[node.target] = "parameter" if isinstance(tensor, torch.nn.Parameter) else "buffer"
             key = (tensor.data_ptr(), tensor.dtype, tuple(tensor.shape), tuple(tensor.stride()))
-            if tensor.numel() and key in seen:
+            if tensor.is_meta:  # still on disk (lazy_weights.py): the writer reads it when it writes it
+                tensors[node.target] = tensor
+            elif tensor.numel() and key in seen:
                 aliases[node.target] = seen[key]
             else:
                 seen[key] = node.target

@@ -3,20 +3,37 @@
 A streamed model's quantized blocks are not read again until the pass rewrites the graph at the
 end, yet holding them grew the peak with depth (4-bit codes and grids: ~0.26x the bf16 weights,
 140 MB by the last block of a 0.44 B LLaMA). Once its block is done, each layer's (and each 3-D
-expert parameter's) tensors go to a temporary safetensors file (no pickle) and come back, one at a
-time, when the rewrite stores them.
+expert parameter's) tensors go to a temporary safetensors file (no pickle). The rewrite reads a
+layer's file back, stores its tensors in the graph and swaps them for placeholders that read the
+file again on use (``lazy_weights.adopt_parked``): saving such a graph writes one tensor at a time.
 """
 
 from __future__ import annotations
 
 import tempfile
 from pathlib import Path
-from typing import Callable
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-__all__ = ["Spill"]
+__all__ = ["Spill", "Parked"]
+
+
+class Parked:
+    """One parked file: read all of it back, or one tensor."""
+
+    def __init__(self, path: Path):
+        self.path = path
+
+    def read(self) -> dict[str, torch.Tensor]:
+        """Every tensor of the file."""
+        return load_file(str(self.path))
+
+    def read_one(self, key: str) -> torch.Tensor:
+        """The tensor ``key`` alone (the file is mapped, not read whole)."""
+        with safe_open(str(self.path), framework="pt") as f:
+            return f.get_tensor(key)
 
 
 class Spill:
@@ -26,13 +43,13 @@ class Spill:
         self._folder = tempfile.TemporaryDirectory(prefix="qcompiler-spill-")
         self._count = 0
 
-    def park(self, tensors: dict[str, torch.Tensor]) -> Callable[[], dict[str, torch.Tensor]]:
-        """Write ``tensors`` (CPU) out; the returned function reads them back."""
+    def park(self, tensors: dict[str, torch.Tensor]) -> Parked:
+        """Write ``tensors`` (CPU) out."""
         path = Path(self._folder.name) / f"{self._count}.safetensors"
         self._count += 1
         save_file({name: t.contiguous() for name, t in tensors.items()}, str(path))
-        return lambda: load_file(str(path))
+        return Parked(path)
 
     def close(self) -> None:
-        """Delete the spill file."""
+        """Delete the spill files."""
         self._folder.cleanup()
