@@ -55,18 +55,34 @@ def _die_at_block(block: int, note: Path) -> None:
     weight_only._solve_block = dying
 
 
+class _Tee:
+    """Rank 0's progress lines, also kept in a file the test reads."""
+
+    def __init__(self, path: Path):
+        self.file, self.stream = open(path, "w"), sys.stderr
+
+    def write(self, text: str) -> int:
+        self.file.write(text)
+        return self.stream.write(text)
+
+    def flush(self) -> None:
+        self.file.flush()
+        self.stream.flush()
+
+
 def main(out: Path, cases: list[str]) -> None:
-    """Each case in turn; a name ending in ``+rank1-dies`` makes rank 1 kill itself in block 2."""
+    """Each case in turn; a name ending in ``+rank1-dies`` makes rank 1 kill itself in block 2.
+    Rank 0's progress lines go to ``{out}-progress.txt`` too."""
     ranks = join_from_environment(None, 120.0)
+    if ranks.is_root:
+        sys.stderr = _Tee(out.parent / f"{out.name}-progress.txt")
     try:
         for name in cases:
             name, dies = name.removesuffix("+rank1-dies"), name.endswith("+rank1-dies")
             if dies and ranks.rank == 1:
                 _die_at_block(1, out.parent / "rank1-died-at")
             arch, recipe = CASES[name]
-            cm = qc.compile(
-                causal_lm(arch), {"input_ids": prompt()}, recipe=recipe, calibration=calibration(), progress=False
-            )
+            cm = qc.compile(causal_lm(arch), {"input_ids": prompt()}, recipe=recipe, calibration=calibration())
             if ranks.is_root:
                 cm.save(out / name)
     finally:

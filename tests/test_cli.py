@@ -1,6 +1,7 @@
 """The command line end to end on the bundled model, and its one-line errors."""
 
 import json
+from pathlib import Path
 
 import numpy as np
 import onnx
@@ -145,7 +146,7 @@ def test_bad_inputs_are_one_line_errors(tmp_path, capsys):
 
 def test_calibration_from_a_text_file(tmp_path):
     text = tmp_path / "calib.txt"
-    text.write_text(open(__file__).read() * 3)
+    text.write_text(Path(__file__).read_text() * 3)
     assert (
         main(
             [

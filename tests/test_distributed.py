@@ -61,6 +61,14 @@ def test_two_ranks_store_the_bits_of_one_rank_and_a_killed_rank_stops_the_run(tm
     assert re.fullmatch(r"rank 1 \(pid \d+\) was killed by SIGKILL; stopped the other ranks", said[-1]), said
     assert ended - float((tmp_path / "rank1-died-at").read_text()) < 60
     assert sorted(p.name for p in (tmp_path / "two").iterdir()) == sorted(cases)  # the killed case: nothing
+    # Rank 0's progress: after each block, every rank's seconds and how many of the block's layers it solved.
+    progress = (tmp_path / "two-progress.txt").read_text()
+    shares = re.findall(
+        r"rank 0: [\d.]+s forward, [\d.]+s solving (\d+), [\d.]+s exchange; rank 1: .* solving (\d+),", progress
+    )
+    blocks = re.findall(r"block \d+/\d+ \S+: (\d+) linears", progress)
+    assert shares and len(shares) == len(blocks), progress[-2000:]
+    assert all(int(a) > 0 and int(b) > 0 for a, b in shares), shares  # both ranks solve in every block
     for case in cases:
         one, two = (load_file(str(tmp_path / run / case / "tensors.safetensors")) for run in ("one", "two"))
         assert one.keys() == two.keys()

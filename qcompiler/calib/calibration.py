@@ -226,6 +226,33 @@ class Segment:
         return list(groups.values())
 
 
+@dataclass
+class RankWork:
+    """This rank's seconds in the current block: a distributed run's progress line shows every
+    rank's, so a slow or overloaded rank (one big layer, a shared machine) is seen, not guessed."""
+
+    forward_s: float = 0.0  # calibration forward passes and statistics over this rank's batches
+    solve_s: float = 0.0  # the layers (and experts) this rank solves
+    exchange_s: float = 0.0  # combining statistics and sharing results with the other ranks
+    solved: int = 0
+
+    def reset(self) -> None:
+        """Zero every figure (a new block)."""
+        self.forward_s = self.solve_s = self.exchange_s = 0.0
+        self.solved = 0
+
+    def summary_of_ranks(self) -> str:
+        """Every rank's figures in rank order, one line (a collective: every rank calls it)."""
+        from qcompiler.distributed.collectives import gather_rows
+
+        mine = torch.tensor([[self.forward_s, self.solve_s, self.exchange_s, self.solved]], dtype=torch.float64)
+        rows = gather_rows(mine).tolist()
+        return "; ".join(
+            f"rank {r}: {f:.1f}s forward, {s:.1f}s solving {int(n)}, {x:.1f}s exchange"
+            for r, (f, s, x, n) in enumerate(rows)
+        )
+
+
 class CalibrationEngine:
     """Block-sequential execution of ``gm`` over calibration batches ``[(args, kwargs), ...]``."""
 
@@ -242,6 +269,7 @@ class CalibrationEngine:
             raise CalibrationError("the calibration set is empty: pass at least one batch of inputs")
         self.ranks = current_ranks()
         batches = self.ranks.shard(batches)
+        self.work = RankWork()  # reset after each block; the weight walk adds its solves
         self.gm = gm
         self.log = log
         self.device = None if device is None else torch.device(device)
@@ -327,6 +355,9 @@ class CalibrationEngine:
             eta = f", about {_duration((now - first) / (k + 1) * left)} left" if left else ""
             done = f"block {k + 1}/{len(self.segments)} {seg.name}: {len(seg.linears)} linears, {now - start:.1f}s"
             self.log(done + eta)
+            if self.ranks.distributed:
+                self.log(f"  {self.work.summary_of_ranks()}")
+            self.work.reset()
 
     # -- execution -------------------------------------------------------------------------
     def _live_after(self, index: int) -> set[Node]:
@@ -356,6 +387,7 @@ class CalibrationEngine:
         """Run nodes ``start:end`` per batch; an observed node's observer sees the values before it
         runs, so a node at ``end`` may be observed without running (the last linear of a collect);
         ``after`` observers see them once the node has run."""
+        began = time.perf_counter()
         after = after or {}
         attrs = {n: self._to(get_tensor(self.gm, n.target), self.device) for n in self.weights_read(start, end)}
         last = self.nodes[end] if end < len(self.nodes) and self.nodes[end] in observers else None
@@ -381,6 +413,7 @@ class CalibrationEngine:
             if keep is not None:
                 self._states[b] = self._to({n: env[n] for n in keep}, self.cache_device)
             self._interp.env = env = {}
+        self.work.forward_s += time.perf_counter() - began
 
     def _last_uses(self, start: int, end: int) -> dict[Node, list[Node]]:
         """For each node of ``start:end``, the values computed in that range whose last reader it is:
@@ -436,10 +469,12 @@ class CalibrationEngine:
         last = max(self._index[node] for node in nodes) if nodes else seg.start
         self._run_range(seg.start, last, observers, advance_to=None, after=outputs)  # the last node does not run
         if self.ranks.distributed:
+            began = time.perf_counter()
             distinct = {id(st): st for st in stats.values()}  # insertion order: the same on every rank
             for key, st in distinct.items():
                 to = None if owners is None else {owners[p] for p, s in stats.items() if id(s) == key and p in owners}
                 st.reduce_across_ranks(self.device, hessian_to=to)
+            self.work.exchange_s += time.perf_counter() - began
         return stats
 
     @staticmethod

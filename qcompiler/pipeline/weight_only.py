@@ -16,7 +16,7 @@ from torch.fx import GraphModule, Node
 from qcompiler.algorithms.finite import all_finite
 from qcompiler.algorithms.gptq import QuantResult, output_error, rtn_quantize
 from qcompiler.algorithms.packing import packed_length
-from qcompiler.calib.calibration import CalibrationEngine, LayerStats
+from qcompiler.calib.calibration import CalibrationEngine, LayerStats, RankWork
 from qcompiler.calib.host_memory import return_freed_memory
 from qcompiler.distributed.collectives import broadcast_json, broadcast_tensors
 from qcompiler.distributed.ranks import current_ranks, solve_cost
@@ -226,6 +226,7 @@ class _BlockQuantizer:
         self._on_device: list = []  # (Hessian, its compute-device copy): siblings share one copy, so one factor
         self.ranks = current_ranks()
         self.journal: list[tuple[str, str, object]] = []  # what was applied since the block began (run_checkpoint.py)
+        self.work = RankWork()  # this rank's seconds: the calibration engine's, when there is one
 
     def _to_compute(self, H: Optional[torch.Tensor], compute) -> Optional[torch.Tensor]:
         if H is None:
@@ -364,12 +365,16 @@ class _BlockQuantizer:
     def _attempt(self, solve: Callable[[], SolvedLayer]) -> SolvedLayer:
         """``solve()``; in a distributed run a QuantizationError becomes a result that every rank
         raises, so all ranks stop with the owner's one line instead of waiting for it."""
+        began = time.perf_counter()
         try:
             return solve()
         except QuantizationError as exc:
             if not self.ranks.distributed:
                 raise
             return SolvedLayer(error=str(exc))
+        finally:
+            self.work.solve_s += time.perf_counter() - began
+            self.work.solved += 1
 
     def _home(self, weight_node: Node) -> torch.device:
         """Where the graph's weights live (a streamed placeholder: they are read onto the CPU)."""
@@ -380,6 +385,13 @@ class _BlockQuantizer:
         """The owner's ``solved`` on every rank (as is in one process)."""
         if not self.ranks.distributed:
             return solved
+        began = time.perf_counter()
+        try:
+            return self._exchange(solved, owner, home)
+        finally:
+            self.work.exchange_s += time.perf_counter() - began
+
+    def _exchange(self, solved: Optional[SolvedLayer], owner: int, home: torch.device) -> SolvedLayer:
         header = None if solved is None else solved_header(solved, self.record.name)  # None: not the owner
         header = broadcast_json(header, owner)
         if header.get("error"):
@@ -573,6 +585,7 @@ def _calibrated_walk(walk: _BlockQuantizer, engine: CalibrationEngine, quantizer
     """Block by block: the quantizer's ``before_block``, collect the inputs' statistics, solve,
     ``after_block``, move on with the quantized weights."""
     previous: list[Node] = []
+    walk.work = engine.work  # the block's progress line shows every rank's forward, solve and exchange seconds
     progress = walk.ctx.checkpoint
     if progress is not None and not quantizer.replayable:
         raise QuantizationError(

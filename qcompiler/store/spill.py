@@ -10,7 +10,9 @@ file again on use (``lazy_weights.adopt_parked``): saving such a graph writes on
 
 from __future__ import annotations
 
+import shutil
 import tempfile
+import weakref
 from pathlib import Path
 
 import torch
@@ -37,19 +39,21 @@ class Parked:
 
 
 class Spill:
-    """A private temporary folder of safetensors files; removed by ``close()`` (or when collected)."""
+    """A private temporary folder of safetensors files; removed by ``close()``, or silently when
+    collected or at exit (a ``compile(materialize=False)`` result dropped after its save)."""
 
     def __init__(self):
-        self._folder = tempfile.TemporaryDirectory(prefix="qcompiler-spill-")
+        self._folder = Path(tempfile.mkdtemp(prefix="qcompiler-spill-"))
+        self._remove = weakref.finalize(self, shutil.rmtree, self._folder, ignore_errors=True)
         self._count = 0
 
     def park(self, tensors: dict[str, torch.Tensor]) -> Parked:
         """Write ``tensors`` (CPU) out."""
-        path = Path(self._folder.name) / f"{self._count}.safetensors"
+        path = self._folder / f"{self._count}.safetensors"
         self._count += 1
         save_file({name: t.contiguous() for name, t in tensors.items()}, str(path))
         return Parked(path)
 
     def close(self) -> None:
         """Delete the spill files."""
-        self._folder.cleanup()
+        self._remove()
