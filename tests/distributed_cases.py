@@ -72,7 +72,8 @@ class _Tee:
 
 def main(out: Path, cases: list[str]) -> None:
     """Each case in turn; a name ending in ``+rank1-dies`` makes rank 1 kill itself in block 2.
-    Rank 0's progress lines go to ``{out}-progress.txt`` too."""
+    Rank 0's progress lines go to ``{out}-progress.txt`` too. ``QC_CASES_CHECKPOINT=DIR`` records
+    the run's progress in DIR (``QC_CASES_RESUME=1``: continue it), for one case per process."""
     ranks = join_from_environment(None, 120.0)
     if ranks.is_root:
         sys.stderr = _Tee(out.parent / f"{out.name}-progress.txt")
@@ -82,7 +83,15 @@ def main(out: Path, cases: list[str]) -> None:
             if dies and ranks.rank == 1:
                 _die_at_block(1, out.parent / "rank1-died-at")
             arch, recipe = CASES[name]
-            cm = qc.compile(causal_lm(arch), {"input_ids": prompt()}, recipe=recipe, calibration=calibration())
+            cm = qc.compile(
+                causal_lm(arch),
+                {"input_ids": prompt()},
+                recipe=recipe,
+                calibration=calibration(),
+                checkpoint=os.environ.get("QC_CASES_CHECKPOINT"),  # progress recorded there, kept
+                resume=bool(os.environ.get("QC_CASES_RESUME")),
+                keep_checkpoint=True,
+            )
             if ranks.is_root:
                 cm.save(out / name)
     finally:

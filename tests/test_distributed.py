@@ -79,6 +79,26 @@ def test_two_ranks_store_the_bits_of_one_rank_and_a_killed_rank_stops_the_run(tm
 
 
 @pytest.mark.slow
+def test_a_run_killed_on_two_ranks_resumes_on_one_with_the_clean_runs_bits(tmp_path, monkeypatch):
+    """Progress is recorded by rank 0 whatever the world size, and results do not depend on it: a
+    2-rank run with ``--checkpoint`` whose rank 1 dies in block 2 resumes in one process (the
+    recorded block replayed, the rest solved there) to the tensors of an uninterrupted run."""
+    reference = _start_one_process(tmp_path / "clean", ["llama-gptq"])
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.setenv("QC_CASES_CHECKPOINT", str(tmp_path / "progress"))
+    said = []
+    code = run_ranks([sys.executable, str(CASES), str(tmp_path / "two"), "llama-gptq+rank1-dies"], 2, say=said.append)
+    assert code == 1 and "killed by SIGKILL" in said[-1]
+    assert (tmp_path / "progress" / "pass0-block0.safetensors").is_file()
+    assert not (tmp_path / "progress" / "pass0-block1.safetensors").exists()
+    monkeypatch.setenv("QC_CASES_RESUME", "1")
+    resumed = _start_one_process(tmp_path / "resumed", ["llama-gptq"])
+    assert resumed.wait(timeout=600) == 0 and reference.wait(timeout=600) == 0
+    one, two = (load_file(str(tmp_path / run / "llama-gptq" / "tensors.safetensors")) for run in ("clean", "resumed"))
+    assert one.keys() == two.keys() and all(torch.equal(one[k], two[k]) for k in one)
+
+
+@pytest.mark.slow
 def test_the_cli_killed_in_one_rank_exits_non_zero_with_one_line_and_publishes_nothing(tmp_path):
     """kill -9 of rank 1 of ``qcompiler quantize --nproc 2`` once the pass starts: the other rank is
     stopped, the command exits non-zero within 60 s naming the rank, and --out never appears."""

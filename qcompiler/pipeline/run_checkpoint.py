@@ -9,7 +9,10 @@ inputs, which gives the same bits) and solves the rest, so the tensors equal an 
 run's. ``progress.json`` holds the run's fingerprint: the model's weights (its safetensors files'
 SHA-256, or the captured tensors' bytes), the recipe, the calibration batches, the versions; a
 resume with another fingerprint is refused naming what changed. The folder goes once the run is
-complete (the CLI: once the artifact is saved).
+complete (the CLI: once the artifact is saved). Over several ranks rank 0 alone checks and writes
+the folder and tells the others which blocks are recorded; every rank reads those blocks' files to
+replay them (on several machines DIR must be a shared folder). Results do not depend on the number
+of ranks, so a run may resume on another number (tests/test_distributed.py).
 """
 
 from __future__ import annotations
@@ -95,6 +98,28 @@ class RunCheckpoint:
         log: Callable[[str], None] = lambda _m: None,
     ):
         self.folder, self.writer, self.log = Path(folder), writer, log
+        from qcompiler.distributed.ranks import current_ranks
+
+        if not current_ranks().distributed:
+            self._blocks = self._open(fingerprint, resume)
+            return
+        # Rank 0 alone reads and writes the folder, then tells the others what it found: ranks
+        # looking on their own would race its first write (and see an unfinished run's progress).
+        from qcompiler.distributed.collectives import broadcast_json
+
+        outcome = None
+        if self.writer:
+            try:
+                outcome = {"blocks": sorted(self._open(fingerprint, resume))}
+            except ProgressError as exc:
+                outcome = {"error": str(exc)}
+        outcome = broadcast_json(outcome, 0)
+        if "error" in outcome:
+            raise ProgressError(outcome["error"])
+        self._blocks = {(int(p), int(b)) for p, b in outcome["blocks"]}
+
+    def _open(self, fingerprint: dict, resume: bool) -> set[tuple[int, int]]:
+        """Check the folder against this run, record its fingerprint; the blocks already recorded."""
         recorded = self._read_progress()
         if recorded is not None and not resume:
             raise ProgressError(
@@ -111,12 +136,13 @@ class RunCheckpoint:
         elif self.folder.exists() and any(self.folder.iterdir()):
             raise ProgressError(f"{self.folder} is not empty and holds no run progress; give a new or empty folder")
         # Listed once, before any pass runs: blocks this run writes are never read back by it.
-        self._blocks = self._listed()
+        blocks = self._listed()
         if recorded is not None:
-            log(f"resuming from {self.folder}: {len(self._blocks)} finished blocks recorded")
+            self.log(f"resuming from {self.folder}: {len(blocks)} finished blocks recorded")
         if self.writer:
             self.folder.mkdir(parents=True, exist_ok=True)
             write_text_atomically(self.folder / PROGRESS, json.dumps(fingerprint, indent=1) + "\n")
+        return blocks
 
     def _read_progress(self) -> Optional[dict]:
         path = self.folder / PROGRESS
