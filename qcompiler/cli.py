@@ -18,6 +18,7 @@ import os
 import sys
 import time
 import unicodedata
+from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
 from typing import Optional
@@ -209,20 +210,26 @@ def quantize(
         raise typer.Exit(code)
     ranks = join_from_environment(compute, rank_timeout)
     try:
-        _quantize_on_rank(
-            ranks,
+        job = _QuantizeJob(
             model=model,
-            resolved=resolved,
-            calibration_options=(calib, samples, seqlen, seed, packing, calib_field),
+            recipe=resolved,
+            calib=calib,
+            samples=samples,
+            seqlen=seqlen,
+            seed=seed,
+            packing=packing,
+            calib_field=calib_field,
             compute=compute,
             offload=offload,
             stream=stream,
             trust_remote_code=trust_remote_code,
             out_dir=out_dir,
             overwrite=overwrite,
-            protect=protect,
-            progress=(checkpoint, resume),
+            protect=tuple(protect),
+            checkpoint=checkpoint,
+            resume=resume,
         )
+        _quantize_on_rank(ranks, job)
     finally:
         leave()
 
@@ -240,44 +247,52 @@ def _without_option(argv: list[str], name: str) -> list[str]:
     return out
 
 
-def _quantize_on_rank(
-    ranks,
-    *,
-    model: str,
-    resolved,
-    calibration_options: tuple,
-    compute,
-    offload: bool,
-    stream: bool,
-    trust_remote_code: bool,
-    out_dir: Path,
-    overwrite: bool,
-    protect: list,
-    progress: tuple,
-) -> None:
+@dataclass(frozen=True)
+class _QuantizeJob:
+    """What every rank of one ``quantize`` command does, as the command line gave it."""
+
+    model: str
+    recipe: object  # the resolved Recipe
+    calib: str
+    samples: int
+    seqlen: int
+    seed: int
+    packing: str
+    calib_field: str
+    compute: object  # the resolved device (each rank takes its own GPU of that kind)
+    offload: bool
+    stream: bool
+    trust_remote_code: bool
+    out_dir: Path
+    overwrite: bool
+    protect: tuple
+    checkpoint: Optional[Path]
+    resume: bool
+
+
+def _quantize_on_rank(ranks, job: _QuantizeJob) -> None:
     """The quantize command's work on one rank (rank 0 saves and prints)."""
     import qcompiler as qc
     from qcompiler.evaluation.eval import bits_per_parameter
     from qcompiler.models import load
     from qcompiler.pipeline.run_checkpoint import remove_progress
 
-    calib, samples, seqlen, seed, packing, calib_field = calibration_options
-    loaded = load(model, stream=stream, trust_remote_code=trust_remote_code)
+    loaded = load(job.model, stream=job.stream, trust_remote_code=job.trust_remote_code)
     calibration = (
-        _calibration(loaded, calib, samples, seqlen, seed, packing, calib_field)
-        if any(p.needs_calibration for p in resolved.passes)
+        _calibration(loaded, job.calib, job.samples, job.seqlen, job.seed, job.packing, job.calib_field)
+        if any(p.needs_calibration for p in job.recipe.passes)
         else None
     )
     start = time.perf_counter()
     cm = qc.compile(
         loaded.model,
         loaded.example_inputs(),
-        recipe=resolved,
+        recipe=job.recipe,
         calibration=calibration,
-        device=ranks.device(compute),
-        offload=offload,
-        checkpoint=progress[0],
-        resume=progress[1],
+        device=ranks.device(job.compute),
+        offload=job.offload,
+        checkpoint=job.checkpoint,
+        resume=job.resume,
         keep_checkpoint=True,  # until the artifact is saved
         materialize=False,  # a streamed model's results stay on disk: the save writes one tensor at a time
     )
@@ -285,27 +300,27 @@ def _quantize_on_rank(
     if not ranks.is_root:  # every rank holds the same model; one writes it
         return
     cm.save(
-        out_dir,
+        job.out_dir,
         metadata={
-            "source": model,
-            "calibration": calib,
-            "samples": samples,
-            "seqlen": seqlen,
-            "seed": seed,
-            "packing": packing,
+            "source": job.model,
+            "calibration": job.calib,
+            "samples": job.samples,
+            "seqlen": job.seqlen,
+            "seed": job.seed,
+            "packing": job.packing,
         },
-        overwrite=overwrite,
-        protect=protect,
+        overwrite=job.overwrite,
+        protect=job.protect,
     )
-    if progress[0] is not None:
-        remove_progress(progress[0])
-    out.print(_layer_table(cm.report, f"{model} · {resolved.name}"))
+    if job.checkpoint is not None:
+        remove_progress(job.checkpoint)
+    out.print(_layer_table(cm.report, f"{job.model} · {job.recipe.name}"))
     try:
         bits = f"{bits_per_parameter(cm.graph_module):.3f} bits per quantized weight"
     except ValueError:
         bits = "no quantized linear layers"
     where = f" on {ranks.world} ranks" if ranks.distributed else ""
-    out.print(f"{len(cm.report.layer_table())} layer records, {bits}, {seconds:.1f}s{where}; saved to {out_dir}")
+    out.print(f"{len(cm.report.layer_table())} layer records, {bits}, {seconds:.1f}s{where}; saved to {job.out_dir}")
 
 
 def _triton_runtime() -> None:
