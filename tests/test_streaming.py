@@ -225,6 +225,9 @@ def test_a_streamed_save_holds_one_tensor_at_a_time(tmp_path, monkeypatch):
 
     monkeypatch.setattr(lazy_weights.Checkpoint, "read", tracked(lazy_weights.Checkpoint.read))
     monkeypatch.setattr(spill.Parked, "read_one", tracked(spill.Parked.read_one))
+    from qcompiler.evaluation.eval import bits_per_parameter
+
+    assert bits_per_parameter(cm.graph_module) == bits_per_parameter(want.graph_module) and read[0] == 0
     cm.save(tmp_path / "got")
     largest = max(v.numel() * v.element_size() for v in load(folder).model.state_dict().values())
     print(f"save: {read[0]} B read, at most {peak[0]} B at once; largest tensor {largest} B")

@@ -118,7 +118,7 @@ def bits_per_parameter(gm) -> float:
         if op_spec is None or not op_spec.storage:
             continue
         a = OpArgs(op_spec, node)
-        bits += sum(t.numel() * t.element_size() * 8 for t in a.tensors(gm, *op_spec.storage))
+        bits += sum(a.stored_like(gm, n).numel() * a.stored_like(gm, n).element_size() * 8 for n in op_spec.storage)
         if op_spec.weights is not None:
             params += op_spec.weights(a, gm)
     if params == 0:

@@ -22,7 +22,7 @@ import torch
 from torch.fx import Graph, GraphModule, Node
 
 from qcompiler.ir.graph import module_path
-from qcompiler.ir.tensors import get_tensor
+from qcompiler.ir.tensors import get_raw_tensor, get_tensor
 from qcompiler.pipeline.pass_base import GraphProperty
 
 __all__ = [
@@ -121,6 +121,14 @@ class OpArgs:
         if not (isinstance(arg, Node) and arg.op == "get_attr"):
             raise ValueError(f"node {self.node.name}: qc.{self.spec.name} argument {name!r} is not a stored tensor")
         return get_tensor(gm, arg.target)
+
+    def stored_like(self, gm: GraphModule, name: str) -> torch.Tensor:
+        """The stored tensor behind ``name`` as held: shape and dtype, without reading a streamed
+        graph's placeholder from disk (counting bits needs no values)."""
+        arg = self._values[name]
+        if not (isinstance(arg, Node) and arg.op == "get_attr"):
+            raise ValueError(f"node {self.node.name}: qc.{self.spec.name} argument {name!r} is not a stored tensor")
+        return get_raw_tensor(gm, arg.target)
 
     def tensors(self, gm: GraphModule, *names: str) -> tuple[torch.Tensor, ...]:
         """The stored tensors behind several arguments, in the order named."""

@@ -116,7 +116,7 @@ def _quant_linear_fake(x, qweight, qzeros, scales, g_idx, bias, bits, group_size
 
 def _in_times_out(in_arg: str, out_arg: str) -> Callable:
     """Weights = (input columns recorded in ``in_arg``) x (output channels, last dim of ``out_arg``)."""
-    return lambda a, gm: a.tensor(gm, in_arg).numel() * a.tensor(gm, out_arg).shape[-1]
+    return lambda a, gm: a.stored_like(gm, in_arg).numel() * a.stored_like(gm, out_arg).shape[-1]
 
 
 _QUANTIZED = frozenset({GraphProperty.QUANTIZED_WEIGHTS})
@@ -237,7 +237,7 @@ register(
     OpSpec(
         "int8_linear",
         storage=("weight", "weight_scale"),
-        weights=lambda a, gm: a.tensor(gm, "weight").numel(),
+        weights=lambda a, gm: a.stored_like(gm, "weight").numel(),
         establishes=frozenset({GraphProperty.INT8_LOWERED}),
     )
 )
@@ -331,7 +331,9 @@ register(
     OpSpec(
         "spqr_dense_linear",
         storage=("codes", "scale_codes", "zero_codes", "scale_stats", "zero_stats"),
-        weights=lambda a, gm: a.tensor(gm, "perm").numel() * a.tensor(gm, "scale_stats").shape[1] * a.stat_group_size,
+        weights=lambda a, gm: (
+            a.stored_like(gm, "perm").numel() * a.stored_like(gm, "scale_stats").shape[1] * a.stat_group_size
+        ),
         code_widths=("bits", "stat_bits"),
         establishes=_QUANTIZED,
     )
@@ -424,7 +426,7 @@ register(
         "spqr_experts_linear",
         storage=("codes", "scale_codes", "zero_codes", "scale_stats", "zero_stats", "row_ptr", "col_idx", "values"),
         weights=lambda a, gm: (
-            a.tensor(gm, "perm").numel() * a.tensor(gm, "scale_stats").shape[-2] * a.stat_group_size
+            a.stored_like(gm, "perm").numel() * a.stored_like(gm, "scale_stats").shape[-2] * a.stat_group_size
         ),  # perm [E, in]: E x in x out weights
         code_widths=("bits", "stat_bits"),
         establishes=frozenset({GraphProperty.QUANTIZED_WEIGHTS, GraphProperty.OUTLIERS_SPLIT}),
