@@ -60,7 +60,21 @@ def run(folder: Path, calib: Path, out: Path, size: dict, nproc: int, threads: i
         "quantize_s": ranks[0][1],
         "peak_rss_MB_per_rank": [r[2] for r in ranks],
         "blocks": _block_times(done.stderr),
+        "per_rank_work": _rank_work(done.stderr),
     }
+
+
+def _rank_work(log: str) -> list[dict]:
+    """Each rank's forward / solve / exchange seconds and layers solved, summed over the blocks
+    (rank 0's per-block line of a distributed run; empty for one rank)."""
+    totals: dict[int, dict] = {}
+    for m in re.finditer(r"rank (\d+): ([\d.]+)s forward, ([\d.]+)s solving (\d+), ([\d.]+)s exchange", log):
+        t = totals.setdefault(int(m[1]), {"forward_s": 0.0, "solve_s": 0.0, "exchange_s": 0.0, "solved": 0})
+        t["forward_s"] += float(m[2])
+        t["solve_s"] += float(m[3])
+        t["solved"] += int(m[4])
+        t["exchange_s"] += float(m[5])
+    return [{"rank": r, **t} for r, t in sorted(totals.items())]
 
 
 def _block_times(log: str) -> list[dict]:
@@ -151,6 +165,12 @@ def main() -> None:
                     f"peak RSS per rank {', '.join(f'{m:.0f}' for m in result['peak_rss_MB_per_rank'])} MB",
                     flush=True,
                 )
+                for w in result["per_rank_work"]:
+                    print(
+                        f"    rank {w['rank']}: {w['forward_s']:.1f}s forward, {w['solve_s']:.1f}s solving "
+                        f"{w['solved']} layers, {w['exchange_s']:.1f}s exchange (sums over blocks)",
+                        flush=True,
+                    )
             same = identical(tmp / f"out-1-1-{r}", tmp / f"out-2-1-{r}")
             print(f"round {r + 1}: 2-rank artifact bit-identical to 1 rank x 1 thread: {same}", flush=True)
             rows.append({"round": r + 1, "two_ranks_bit_identical_to_one": same})

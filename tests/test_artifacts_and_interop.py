@@ -308,7 +308,7 @@ def test_exports_from_a_reloaded_artifact_keep_the_true_ignore_list(tmp_path):
     assert config["quantization_config"]["ignore"] == ["lm_head"]
 
 
-@pytest.mark.parametrize("arch", ["mistral", "gemma2"])
+@pytest.mark.parametrize("arch", [pytest.param("mistral", marks=pytest.mark.slow), "gemma2"])
 def test_sliding_window_models_save_reload_and_generate_the_same(arch, tmp_path):
     """Their cache graph computes lengths with torch.sym_max / sym_min, which the artifact stores;
     past the window, generate gives transformers' own greedy tokens (the cache stops growing)."""

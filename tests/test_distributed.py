@@ -68,7 +68,8 @@ def test_two_ranks_store_the_bits_of_one_rank_and_a_killed_rank_stops_the_run(tm
     )
     blocks = re.findall(r"block \d+/\d+ \S+: (\d+) linears", progress)
     assert shares and len(shares) == len(blocks), progress[-2000:]
-    assert all(int(a) > 0 and int(b) > 0 for a, b in shares), shares  # both ranks solve in every block
+    # The first case is a weight pass (2 blocks): both ranks solve in each block (SmoothQuant's have no solves).
+    assert all(int(a) > 0 and int(b) > 0 for a, b in shares[:2]), shares
     for case in cases:
         one, two = (load_file(str(tmp_path / run / case / "tensors.safetensors")) for run in ("one", "two"))
         assert one.keys() == two.keys()

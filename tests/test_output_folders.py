@@ -167,7 +167,7 @@ def test_a_failing_disk_keeps_the_previous_artifact(code, cm, tmp_path, monkeypa
     def fail(*args, **kwargs):
         raise OSError(code, os.strerror(code), "tensors.safetensors")
 
-    monkeypatch.setattr(artifact, "save_file", fail)
+    monkeypatch.setattr(artifact, "write_streamed", fail)  # the weights' write fails
     with pytest.raises(OSError):
         cm.save(tmp_path / "art")
     assert (tmp_path / "art" / "manifest.json").read_bytes() == before
