@@ -339,7 +339,7 @@ def test_sliding_window_models_save_reload_and_generate_the_same(arch, tmp_path)
         assert torch.equal(fp.generate(padded, 20, attention_mask=mask), reference)
 
 
-@pytest.mark.parametrize("bits", [4, 3])
+@pytest.mark.parametrize("bits", [pytest.param(4, marks=pytest.mark.slow), 3])  # 3: halves inside packed words
 def test_phi3s_fused_gate_up_is_written_as_two_exact_halves(bits, tmp_path):
     """The GPTQ export cuts Phi-3's gate_up_proj into gate_proj and up_proj (what GPTQModel loads):
     the halves dequantize to exactly the fused layer's rows."""

@@ -144,6 +144,7 @@ def test_stale_temporary_folders_of_killed_writers_are_removed(cm, tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["art"]
 
 
+@pytest.mark.slow
 def test_stale_temporaries_of_killed_file_writers_are_removed(cm, tmp_path):
     """A killed ONNX export (a temporary folder) or JSON write (a temporary file) is cleaned by the next one."""
     pid = _dead_pid()
@@ -194,7 +195,7 @@ while True:
 """
 
 
-@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("seed", [0, pytest.param(1, marks=pytest.mark.slow), pytest.param(2, marks=pytest.mark.slow)])
 def test_kill_9_at_random_points_keeps_a_loadable_artifact(seed, cm, tmp_path):
     art = tmp_path / "art"
     cm.save(art)

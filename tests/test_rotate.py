@@ -87,6 +87,7 @@ def minilm_quality():
     return loss
 
 
+@pytest.mark.slow  # exactness on every architecture: test_rotation_keeps_the_fp_logits_and_tokens
 def test_rotation_is_exact_on_minilm(minilm_quality):
     """MiniLM is post-LN (no residual rotation): heads and online rotations only."""
     assert minilm_quality([qc.passes.Rotate()]) < 1e-6
