@@ -29,9 +29,8 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch
 from results_file import write_rows
-from scale import SIZES, _byte_level_tokenizer, save_model
+from scale import SIZES, cli_model_folder, same_artifact_tensors, write_calibration_text
 
 HERE = Path(__file__).resolve().parent
 CONFIGS = [("1 rank x 1 thread", 1, 1), ("1 rank x 2 threads", 1, 2), ("2 ranks x 1 thread", 2, 1)]
@@ -89,13 +88,6 @@ def _block_times(log: str) -> list[dict]:
     return blocks
 
 
-def identical(a: Path, b: Path) -> bool:
-    from safetensors.torch import load_file
-
-    x, y = load_file(str(a / "tensors.safetensors")), load_file(str(b / "tensors.safetensors"))
-    return x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)
-
-
 # Real shapes (config.json of each): hidden, FFN (per expert), layers, experts, experts per token.
 TARGETS = {
     "Llama-3-8B": dict(hidden=4096, kv=1024, ffn=14336, layers=32, experts=1, active=1),
@@ -148,12 +140,8 @@ def main() -> None:
     rows: list = []
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
-        folder, calib = tmp / "model", tmp / "calib.txt"
-        disk = save_model(folder, size, torch.bfloat16)
-        _byte_level_tokenizer(folder)
-        import qcompiler.data as data
-
-        calib.write_text(data.stdlib_text("train")[:400_000])
+        folder, calib = tmp / "model", write_calibration_text(tmp / "calib.txt")
+        disk = cli_model_folder(folder, size)
         runs: dict[str, list[dict]] = {label: [] for label, *_ in CONFIGS}
         for r in range(args.rounds):
             for label, nproc, threads in CONFIGS:
@@ -171,7 +159,7 @@ def main() -> None:
                         f"{w['solved']} layers, {w['exchange_s']:.1f}s exchange (sums over blocks)",
                         flush=True,
                     )
-            same = identical(tmp / f"out-1-1-{r}", tmp / f"out-2-1-{r}")
+            same = same_artifact_tensors(tmp / f"out-1-1-{r}", tmp / f"out-2-1-{r}")
             print(f"round {r + 1}: 2-rank artifact bit-identical to 1 rank x 1 thread: {same}", flush=True)
             rows.append({"round": r + 1, "two_ranks_bit_identical_to_one": same})
         base = statistics.median(x["wall_s"] for x in runs["1 rank x 1 thread"])

@@ -189,10 +189,7 @@ def main() -> None:
     rows: list = []
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
-        calib = tmp / "calib.txt"  # real text: the stdlib sources the bundled model was trained on
-        import qcompiler.data as data
-
-        calib.write_text(data.stdlib_text("train")[:400_000])
+        calib = write_calibration_text(tmp / "calib.txt")
         depth_growth(run_depths(tmp, calib, base, "llama", True, rows), "llama", rows)
         if args.moe and not args.quick:
             depth_growth(run_depths(tmp, calib, SIZES["moe"], "mixtral", False, rows), "mixtral", rows)
@@ -216,6 +213,30 @@ def main() -> None:
         + "\n",
     )
     print(f"wrote {args.out}")
+
+
+def write_calibration_text(path: Path) -> Path:
+    """Real text for calibration: the stdlib sources the bundled model was trained on (400 k chars)."""
+    import qcompiler.data as data
+
+    path.write_text(data.stdlib_text("train")[:400_000])
+    return path
+
+
+def cli_model_folder(folder: Path, size: dict) -> int:
+    """``save_model`` in bf16 plus a byte-level tokenizer, so ``qcompiler quantize FOLDER --calib``
+    runs on it as on any model folder; the safetensors bytes."""
+    disk = save_model(folder, size, torch.bfloat16)
+    _byte_level_tokenizer(folder)
+    return disk
+
+
+def same_artifact_tensors(a: Path, b: Path) -> bool:
+    """Whether two artifact folders store bit-identical tensors under the same names."""
+    from safetensors.torch import load_file
+
+    x, y = load_file(str(a / "tensors.safetensors")), load_file(str(b / "tensors.safetensors"))
+    return x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)
 
 
 def _byte_level_tokenizer(folder: Path) -> None:

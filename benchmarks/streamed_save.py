@@ -26,9 +26,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-import torch
 from results_file import write_rows
-from scale import SIZES, _byte_level_tokenizer, save_model
+from scale import SIZES, cli_model_folder, same_artifact_tensors, write_calibration_text
 
 HERE = Path(__file__).resolve().parent
 CHILD = f"""
@@ -72,13 +71,6 @@ def run(mode: str, folder: Path, calib: Path, out: Path, size: dict) -> dict:
     return json.loads(lines[0].rsplit(" ", 1)[0])
 
 
-def identical(a: Path, b: Path) -> bool:
-    from safetensors.torch import load_file
-
-    x, y = load_file(str(a / "tensors.safetensors")), load_file(str(b / "tensors.safetensors"))
-    return x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true")
@@ -90,12 +82,8 @@ def main() -> None:
     rows: list = []
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
-        folder, calib = tmp / "model", tmp / "calib.txt"
-        disk = save_model(folder, size, torch.bfloat16) / 2**20
-        _byte_level_tokenizer(folder)
-        import qcompiler.data as data
-
-        calib.write_text(data.stdlib_text("train")[:400_000])
+        folder, calib = tmp / "model", write_calibration_text(tmp / "calib.txt")
+        disk = cli_model_folder(folder, size) / 2**20
         runs: dict[str, list[dict]] = {m: [] for m in MODES}
         for r in range(args.rounds):
             for mode in MODES:
@@ -108,7 +96,7 @@ def main() -> None:
                     f"({result['save_s']:.1f} s)",
                     flush=True,
                 )
-            same = identical(tmp / f"streamed-{r}", tmp / f"materialized-{r}")
+            same = same_artifact_tensors(tmp / f"streamed-{r}", tmp / f"materialized-{r}")
             rows.append({"round": r + 1, "streamed_bit_identical_to_materialized": same})
             print(f"round {r + 1}: artifacts bit-identical: {same}", flush=True)
         print(f"\nbf16 file {disk:.0f} MB; medians over {args.rounds} rounds")

@@ -12,6 +12,7 @@ bytes are written and dropped after. Files read back with ``safe_open`` / ``load
 from __future__ import annotations
 
 import json
+import math
 import struct
 import sys
 from typing import BinaryIO, Callable, NamedTuple, Optional
@@ -58,7 +59,7 @@ def write_streamed(f: BinaryIO, tensors: dict[str, StreamedTensor], metadata: Op
     for name, t in tensors.items():
         if t.dtype not in _DTYPE_NAMES:
             raise ValueError(f"tensor {name}: safetensors has no dtype {t.dtype}")
-        size = _numel(t.shape) * t.dtype.itemsize
+        size = math.prod(int(d) for d in t.shape) * t.dtype.itemsize
         header[name] = {"dtype": _DTYPE_NAMES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + size]}
         offset += size
     text = json.dumps(header, separators=(",", ":")).encode()
@@ -74,10 +75,3 @@ def write_streamed(f: BinaryIO, tensors: dict[str, StreamedTensor], metadata: Op
         if value.numel():
             f.write(value.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().data)
         del value
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= int(d)
-    return n
