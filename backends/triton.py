@@ -19,8 +19,17 @@ import torch.utils._pytree as pytree
 from torch.fx import GraphModule, Node
 
 from qcompiler.algorithms.packing import SUPPORTED_BITS
+from qcompiler.backends.triton_layout import LAYOUT_OPS, drop_unused_attributes, repack_node
 from qcompiler.errors import BackendError
-from qcompiler.ir.op_registry import args_of, implement, implementations, quantized_layer_path, register_target, spec
+from qcompiler.ir.op_registry import (
+    args_of,
+    implement,
+    implementations,
+    quantized_layer_path,
+    register_target,
+    spec,
+    spec_of,
+)
 from qcompiler.ir.tensors import get_tensor, set_tensor
 from qcompiler.pipeline.pass_base import PassRecord
 
@@ -132,16 +141,54 @@ def _spqr_pairs(graph) -> list[tuple[Node, Node, Node]]:
     return pairs
 
 
+def _retarget(node: Node, args: tuple, calls: tuple, name: str, layer: str, record: PassRecord) -> None:
+    kernel, twin = calls
+    node.target = _guarded(name, layer, kernel, twin, record)
+    node.args, node.kwargs = args, {}
+
+
+def _repacked(runner: GraphModule, node: Node, record: PassRecord, sparse: Optional[Node] = None) -> bool:
+    """Retarget ``node`` (and fold in ``sparse``) to the layout kernels; False, with the reason in
+    the plan, when the kernel layout cannot hold its weight (the stored-layout kernel runs it)."""
+    from qcompiler.kernels import UnsupportedKernel
+
+    layer, op = _layer_name(node), spec_of(node).name
+    try:
+        args, calls = repack_node(runner, node, sparse)
+    except UnsupportedKernel as err:
+        record.notes.append(f"{layer}: {err}; runs the stored-layout kernel")
+        return False
+    name = "layout_gemv/gemm" + (" per expert" if op.endswith("experts_linear") else "")
+    if sparse is not None or op == "spqr_experts_linear":
+        name += " + outliers"
+    _retarget(node, args, calls, name, layer, record)
+    record.layers[layer] = {"kernel": name}
+    return True
+
+
 def plan_triton(gm: GraphModule) -> tuple[GraphModule, PassRecord]:
-    """A copy of ``gm`` whose ``qc`` nodes launch Triton kernels, and the per-node plan."""
+    """A copy of ``gm`` whose ``qc`` nodes launch Triton kernels, and the per-node plan.
+
+    GPTQ and SpQR weights are repacked into the kernels' layout on the copy (``triton_layout.py``);
+    the other ops swap their target for the kernel with the same signature."""
     kernels, table = _kernels()
     record = PassRecord(name="backend:triton", config={"interpret": kernels.INTERPRET})
     graph = torch.fx.Graph()
     graph.set_codegen(copy.deepcopy(gm.graph._codegen))  # keeps the captured pytree in/out structure
     graph.output(graph.graph_copy(gm.graph, {}))
-    fused = {}
+    runner = GraphModule(gm, graph, class_name="TritonGraphModule")
+    runner.meta.update(gm.meta)
+    graph = runner.graph
+    done = set()
     for add, dense, sparse in _spqr_pairs(graph):
         if _static_problem(dense):
+            continue
+        if _repacked(runner, dense, record, sparse):
+            add.replace_all_uses_with(dense)
+            dense.meta.update(add.meta)
+            graph.erase_node(add)
+            graph.erase_node(sparse)
+            done.add(dense)
             continue
         layer = _layer_name(dense)  # before erasing: an erased node's arguments are cleared
         with graph.inserting_before(add):
@@ -154,12 +201,10 @@ def plan_triton(gm: GraphModule) -> tuple[GraphModule, PassRecord]:
         add.replace_all_uses_with(call)
         for n in (add, sparse, dense):
             graph.erase_node(n)
-        fused[call] = layer
+        done.add(call)
+        record.layers[layer] = {"kernel": "spqr_gemm+csr_spmm (fused add)"}
     for node in list(graph.nodes):
-        if node in fused:
-            record.layers[fused[node]] = {"kernel": "spqr_gemm+csr_spmm (fused add)"}
-            continue
-        if node.op != "call_function" or node.target not in table:
+        if node in done or node.op != "call_function" or node.target not in table:
             continue
         name, kernel = table[node.target]
         layer, problem = _layer_name(node), _static_problem(node)
@@ -169,11 +214,13 @@ def plan_triton(gm: GraphModule) -> tuple[GraphModule, PassRecord]:
             warnings.warn(note, stacklevel=2)
             record.layers[layer] = {"kernel": f"reference ({problem})"}
             continue
+        if spec_of(node).name in LAYOUT_OPS and _repacked(runner, node, record):
+            continue
         node.target = _guarded(name, layer, kernel, node.target, record)
         record.layers[layer] = {"kernel": name}
-    new = GraphModule(gm, graph, class_name="TritonGraphModule")
-    new.meta.update(gm.meta)
-    return new, record
+    drop_unused_attributes(runner)
+    runner.recompile()
+    return runner, record
 
 
 def _weights_device(gm: GraphModule) -> torch.device:

@@ -4,13 +4,16 @@
     python benchmarks/kernels.py --smoke    # tiny shapes (CPU: under TRITON_INTERPRET=1); checks the script, not speed
 
 For each layer shape (in × out) and M it times, with ``triton.testing.do_bench`` (median), fp16
-``F.linear`` and each kernel on the same fp16 activations: W4A16 g128 (``gptq_gemm``), W4A16 g128
-act-order, W3A16 g128, W8A8 per-token (activation quantizer + ``int8_gemm``), and SpQR w3g16 with
-1 % random outliers (``spqr_gemm`` + ``csr_spmm`` accumulating into its output). Speed-up =
-fp16 time / kernel time, measured side by side in one run. Effective bandwidth counts the bytes a
-kernel must read once (weights at their stored size, activations, output); TFLOP/s counts 2·M·K·N.
-Before timing, each kernel's output is compared with its plain-torch reference on the GPU.
-Writes benchmarks/results/kernels.json. Without a GPU it says so and writes that instead.
+``F.linear`` and each kernel the ``triton`` backend runs, on the same fp16 activations: W4A16 g128,
+W4A16 g128 act-order, W3A16 g128 (all on the kernel layout: the GEMV at M = 1, the dequantizing
+GEMM above, ``kernels/layout_*.py``), W8A8 per-token (activation quantizer + ``int8_gemm``), SpQR
+w3g16 with 1 % random outliers (kernel layout, outliers fused into the GEMV), and for comparison
+W4A16 g128 on the stored GPTQ layout (``gptq_gemm``, the fallback kernel). Speed-up = fp16 time /
+kernel time, measured side by side in one run. Effective bandwidth counts the bytes a kernel must
+read once (the tensors it reads — the repacked layout where there is one — activations, output);
+TFLOP/s counts 2·M·K·N. Before timing, each kernel's output is compared with its plain-torch
+reference on the GPU. Writes benchmarks/results/kernels.json. Without a GPU it says so and writes
+that instead.
 """
 
 from __future__ import annotations
@@ -87,6 +90,7 @@ def run(shapes, rows, device, smoke: bool, partial=lambda rows: None) -> list[di
     """Every (shape, M) row; ``partial(rows_so_far)`` after each (a time limit keeps what was measured)."""
     from qcompiler import kernels
     from qcompiler.ir import ops
+    from qcompiler.kernels import kernel_layout
 
     gen = torch.Generator().manual_seed(0)
     peak_bw, peak_flops = (
@@ -101,11 +105,18 @@ def run(shapes, rows, device, smoke: bool, partial=lambda rows: None) -> list[di
         for label, bits, act in (("w4a16-g128", 4, False), ("w4a16-g128-act", 4, True), ("w3a16-g128", 3, False)):
             packed, (b, g) = gptq_case(k, n, bits, act, gen)
             packed = tuple(t.to(device) for t in packed)
+            layout = kernel_layout.layout_from_gptq(*packed, b, g)
             cases[label] = (
-                lambda x, p=packed, b=b, g=g: kernels.gptq_linear(x, *p, None, b, g),
+                lambda x, lay=layout: kernels.layout_linear(x, lay, None),
                 lambda x, p=packed, b=b, g=g: ops.quant_linear(x.float(), *p, None, b, g),
-                packed,
+                tuple(layout.tensors().values()),
             )
+            if label == "w4a16-g128":
+                cases["w4a16-g128-stored-layout"] = (
+                    lambda x, p=packed, b=b, g=g: kernels.gptq_linear(x, *p, None, b, g),
+                    cases[label][1],
+                    packed,
+                )
         wq = torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8).to(device)
         ws = (torch.rand(n, generator=gen) * 1e-3).to(device)
         cases["w8a8"] = (
@@ -115,15 +126,18 @@ def run(shapes, rows, device, smoke: bool, partial=lambda rows: None) -> list[di
         )
         dense, sparse = spqr_case(k, n, gen)
         dense, sparse = tuple(t.to(device) for t in dense), tuple(t.to(device) for t in sparse)
-
-        def spqr(x, d=dense, s=sparse):
-            return kernels.csr_linear(x, *s, n, out=kernels.spqr_dense_linear(x, *d, None, 3, 16, 3, 16))
+        spqr_layout = kernel_layout.layout_from_spqr(*dense, 3, 16, 3, 16, stat_dtype=torch.float16)
+        outliers = kernel_layout.outliers_from_csr(*sparse, spqr_layout.perm, torch.float16)
 
         def spqr_ref(x, d=dense, s=sparse):
             x = x.float()
             return ops.spqr_dense_linear(x, *d, None, 3, 16, 3, 16) + ops.sparse_outlier_linear(x, *s, n)
 
-        cases["spqr-w3g16-1%"] = (spqr, spqr_ref, dense + sparse)
+        cases["spqr-w3g16-1%"] = (
+            lambda x, lay=spqr_layout, o=outliers: kernels.layout_linear(x, lay, None, o),
+            spqr_ref,
+            tuple(spqr_layout.tensors().values()) + tuple(outliers.tensors().values()),
+        )
         for m in rows:
             x = torch.randn(m, k, generator=gen).half().to(device)
             base_ms = bench(lambda: torch.nn.functional.linear(x, w16), smoke)
@@ -154,7 +168,9 @@ def run(shapes, rows, device, smoke: bool, partial=lambda rows: None) -> list[di
             print(
                 f"{k:>6}x{n:<6} M={m:<4} fp16 {base_ms:8.4f} ms | "
                 + " | ".join(
-                    f"{label} {row[label]['speedup_vs_fp16']:.2f}x (err {row[label]['max_rel_err_vs_reference']:.1e})"
+                    f"{label} {row[label]['speedup_vs_fp16']:.2f}x {row[label]['GB_per_s']:.0f} GB/s"
+                    + (f" ({row[label]['bandwidth_fraction_of_peak']:.0%} HBM)" if peak_bw else "")
+                    + f" (err {row[label]['max_rel_err_vs_reference']:.1e})"
                     for label in cases
                     if "error" not in row[label]
                 ),

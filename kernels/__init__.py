@@ -1,7 +1,10 @@
 """Triton kernels for the ``qc`` ops, each checked against the op's plain-torch reference.
 
-One kernel per file; each file's host function has the same signature as the ``qc`` op it
-implements, so ``backends/triton.py`` can swap one for the other node by node. On a CUDA GPU the
+One kernel per file. The GPTQ and SpQR weights are repacked once into the kernels' own layout
+(``kernel_layout.py``; the GEMV and GEMM on it in ``layout_gemv.py`` / ``layout_gemm.py``); the other
+kernels' host functions have the same signature as the ``qc`` op they implement (the stored-layout
+GPTQ/SpQR kernels too, the fallback for weights the layout cannot hold), so ``backends/triton.py``
+can swap one for the other node by node. On a CUDA GPU the
 kernels are compiled and autotuned; on CPU they run under ``TRITON_INTERPRET=1`` (set before this
 package is imported), which is slow but exact enough to prove them correct in CI.
 """
@@ -11,6 +14,7 @@ from qcompiler.kernels.csr_spmm import csr_linear
 from qcompiler.kernels.gptq_gemm import gptq_experts_linear, gptq_linear
 from qcompiler.kernels.hadamard import hadamard
 from qcompiler.kernels.int8_gemm import int8_linear
+from qcompiler.kernels.layout_linear import layout_experts_linear, layout_linear
 from qcompiler.kernels.spqr_gemm import spqr_dense_linear, spqr_experts_linear
 from qcompiler.kernels.tuning import INTERPRET, UnsupportedKernel, runtime_problem
 
@@ -20,6 +24,8 @@ __all__ = [
     "runtime_problem",
     "quantize_rows",
     "int8_linear",
+    "layout_linear",
+    "layout_experts_linear",
     "gptq_linear",
     "gptq_experts_linear",
     "spqr_dense_linear",

@@ -41,6 +41,8 @@ def test_triton_backend_matches_eager_on_bundled_models(model_name, recipe, tiny
     assert kernels and not any(k.startswith("reference") for k in kernels) and not runner.record.notes
     prefix, count = ("model.layers.", 28) if model_name == "tinylm" else ("encoder.layer.", 36)
     assert len(runner.record.layers) == count and all(k.startswith(prefix) for k in runner.record.layers)
+    one_row = loaded.example_inputs(batch=1, seq=1)  # one row: the GEMV (SpQR's outliers fused in)
+    assert _relative_gap(cm, runner, one_row) < TOLERANCE
     decode = loaded.example_inputs(batch=1, seq=8)  # 8 rows: the split-K decode kernels
     assert _relative_gap(cm, runner, decode) < TOLERANCE
     if model_name == "tinylm":  # 32 rows: the prefill kernels
@@ -51,7 +53,7 @@ def test_compile_with_triton_backend_reports_its_plan_and_gives_the_eager_output
     cm = qc.compile(tinylm.model, tinylm.example_inputs(), recipe="rtn-w4g128", backend="triton", progress=False)
     plan = cm.report.passes[-1]
     assert plan.name == "backend:triton"
-    assert plan.layers["model.layers.0.self_attn.q_proj"] == {"kernel": "gptq_gemm"}
+    assert plan.layers["model.layers.0.self_attn.q_proj"] == {"kernel": "layout_gemv/gemm"}
     assert len(plan.layers) == 4 * 7
     inputs = tinylm.example_inputs(batch=1, seq=5)
     with torch.no_grad():

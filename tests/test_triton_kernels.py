@@ -6,6 +6,7 @@ group counts, decode (split-K) and prefill variants, and fp16/bf16 activations a
 
 import pytest
 import torch
+from kernel_problems import gptq_problem
 
 from qcompiler import kernels
 from qcompiler.algorithms.hadamard import random_signs
@@ -14,7 +15,6 @@ from qcompiler.algorithms.spqr import spqr_quantize
 from qcompiler.ir.ops import (
     hadamard,
     int8_linear,
-    pack_gptq,
     quant_linear,
     sparse_outlier_linear,
     spqr_dense_linear,
@@ -24,19 +24,6 @@ from qcompiler.passes.spqr import pack_spqr
 
 FP32_TOL = dict(rtol=1e-5, atol=1e-4)
 HALF_TOL = {torch.float16: dict(rtol=2e-2, atol=2e-2), torch.bfloat16: dict(rtol=5e-2, atol=1e-1)}
-
-
-def gptq_problem(bits, group, act_order, n_out, n_in, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    n_groups = 1 if group == -1 else -(-n_in // group)
-    codes = torch.randint(0, 2**bits, (n_out, n_in), generator=gen)
-    scales = torch.rand(n_groups, n_out, generator=gen) * 0.1 + 0.01
-    zeros = torch.randint(0, 2**bits, (n_groups, n_out), generator=gen).float()
-    g_idx = torch.zeros(n_in, dtype=torch.int32) if group == -1 else (torch.arange(n_in) // group).int()
-    if act_order:
-        g_idx = g_idx[torch.randperm(n_in, generator=gen)]
-    w = pack_gptq(codes, scales, zeros, g_idx, bits, group)
-    return w, torch.randn(n_out, generator=gen)
 
 
 @pytest.mark.parametrize(
@@ -176,6 +163,6 @@ def test_kernel_benchmark_runs_and_checks_correctness(tmp_path):
     out = tmp_path / "kernels.json"
     assert bench.main(["--smoke", "--out", str(out)]) == 0
     rows = json.loads(out.read_text())["rows"]
-    labels = ["w4a16-g128", "w4a16-g128-act", "w3a16-g128", "w8a8", "spqr-w3g16-1%"]
+    labels = ["w4a16-g128", "w4a16-g128-stored-layout", "w4a16-g128-act", "w3a16-g128", "w8a8", "spqr-w3g16-1%"]
     assert [r["M"] for r in rows] == [1, 32]
     assert all(r[label]["max_rel_err_vs_reference"] < 1e-2 for r in rows for label in labels)  # fp16 activations
