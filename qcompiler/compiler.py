@@ -126,11 +126,15 @@ class CompiledModel:
         attention_mask: Optional[torch.Tensor] = None,
         streamer: Optional[Callable[[torch.Tensor], None]] = None,
         seed: Optional[int] = None,
+        cache: str = "auto",
     ) -> torch.Tensor:
         """Prompt plus up to ``max_new_tokens`` new tokens ``[B, S + T]``, decoding with the KV cache.
 
         Batches of prompts are left-padded (``attention_mask`` zeros on the left). ``streamer`` is
         called with each step's tokens ``[B]`` as they are made; :meth:`stream` yields them instead.
+        ``cache``: ``"dynamic"`` feeds each step's grown cache back; ``"static"`` decodes over a
+        preallocated one (:class:`qcompiler.static_cache.StaticCache`: fixed shapes, captured as a
+        CUDA graph on a GPU); ``"auto"`` takes static on the triton backend's GPU, else dynamic.
         """
         self.materialize()
         tokens = []
@@ -145,6 +149,7 @@ class CompiledModel:
             pad_token_id=pad_token_id,
             attention_mask=attention_mask,
             seed=seed,
+            cache=cache,
         ):
             tokens.append(token[:, None])
             if streamer is not None:
@@ -164,6 +169,7 @@ class CompiledModel:
         pad_token_id: Optional[int] = None,
         attention_mask: Optional[torch.Tensor] = None,
         seed: Optional[int] = None,
+        cache: str = "auto",
     ) -> Iterator[torch.Tensor]:
         """Yield each step's new tokens ``[B]`` (see :meth:`generate`)."""
         self.materialize()
@@ -195,6 +201,25 @@ class CompiledModel:
             eos_token_id=eos_token_id,
             pad_token_id=config.get("pad_token_id") if pad_token_id is None else pad_token_id,
             seed=seed,
+            static_cache=self._static_cache(cache, config),
+        )
+
+    def _static_cache(self, cache: str, config: dict) -> Optional[Callable]:
+        """``StaticCache`` maker for :meth:`stream`, or None for the dynamic cache."""
+        from qcompiler.static_cache import StaticCache
+
+        if cache not in ("auto", "dynamic", "static"):
+            raise ValueError(f"cache must be 'auto', 'dynamic' or 'static', got {cache!r}")
+        device = getattr(self._runner, "device", None)  # the triton backend's GPU runner has one
+        on_gpu = isinstance(device, torch.device) and device.type == "cuda"
+        window = config.get("sliding_window")
+        if cache == "dynamic" or (cache == "auto" and (not on_gpu or window)):
+            return None
+        if window:
+            raise ValueError(f"this model attends through a sliding window of {window}: use cache='dynamic'")
+        run = getattr(self._runner, "runner", self._runner)  # the device graph itself: tensors stay there
+        return lambda batch, slots: StaticCache(
+            run, self.cache_layout, batch, slots, device if on_gpu else torch.device("cpu"), cuda_graph=on_gpu
         )
 
     def with_backend(self, backend: str, **options) -> "CompiledModel":

@@ -8,11 +8,14 @@ left-padded (``attention_mask`` zeros on the left), as transformers does for dec
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Iterator, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Callable, Iterator, Optional, Sequence, Union
 
 import torch
 
 from qcompiler.frontend.causal_lm import CacheLayout, graph_inputs, positions_from_mask
+
+if TYPE_CHECKING:
+    from qcompiler.static_cache import StaticCache
 
 __all__ = ["SamplingConfig", "generate_tokens", "sample_next", "timed_generation"]
 
@@ -71,8 +74,12 @@ def generate_tokens(
     eos_token_id=None,
     pad_token_id: Optional[int] = None,
     seed: Optional[int] = None,
+    static_cache: Optional[Callable[[int, int], "StaticCache"]] = None,
 ) -> Iterator[torch.Tensor]:
-    """Yield the next token of every row ``[B]`` per step; a finished row (EOS) yields ``pad_token_id``."""
+    """Yield the next token of every row ``[B]`` per step; a finished row (EOS) yields ``pad_token_id``.
+
+    ``static_cache(batch, slots)``, when given, makes the :class:`StaticCache` the decode steps run
+    on (fixed shapes; a CUDA graph on a GPU) instead of feeding ``present`` back to ``step``."""
     if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.shape[1] == 0:
@@ -90,9 +97,14 @@ def generate_tokens(
     inputs = graph_inputs(layout, input_ids, attention_mask)
     mask = inputs["attention_mask"]
     finished = torch.zeros(input_ids.shape[0], dtype=torch.bool)
-    for _ in range(max_new_tokens):
-        logits, present = step(inputs)
-        token = sample_next(logits[:, -1, :vocab_size], sampling, generator)
+    static = static_cache(input_ids.shape[0], total) if static_cache is not None and max_new_tokens else None
+    token = input_ids[:, -1]  # the decode steps' input: each step's sampled token
+    for i in range(max_new_tokens):
+        if static is None:
+            logits, present = step(inputs)
+        else:
+            logits = static.prefill(inputs) if i == 0 else static.decode(token, mask)
+        token = sample_next(logits[:, -1, :vocab_size].cpu(), sampling, generator)
         token = token.masked_fill(finished, pad)
         yield token
         if eos is not None:
@@ -100,7 +112,8 @@ def generate_tokens(
             if bool(finished.all()):
                 return
         mask = torch.cat([mask, torch.ones(mask.shape[0], 1, dtype=mask.dtype)], 1)
-        inputs = graph_inputs(layout, token[:, None], *_window(layout, mask, present), past=present)
+        if static is None:
+            inputs = graph_inputs(layout, token[:, None], *_window(layout, mask, present), past=present)
 
 
 def _window(layout: CacheLayout, mask: torch.Tensor, present) -> tuple[torch.Tensor, Optional[torch.Tensor]]:

@@ -189,9 +189,22 @@ def test_generate_on_an_encoder_is_refused():
 
 
 def test_triton_backend_generates_the_eager_tokens(llama_w4):
-    """Kernels on the GPU when there is one, else under TRITON_INTERPRET=1 (conftest sets it)."""
+    """Kernels on the GPU when there is one, else under TRITON_INTERPRET=1 (conftest sets it); on
+    the GPU ``cache="auto"`` decodes over the static cache with the step replayed as a CUDA graph."""
     on_triton = llama_w4.with_backend("triton")
-    assert torch.equal(on_triton.generate(prompt(), 5), llama_w4.generate(prompt(), 5))
+    want = llama_w4.generate(prompt(), 5)
+    assert torch.equal(on_triton.generate(prompt(), 5), want)
+    assert torch.equal(on_triton.generate(prompt(), 5, cache="static"), want)
+
+
+def test_static_cache_generates_the_dynamic_cache_tokens(llama):
+    """Preallocated slots, masked until filled: the same greedy tokens, a left-padded batch too."""
+    fp = qc.compile(llama, {"input_ids": prompt()}, recipe="none", progress=False)
+    _, ids, mask = _left_padded()
+    want = fp.generate(ids, 12, attention_mask=mask, cache="dynamic")
+    assert torch.equal(fp.generate(ids, 12, attention_mask=mask, cache="static"), want)
+    with pytest.raises(ValueError, match="cache must be 'auto', 'dynamic' or 'static', got 'paged'"):
+        fp.generate(ids, 2, cache="paged")
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
