@@ -133,7 +133,7 @@ class CompiledModel:
         Batches of prompts are left-padded (``attention_mask`` zeros on the left). ``streamer`` is
         called with each step's tokens ``[B]`` as they are made; :meth:`stream` yields them instead.
         ``cache``: ``"dynamic"`` feeds each step's grown cache back; ``"static"`` decodes over a
-        preallocated one (:class:`qcompiler.static_cache.StaticCache`: fixed shapes, captured as a
+        preallocated one (:class:`qcompiler.frontend.static_cache.StaticCache`: fixed shapes, captured as a
         CUDA graph on a GPU); ``"auto"`` takes static on the triton backend's GPU, else dynamic.
         """
         self.materialize()
@@ -206,7 +206,7 @@ class CompiledModel:
 
     def _static_cache(self, cache: str, config: dict) -> Optional[Callable]:
         """``StaticCache`` maker for :meth:`stream`, or None for the dynamic cache."""
-        from qcompiler.static_cache import StaticCache
+        from qcompiler.frontend.static_cache import StaticCache
 
         if cache not in ("auto", "dynamic", "static"):
             raise ValueError(f"cache must be 'auto', 'dynamic' or 'static', got {cache!r}")

@@ -15,7 +15,7 @@ import torch
 from qcompiler.frontend.causal_lm import CacheLayout, graph_inputs, positions_from_mask
 
 if TYPE_CHECKING:
-    from qcompiler.static_cache import StaticCache
+    from qcompiler.frontend.static_cache import StaticCache
 
 __all__ = ["SamplingConfig", "generate_tokens", "sample_next", "timed_generation"]
 

@@ -82,3 +82,24 @@ def test_no_gpu_and_no_interpreter_is_a_clear_error(monkeypatch):
         pytest.skip("a GPU is present")
     with pytest.raises(BackendError, match="TRITON_INTERPRET=1"):
         prepare_triton(cm.graph_module)
+
+
+@pytest.mark.slow
+def test_gpu_decode_benchmark_runs_and_its_engines_agree(tmp_path):
+    """benchmarks/gpu_decode.py --smoke: the GPU decode benchmark's path on a 2-layer toy; every
+    triton engine (static cache) gives the eager backend's greedy tokens for its recipe."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    path = Path(__file__).parents[1] / "benchmarks" / "gpu_decode.py"
+    spec = importlib.util.spec_from_file_location("gpu_decode_bench", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    assert bench.main(["--smoke", "--out", str(tmp_path / "gpu_decode.json")]) == 0
+    rows = {r["engine"]: r for r in json.loads((tmp_path / "gpu_decode.json").read_text())["rows"]}
+    for recipe in bench.RECIPES:
+        label = "fp16" if recipe == "none" else recipe
+        assert rows[f"triton {label}"]["tokens"] == rows[f"eager {label}"]["tokens"], recipe
+        assert rows[f"triton {label}"]["decode_tokens_per_s"] > 0
+    assert rows["triton fp16, dynamic cache"]["tokens"] == rows["triton fp16"]["tokens"]
