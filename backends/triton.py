@@ -20,6 +20,7 @@ from torch.fx import GraphModule, Node
 
 from qcompiler.algorithms.packing import SUPPORTED_BITS
 from qcompiler.backends.triton_layout import LAYOUT_OPS, drop_unused_attributes, repack_node
+from qcompiler.backends.triton_shared_quant import share_activation_quantizers
 from qcompiler.errors import BackendError
 from qcompiler.ir.op_registry import (
     args_of,
@@ -203,6 +204,13 @@ def plan_triton(gm: GraphModule) -> tuple[GraphModule, PassRecord]:
             graph.erase_node(n)
         done.add(call)
         record.layers[layer] = {"kernel": "spqr_gemm+csr_spmm (fused add)"}
+    shared = share_activation_quantizers(
+        graph,
+        lambda name, layer, kernel, twin: _guarded(name, layer, kernel, twin, record),
+        _layer_name,
+        lambda node: _static_problem(node) is None,
+    )
+    record.layers.update({layer: {"kernel": label} for layer, label in shared.items()})
     for node in list(graph.nodes):
         if node in done or node.op != "call_function" or node.target not in table:
             continue

@@ -16,7 +16,7 @@ import triton.language as tl
 from qcompiler.kernels.act_quant import quantize_rows
 from qcompiler.kernels.tuning import Tunable, check_activation
 
-__all__ = ["int8_linear", "int8_gemm"]
+__all__ = ["int8_linear", "int8_gemm", "int8_linear_quantized"]
 
 
 @triton.jit
@@ -120,4 +120,15 @@ def int8_linear(
     check_activation("int8_gemm", x)
     xq, sx = quantize_rows(x, smooth_inv, act_scale)
     y = int8_gemm(xq, weight.contiguous(), sx, weight_scale.reshape(-1), bias, x.dtype, act_scale is None)
+    return y.reshape(*x.shape[:-1], weight.shape[0])
+
+
+def int8_linear_quantized(
+    x: torch.Tensor, quantized: tuple, weight: torch.Tensor, weight_scale: torch.Tensor, bias: Optional[torch.Tensor]
+) -> torch.Tensor:
+    """``int8_linear`` on activations already quantized by ``quantize_rows`` (``(codes [M, K],
+    scales [M, 1] or the static [1])``), shared by the linears that read the same input."""
+    check_activation("int8_gemm", x)
+    xq, sx = quantized
+    y = int8_gemm(xq, weight.contiguous(), sx, weight_scale.reshape(-1), bias, x.dtype, sx.dim() == 2)
     return y.reshape(*x.shape[:-1], weight.shape[0])

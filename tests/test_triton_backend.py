@@ -103,3 +103,17 @@ def test_gpu_decode_benchmark_runs_and_its_engines_agree(tmp_path):
         assert rows[f"triton {label}"]["tokens"] == rows[f"eager {label}"]["tokens"], recipe
         assert rows[f"triton {label}"]["decode_tokens_per_s"] > 0
     assert rows["triton fp16, dynamic cache"]["tokens"] == rows["triton fp16"]["tokens"]
+
+
+def test_w8a8_siblings_quantize_their_shared_input_once():
+    """q/k/v and gate/up read one tensor: one activation quantizer each, outputs still eager's exactly."""
+    model, inputs = make_model("llama"), example_inputs("llama")
+    cm = qc.compile(model, inputs, recipe="w8a8", progress=False)
+    runner = prepare_triton(cm.graph_module)
+    quantizers = [n for n in runner.graph.nodes if getattr(n.target, "__name__", "") == "triton_quantize_rows"]
+    linears = [v for v in runner.record.layers.values() if v["kernel"].startswith("int8_gemm")]
+    shared = [v for v in linears if "quantized once for" in v["kernel"]]
+    blocks = len({k.split(".self_attn")[0].split(".mlp")[0] for k in runner.record.layers})
+    assert len(quantizers) == 2 * blocks and len(shared) == 5 * blocks  # (q, k, v) and (gate, up) per block
+    with torch.no_grad():
+        torch.testing.assert_close(main_output(runner(**inputs)), main_output(cm(**inputs)), rtol=0, atol=0)

@@ -214,15 +214,27 @@ def int8_linear(
     ``smooth_inv``: SmoothQuant's per-channel ``1/s`` for producers that could not absorb it,
     applied inside the activation quantizer (one multiply, no extra pass over memory).
     """
+    return int8_linear_quantized(x, quantize_activations(x, act_scale, smooth_inv), weight, weight_scale, bias)
+
+
+def quantize_activations(x: Tensor, act_scale: Optional[Tensor], smooth_inv: Optional[Tensor]) -> tuple:
+    """``int8_linear``'s first half: int8 codes of ``x`` (times ``smooth_inv``) and their scales —
+    per token ``[..., 1]``, or the static one ``[1]``. Linears that share an input can share it."""
     xs = x.float() if smooth_inv is None else x.float() * smooth_inv.float()
     if act_scale is None:
-        xq, sx = quantize_per_token(xs)
-    else:
-        sx = act_scale.float().reshape(1)
-        xq = torch.clamp(torch.round(xs / sx), -127, 127).to(torch.int8)
+        return quantize_per_token(xs)
+    sx = act_scale.float().reshape(1)
+    return torch.clamp(torch.round(xs / sx), -127, 127).to(torch.int8), sx
+
+
+def int8_linear_quantized(
+    x: Tensor, quantized: tuple, weight: Tensor, weight_scale: Tensor, bias: Optional[Tensor]
+) -> Tensor:
+    """``int8_linear``'s second half on :func:`quantize_activations`' output (``x`` gives the dtype)."""
+    xq, sx = quantized
     shape = xq.shape
     acc = int8_matmul(xq.reshape(-1, shape[-1]), weight).reshape(*shape[:-1], weight.shape[0])
-    y = acc.float() * (sx.reshape(*sx.shape[:-1], 1) if act_scale is None else sx) * weight_scale.float()
+    y = acc.float() * (sx if sx.numel() == 1 else sx.reshape(*sx.shape[:-1], 1)) * weight_scale.float()
     if bias is not None:
         y = y + bias.float()
     return y.to(x.dtype)
