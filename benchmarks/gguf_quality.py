@@ -35,7 +35,7 @@ from results_file import write_rows
 import qcompiler as qc
 from qcompiler import models
 
-TYPES = {"q4_0": "Q4_0", "q8_0": "Q8_0"}
+TYPES = {"q4_0": "Q4_0", "q4_1": "Q4_1", "q8_0": "Q8_0"}
 
 
 def _random_llama(folder: Path) -> Path:

@@ -25,7 +25,7 @@ class ExportOptions:
     accuracy_level: Optional[int] = None  # onnx, onnx-genai: MatMulNBits accuracy_level
     fused_attention: bool = True  # onnx, onnx-genai: ORT's GroupQueryAttention
     zero_format: str = "auto"  # gptq: auto | v1 | v2 zero points
-    requantize: Optional[str] = None  # gguf: re-round layers not on a GGUF grid to this block type (q4_0 | q8_0)
+    requantize: Optional[str] = None  # gguf: re-round layers not on a GGUF grid to this block type (q4_0 | q4_1 | q8_0)
     max_shard_bytes: int = DEFAULT_SHARD_BYTES
     progress: Callable[[str], None] = print
 

@@ -53,6 +53,46 @@ def llama_q4(tmp_path_factory):
     return model, cm, path
 
 
+def test_q4_1_blocks_hold_the_asymmetric_grid_within_fp16_rounding_of_the_minimum():
+    """Q4_1 = d · q + m: the codes and d = s exactly, m = −s·z rounded to fp16 — read back through
+    gguf's reference dequantizer within 2^-11 of |s·z| (under 1 % of one step) of s · (q − z)."""
+    block = BLOCK_TYPES["q4_1"]
+    g = torch.Generator().manual_seed(0)
+    codes = torch.randint(0, 16, (6, 96), generator=g)
+    scales = (torch.rand(6, 3, generator=g) * 0.1 + 0.01).half()
+    zeros = torch.randint(0, 16, (6, 3), generator=g)
+    back = torch.from_numpy(
+        gguf.quants.dequantize(pack_blocks(block, codes, scales, zeros), gguf.GGMLQuantizationType.Q4_1)
+    )
+    s, z = scales.float().repeat_interleave(32, dim=1), zeros.float().repeat_interleave(32, dim=1)
+    grid = s * (codes - z)
+    assert bool(((back - grid).abs() <= (s * z) * 2**-11 + 1e-9).all())
+    assert (back - grid).abs().max() > 0  # m is rounded: not bit-identical, and the test can tell
+
+
+def test_q4_1_file_is_the_asymmetric_recipe(tmp_path):
+    """gptq-q4_1 (asymmetric 4-bit groups of 32) is written as Q4_1 blocks whose weights are the
+    graph's within the fp16 rounding of each block's minimum; gptq-q4_0 stays Q4_0."""
+    model = causal_lm("llama")
+    cm = qc.compile(model, {"input_ids": prompt()}, recipe="gptq-q4_1", calibration=calibration(), backend="eager")
+    cm.export_gguf(tmp_path / "q41.gguf", progress=lambda s: None)
+    tensors = {t.name: t for t in gguf.GGUFReader(str(tmp_path / "q41.gguf")).tensors}
+    cfg = model.config
+    head_dim = cfg.hidden_size // cfg.num_attention_heads
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, cfg.num_hidden_layers)
+    for path_, (t, bits) in _layers(cm).items():
+        entry = tensors[names.get_name(path_ + ".weight", try_suffixes=(".weight",))]
+        assert entry.tensor_type == gguf.GGMLQuantizationType.Q4_1
+        back = torch.from_numpy(gguf.quants.dequantize(entry.data, entry.tensor_type).copy())
+        heads = {"q_proj": cfg.num_attention_heads, "k_proj": cfg.num_key_value_heads}.get(path_.rsplit(".", 1)[1])
+        if heads:
+            back = back[torch.argsort(_rotary_rows(heads * head_dim, heads))]
+        w = dequantize_gptq(*(t[n] for n in GPTQ_TENSORS), bits)
+        zeros = unpack_cols(t["qzeros"], 4, t["scales"].shape[1]).float()
+        bound = (t["scales"].float() * zeros).t().repeat_interleave(32, dim=1) * 2**-11 + 1e-9
+        assert bool(((back - w).abs() <= bound).all()), path_
+
+
 def test_q4_0_file_holds_the_recipes_codes_bit_identically(llama_q4):
     """Every quantized layer's GGUF tensor dequantizes (gguf's reference) to the very weights the
     graph computes with, once the query/key rows are put back in Hugging Face's rotary order."""

@@ -2,12 +2,13 @@
 --format gguf --out model.gguf``.
 
 Tensor names and metadata are llama.cpp's (the ``gguf`` package's name map, as its own converter
-uses); quantized layers are written code for code as ``Q8_0`` / ``Q4_0`` blocks when their grid is
-that block type (``gguf_blocks``: recipes ``gptq-q4_0``, ``gptq-q8_0``), other layers only with an
-explicit ``requantize`` type, which re-rounds them by llama.cpp's own round-to-nearest and says so.
-FP matrices are stored as F16, norms and biases as F32. LLaMA-family graphs get llama.cpp's row
-order for the query and key projections (its rotary embedding rotates adjacent pairs, Hugging
-Face's rotates halves), which permutes whole rows and so leaves the blocks' codes untouched.
+uses); quantized layers are written code for code as ``Q8_0`` / ``Q4_0`` / ``Q4_1`` blocks when
+their grid is that block type (``gguf_blocks``: recipes ``gptq-q4_0``, ``gptq-q4_1``, ``gptq-q8_0``),
+other layers only with an explicit ``requantize`` type, which re-rounds them by llama.cpp's own
+round-to-nearest and says so. FP matrices are stored as F16, norms and biases as F32.
+LLaMA-family graphs get llama.cpp's row order for the query and key projections (its rotary
+embedding rotates adjacent pairs, Hugging Face's rotates halves), which permutes whole rows and so
+leaves the blocks' codes untouched.
 """
 
 from __future__ import annotations
@@ -41,8 +42,10 @@ from qcompiler.version import __version__
 __all__ = ["export_gguf", "GGUF_ARCHITECTURES", "is_qcompiler_gguf"]
 
 register_target("gguf", "exporter: GGUF files for llama.cpp")
-implement("gguf", "quant_linear", gptq_layer, kind="writer", label="Q8_0/Q4_0 blocks")
-_NOT_GGUF = "GGUF holds weight-only block quantization (recipes gptq-q4_0, gptq-q8_0); export this recipe to ONNX"
+implement("gguf", "quant_linear", gptq_layer, kind="writer", label="Q8_0/Q4_0/Q4_1 blocks")
+_NOT_GGUF = (
+    "GGUF holds weight-only block quantization (recipes gptq-q4_0, gptq-q4_1, gptq-q8_0); export this recipe to ONNX"
+)
 for _op in ("int8_linear", "spqr_dense_linear", "sparse_outlier_linear", "spqr_experts_linear"):
     refuse("gguf", _op, _NOT_GGUF)
 refuse("gguf", "quant_experts_linear", "GGUF files of mixture-of-experts models are not written yet")
@@ -55,7 +58,12 @@ GGUF_ARCHITECTURES = {
     "qwen2": (gguf.MODEL_ARCH.QWEN2, False),
     "qwen3": (gguf.MODEL_ARCH.QWEN3, False),
 }
-_FILE_TYPES = {"Q8_0": gguf.LlamaFileType.MOSTLY_Q8_0, "Q4_0": gguf.LlamaFileType.MOSTLY_Q4_0}
+_FILE_TYPES = {
+    "Q8_0": gguf.LlamaFileType.MOSTLY_Q8_0,
+    "Q4_0": gguf.LlamaFileType.MOSTLY_Q4_0,
+    "Q4_1": gguf.LlamaFileType.MOSTLY_Q4_1,
+}
+_RECIPES = ", ".join(b.recipe for b in BLOCK_TYPES.values())
 RECIPE_KEY = "qcompiler.recipe"
 
 
@@ -87,17 +95,18 @@ def _quant_tensor(layer, requantize: Optional[str]) -> tuple[np.ndarray, gguf.GG
     """A quantized layer's GGUF data, type, and how it got there."""
     t, bits = layer.tensors, layer.bits
     n_in, n_out = t["g_idx"].numel(), t["scales"].shape[1]
-    block = next((b for b in BLOCK_TYPES.values() if b.bits == bits), None)
     zeros = unpack_cols(t["qzeros"], bits, n_out)
-    why = f"{bits}-bit, which no GGUF block type qcompiler writes holds" if block is None else None
-    why = why or layer_fits(block, bits, layer.group_size, zeros, t["g_idx"])
-    if why is None:
+    candidates = [b for b in BLOCK_TYPES.values() if b.bits == bits]  # symmetric first: Q4_0 before Q4_1
+    reasons = [layer_fits(b, bits, layer.group_size, zeros, t["g_idx"]) for b in candidates]
+    block = next((b for b, why in zip(candidates, reasons) if why is None), None)
+    if block is not None:
         codes = unpack_rows(t["qweight"], bits, n_in).t()
-        data = pack_blocks(block, codes, t["scales"].t())
+        data = pack_blocks(block, codes, t["scales"].t(), zeros.t())
         return data, gguf.GGMLQuantizationType[block.name], "exact"
+    why = reasons[-1] if reasons else f"{bits}-bit, which no GGUF block type qcompiler writes holds"
     if requantize is None:
         raise ExportError(
-            f"layer {layer.path} is {why}: quantize with recipe gptq-q4_0 or gptq-q8_0 (GGUF's own grids), "
+            f"layer {layer.path} is {why}: quantize with recipe {_RECIPES} (GGUF's own grids), "
             f"or pass requantize='q4_0' / --requantize q4_0 to re-round it with llama.cpp's round-to-nearest"
         )
     qtype = gguf.GGMLQuantizationType[BLOCK_TYPES[requantize].name]

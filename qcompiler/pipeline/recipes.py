@@ -201,9 +201,12 @@ _WEIGHT_ONLY = {
     "rtn-w4g128-sym": ("RTN", dict(bits=4, group_size=128, sym=True)),
     "gptq-w4g128-sym": ("GPTQ", dict(bits=4, group_size=128, sym=True)),
     "gptq-w3g128-sym": ("GPTQ", dict(bits=3, group_size=128, sym=True)),
-    # llama.cpp's Q4_0 / Q8_0 blocks (32 weights, one fp16 scale, symmetric): written to GGUF code for code
+    # llama.cpp's Q4_0 / Q8_0 blocks (32 weights, one fp16 scale, symmetric) and Q4_1 (plus an fp16
+    # minimum: asymmetric): written to GGUF code for code
     "rtn-q4_0": ("RTN", dict(bits=4, group_size=32, sym=True)),
     "gptq-q4_0": ("GPTQ", dict(bits=4, group_size=32, sym=True)),
+    "rtn-q4_1": ("RTN", dict(bits=4, group_size=32, sym=False)),
+    "gptq-q4_1": ("GPTQ", dict(bits=4, group_size=32, sym=False)),
     "rtn-q8_0": ("RTN", dict(bits=8, group_size=32, sym=True)),
     "gptq-q8_0": ("GPTQ", dict(bits=8, group_size=32, sym=True)),
     # the output head in 4 bits too (RTN), as onnxruntime-genai's int4 builder: faster decoding
