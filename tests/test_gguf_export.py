@@ -235,3 +235,29 @@ def test_tokenizers_llama_cpp_would_read_differently_are_refused(files, message)
     writer = gguf.GGUFWriter(None, "llama")
     with pytest.raises(ExportError, match=message):
         embed_tokenizer(writer, files, {"vocab_size": 300})
+
+
+def test_phi3_keeps_its_fused_layers_and_says_llama_cpp_ignores_the_sliding_window(tmp_path):
+    """Phi-3's qkv_proj / gate_up_proj are llama.cpp's attn_qkv / ffn_up as they are (llama.cpp runs
+    them: tests/test_llama_cpp_runs_our_gguf.py); a sliding window is written and the export says
+    llama.cpp will not apply it (measured: logits 30 % apart past an 8-token window)."""
+    import transformers
+    from causal_lms import config
+
+    cfg = config("phi3")
+    cfg.sliding_window = 8
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    cm = qc.compile(model, {"input_ids": prompt()}, recipe="rtn-q4_0", backend="eager")
+    said = []
+    cm.export_gguf(tmp_path / "phi3.gguf", progress=said.append)
+    assert any("llama.cpp runs Phi-3 with full attention" in s and "first 8 tokens" in s for s in said)
+    reader = gguf.GGUFReader(str(tmp_path / "phi3.gguf"))
+    tensors = {t.name: t for t in reader.tensors}
+    layer = model.model.layers[0]
+    rows = {name: int(tensors[name].shape[-1]) for name in ("blk.0.attn_qkv.weight", "blk.0.ffn_up.weight")}
+    assert rows == {  # ggml lists the output rows last: the fused matrices whole
+        "blk.0.attn_qkv.weight": layer.self_attn.qkv_proj.weight.shape[0],
+        "blk.0.ffn_up.weight": layer.mlp.gate_up_proj.weight.shape[0],
+    }
+    assert int(reader.fields["phi3.attention.sliding_window"].parts[-1][0]) == 8

@@ -46,6 +46,7 @@ def _logits(llm, ids: list[int]) -> np.ndarray:
         pytest.param("qwen2", "gptq-q4_0", marks=pytest.mark.slow),
         pytest.param("mistral", "rtn-q8_0", marks=pytest.mark.slow),
         pytest.param("qwen3", "gptq-q4_0", marks=pytest.mark.slow),
+        ("phi3", "gptq-q4_1"),  # fused qkv_proj / gate_up_proj as llama.cpp's attn_qkv / ffn_up
         pytest.param("llama", "none", marks=pytest.mark.slow),
     ],
 )

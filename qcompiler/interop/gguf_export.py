@@ -57,6 +57,9 @@ GGUF_ARCHITECTURES = {
     "mistral": (gguf.MODEL_ARCH.LLAMA, True),
     "qwen2": (gguf.MODEL_ARCH.QWEN2, False),
     "qwen3": (gguf.MODEL_ARCH.QWEN3, False),
+    # fused qkv_proj / gate_up_proj are llama.cpp's attn_qkv / ffn_up as they are (gate first, as
+    # its SwiGLU splits them); its rotary embedding is NEOX-style there: rows stay in HF order
+    "phi3": (gguf.MODEL_ARCH.PHI3, False),
 }
 _FILE_TYPES = {
     "Q8_0": gguf.LlamaFileType.MOSTLY_Q8_0,
@@ -171,7 +174,16 @@ def export_gguf(cm, path, *, requantize: Optional[str] = None, protect=(), progr
     writer.add_head_count_kv(kv_heads)
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
-    writer.add_rope_dimension_count(head_dim)
+    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    rotary = float(config.get("partial_rotary_factor") or rope.get("partial_rotary_factor") or 1.0)
+    writer.add_rope_dimension_count(int(head_dim * rotary))
+    window = int(config.get("sliding_window") or 0) if model_type == "phi3" else 0
+    if window:  # written as llama.cpp's converter does; its phi3 model then ignores it (SWA disabled)
+        writer.add_sliding_window(window)
+        progress(
+            f"note: llama.cpp runs Phi-3 with full attention (its phi3 model disables the sliding window): "
+            f"outputs match the graph's within the first {window} tokens of a sequence"
+        )
     writer.add_rope_freq_base(_rope_theta(config, model_type))
     writer.add_layer_norm_rms_eps(float(config.get("rms_norm_eps", 1e-6)))
     vocab_size = int(config["vocab_size"])
