@@ -73,11 +73,14 @@ def _calls(statics: dict, experts: bool) -> tuple[Callable, Callable]:
         return layout, None if sparse is None else kl.Outliers(**sparse)
 
     if not experts:
-        kernel = lambda x, tensors, bias, sparse: layout_linear(x, *_with_bias(unpack(tensors, sparse), bias))  # noqa: E731
-        twin = lambda x, tensors, bias, sparse: kl.layout_linear_reference(  # noqa: E731
-            x, *_with_bias(unpack(tensors, sparse), bias)
-        )
-        return kernel, twin
+
+        def linear_kernel(x, tensors, bias, sparse):
+            return layout_linear(x, *_with_bias(unpack(tensors, sparse), bias))
+
+        def linear_twin(x, tensors, bias, sparse):
+            return kl.layout_linear_reference(x, *_with_bias(unpack(tensors, sparse), bias))
+
+        return linear_kernel, linear_twin
 
     def kernel(x, offsets, tensors, bias, sparse):
         layout, outliers = unpack(tensors, sparse)

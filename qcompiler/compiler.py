@@ -205,22 +205,31 @@ class CompiledModel:
         )
 
     def _static_cache(self, cache: str, config: dict) -> Optional[Callable]:
-        """``StaticCache`` maker for :meth:`stream`, or None for the dynamic cache."""
+        """``StaticCache`` maker for :meth:`stream` (it may answer None: the dynamic cache), or None."""
         from qcompiler.frontend.static_cache import StaticCache
 
         if cache not in ("auto", "dynamic", "static"):
             raise ValueError(f"cache must be 'auto', 'dynamic' or 'static', got {cache!r}")
         device = getattr(self._runner, "device", None)  # the triton backend's GPU runner has one
         on_gpu = isinstance(device, torch.device) and device.type == "cuda"
-        window = config.get("sliding_window")
-        if cache == "dynamic" or (cache == "auto" and (not on_gpu or window)):
+        if cache == "dynamic" or (cache == "auto" and not on_gpu):
             return None
-        if window:
-            raise ValueError(f"this model attends through a sliding window of {window}: use cache='dynamic'")
+        # a window only matters past its length (Qwen2 configs name one they do not use)
+        window = int(config.get("sliding_window") or 0) if config.get("use_sliding_window", True) else 0
         run = getattr(self._runner, "runner", self._runner)  # the device graph itself: tensors stay there
-        return lambda batch, slots: StaticCache(
-            run, self.cache_layout, batch, slots, device if on_gpu else torch.device("cpu"), cuda_graph=on_gpu
-        )
+
+        def make(batch: int, slots: int) -> Optional[StaticCache]:
+            if window and slots >= window:  # the graph's window logic engages once past + 1 > window
+                if cache == "auto":
+                    return None
+                raise ValueError(
+                    f"{slots} positions reach this model's sliding window of {window}: use cache='dynamic'"
+                )
+            return StaticCache(
+                run, self.cache_layout, batch, slots, device if on_gpu else torch.device("cpu"), cuda_graph=on_gpu
+            )
+
+        return make
 
     def with_backend(self, backend: str, **options) -> "CompiledModel":
         """The same quantized graph on another backend: no recapture, no calibration, weights shared."""

@@ -79,7 +79,8 @@ def generate_tokens(
     """Yield the next token of every row ``[B]`` per step; a finished row (EOS) yields ``pad_token_id``.
 
     ``static_cache(batch, slots)``, when given, makes the :class:`StaticCache` the decode steps run
-    on (fixed shapes; a CUDA graph on a GPU) instead of feeding ``present`` back to ``step``."""
+    on (fixed shapes; a CUDA graph on a GPU) instead of feeding ``present`` back to ``step``; it may
+    answer None (the dynamic cache, e.g. past a sliding window)."""
     if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.shape[1] == 0:

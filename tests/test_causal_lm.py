@@ -207,6 +207,17 @@ def test_static_cache_generates_the_dynamic_cache_tokens(llama):
         fp.generate(ids, 2, cache="paged")
 
 
+def test_static_cache_stops_at_a_sliding_window():
+    """Within the window a sliding-window model decodes on the static cache as on the dynamic one;
+    past it the static cache would keep what the window drops: refused by name."""
+    model = causal_lm("mistral")
+    model.config.sliding_window = 12
+    fp = qc.compile(model, {"input_ids": prompt()}, recipe="none", progress=False)
+    assert torch.equal(fp.generate(prompt(), 5, cache="static"), fp.generate(prompt(), 5, cache="dynamic"))
+    with pytest.raises(ValueError, match="12 positions reach this model's sliding window of 12"):
+        fp.generate(prompt(), 6, cache="static")
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_half_precision_models_calibrate_and_quantize_in_their_dtype(dtype):
     """Hessians and GPTQ run in fp32; the graph keeps the model's dtype."""
