@@ -1,9 +1,13 @@
-"""W8A8 on the ``triton`` backend: linears that read the same activations quantize them once.
+"""W8A8 on the ``triton`` backend: linears that read the same activations quantize them once, and
+where those activations are an RMSNorm's output, in the norm itself.
 
 SmoothQuant folds its scales into the norm, so q/k/v (and gate/up) read one tensor; each
 ``qc.int8_linear`` would quantize it again (a full pass over the activations per linear). Here the
-siblings' nodes — same input, same static scale and ``1/s`` — become one ``quantize_rows`` launch
-whose int8 codes and scales every sibling's ``int8_gemm`` reads.
+siblings' nodes — same input, same static scale and ``1/s`` — become one quantizer launch whose
+int8 codes and scales every sibling's ``int8_gemm`` reads. When that input is the output of the
+captured RMSNorm (``w · (h·rsqrt(mean(h²) + eps)).to(dtype)``, matched op for op) and nothing else
+reads it, the quantizer is ``norm_quant.rmsnorm_quantize_rows`` on the norm's input and the norm's
+ops leave the graph: its output is never written.
 """
 
 from __future__ import annotations
@@ -16,6 +20,8 @@ from torch.fx import Graph, Node
 
 from qcompiler.ir.op_registry import args_of
 from qcompiler.ir.ops import int8_linear_quantized, quantize_activations
+
+aten = torch.ops.aten
 
 __all__ = ["share_activation_quantizers"]
 
@@ -31,6 +37,63 @@ def _gemm_twin(x, quantized, weight, weight_scale, bias):
     rows = (xq.reshape(-1, xq.shape[-1]), sx if sx.dim() == 1 else sx.reshape(-1, 1))
     y = int8_linear_quantized(x.reshape(-1, x.shape[-1]), rows, weight, weight_scale, bias)
     return y.reshape(*x.shape[:-1], weight.shape[0])
+
+
+def _call(node, target, n_args: int) -> bool:
+    return isinstance(node, Node) and node.op == "call_function" and node.target == target and len(node.args) == n_args
+
+
+def rms_norm_parts(x: Node):
+    """``(h, weight node, eps, norm dtype)`` when ``x`` is exactly the captured RMSNorm
+    ``weight · (to_f32(h) · rsqrt(mean(to_f32(h)², [-1], keepdim) + eps)).to(dtype)``, else None."""
+    if not _call(x, aten.mul.Tensor, 2):
+        return None
+    weight, cast = x.args
+    if not (isinstance(weight, Node) and weight.op == "get_attr" and _call(cast, aten.to.dtype, 2)):
+        return None
+    scaled, norm_dtype = cast.args
+    if not (_call(scaled, aten.mul.Tensor, 2) and _call(scaled.args[1], aten.rsqrt.default, 1)):
+        return None
+    hf, add = scaled.args[0], scaled.args[1].args[0]
+    if not (_call(add, aten.add.Tensor, 2) and isinstance(add.args[1], float)):
+        return None
+    mean = add.args[0]
+    if not (_call(mean, aten.mean.dim, 3) and list(mean.args[1]) == [-1] and mean.args[2] is True):
+        return None
+    square = mean.args[0]
+    if not (_call(square, aten.pow.Tensor_Scalar, 2) and square.args == (hf, 2)):
+        return None
+    if not (_call(hf, aten.to.dtype, 2) and hf.args[1] == torch.float32):
+        return None
+    return hf.args[0], weight, add.args[1], norm_dtype
+
+
+def _dtype(node) -> "torch.dtype | None":
+    val = node.meta.get("val") if isinstance(node, Node) else None
+    return getattr(val, "dtype", None)
+
+
+def _erase_unused_chain(graph: Graph, node: Node, keep: Node) -> None:
+    """Erase ``node`` and then each of its inputs that nothing else reads (up to ``keep``)."""
+    pending = [node]
+    while pending:
+        current = pending.pop()
+        if current is keep or current.op != "call_function":
+            continue
+        for user in list(current.users):  # torch.export's dtype checks of the casts: they go with them
+            if user.target == aten._assert_tensor_metadata.default and not user.users:
+                graph.erase_node(user)
+        if current.users:
+            continue
+        inputs = [a for a in current.all_input_nodes]
+        graph.erase_node(current)
+        pending.extend(inputs)
+
+
+def _norm_quantizer_twin(h, weight, eps, norm_dtype, out_dtype, smooth_inv, act_scale):
+    from qcompiler.kernels.norm_quant import rmsnorm_quantize_reference
+
+    return rmsnorm_quantize_reference(h, weight, eps, norm_dtype, out_dtype, smooth_inv, act_scale)
 
 
 def share_activation_quantizers(
@@ -50,15 +113,35 @@ def share_activation_quantizers(
                 groups[(a.x, a.act_scale, a.smooth_inv)].append(node)
     done = {}
     for (x, act_scale, smooth_inv), nodes in groups.items():
-        if len(nodes) < 2:
+        norm = rms_norm_parts(x)
+        fused = (
+            norm is not None
+            and set(x.users) == set(nodes)
+            and _dtype(x) is not None
+            and _dtype(x) == _dtype(norm[0])
+            and _dtype(x) in (torch.float32, torch.float16, torch.bfloat16)
+        )
+        if len(nodes) < 2 and not fused:
             continue
         names = [layer_of(n) for n in nodes]
         with graph.inserting_before(nodes[0]):
-            quantizer = guard("quantize_rows", ", ".join(names), kernels.quantize_rows, _quantizer_twin)
-            quantized = graph.call_function(quantizer, (x, smooth_inv, act_scale))
+            if fused:
+                h, weight, eps, norm_dtype = norm
+                quantizer = guard(
+                    "rmsnorm_quantize", ", ".join(names), kernels.rmsnorm_quantize_rows, _norm_quantizer_twin
+                )
+                args = (h, weight, eps, norm_dtype, _dtype(x), smooth_inv, act_scale)
+                quantized = graph.call_function(quantizer, args)
+            else:
+                quantizer = guard("quantize_rows", ", ".join(names), kernels.quantize_rows, _quantizer_twin)
+                quantized = graph.call_function(quantizer, (x, smooth_inv, act_scale))
         for node, name in zip(nodes, names):
             a = args_of(node)
             node.target = guard("int8_gemm", name, kernel_gemm, _gemm_twin)
-            node.args, node.kwargs = (a.x, quantized, a.weight, a.weight_scale, a.bias), {}
-            done[name] = f"int8_gemm (activations quantized once for {len(nodes)} linears)"
+            # the GEMM reads x only for its shape and dtype: the norm's input has both
+            node.args, node.kwargs = (norm[0] if fused else a.x, quantized, a.weight, a.weight_scale, a.bias), {}
+            how = "in its RMSNorm" if fused else "once"
+            done[name] = f"int8_gemm (activations quantized {how} for {len(nodes)} linear{'s' * (len(nodes) > 1)})"
+        if fused:
+            _erase_unused_chain(graph, x, keep=norm[0])
     return done

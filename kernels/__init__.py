@@ -15,6 +15,7 @@ from qcompiler.kernels.gptq_gemm import gptq_experts_linear, gptq_linear
 from qcompiler.kernels.hadamard import hadamard
 from qcompiler.kernels.int8_gemm import int8_linear
 from qcompiler.kernels.layout_linear import layout_experts_linear, layout_linear
+from qcompiler.kernels.norm_quant import rmsnorm_quantize_rows
 from qcompiler.kernels.spqr_gemm import spqr_dense_linear, spqr_experts_linear
 from qcompiler.kernels.tuning import INTERPRET, UnsupportedKernel, runtime_problem
 
@@ -23,6 +24,7 @@ __all__ = [
     "UnsupportedKernel",
     "runtime_problem",
     "quantize_rows",
+    "rmsnorm_quantize_rows",
     "int8_linear",
     "layout_linear",
     "layout_experts_linear",

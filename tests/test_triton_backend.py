@@ -105,15 +105,35 @@ def test_gpu_decode_benchmark_runs_and_its_engines_agree(tmp_path):
     assert rows["triton fp16, dynamic cache"]["tokens"] == rows["triton fp16"]["tokens"]
 
 
-def test_w8a8_siblings_quantize_their_shared_input_once():
-    """q/k/v and gate/up read one tensor: one activation quantizer each, outputs still eager's exactly."""
+def test_w8a8_siblings_quantize_their_shared_input_once_inside_their_rms_norm():
+    """q/k/v and gate/up read one RMSNorm's output: one fused norm + quantizer launch each, the norm's
+    own ops gone from the graph (the final norm, read by the fp head, stays); outputs equal eager's."""
     model, inputs = make_model("llama"), example_inputs("llama")
     cm = qc.compile(model, inputs, recipe="w8a8", progress=False)
     runner = prepare_triton(cm.graph_module)
-    quantizers = [n for n in runner.graph.nodes if getattr(n.target, "__name__", "") == "triton_quantize_rows"]
-    linears = [v for v in runner.record.layers.values() if v["kernel"].startswith("int8_gemm")]
-    shared = [v for v in linears if "quantized once for" in v["kernel"]]
-    blocks = len({k.split(".self_attn")[0].split(".mlp")[0] for k in runner.record.layers})
-    assert len(quantizers) == 2 * blocks and len(shared) == 5 * blocks  # (q, k, v) and (gate, up) per block
+    names = [getattr(n.target, "__name__", "") for n in runner.graph.nodes]
+    layers = runner.record.layers
+    blocks = len({k.split(".self_attn")[0].split(".mlp")[0] for k in layers})
+    assert names.count("triton_rmsnorm_quantize") == 2 * blocks and "triton_quantize_rows" not in names
+    fused = [k for k, v in layers.items() if "quantized in its RMSNorm" in v["kernel"]]
+    assert len(fused) == 5 * blocks  # (q, k, v) and (gate, up) per block; o_proj and down_proj read no norm
+    rsqrt = [n for n in runner.graph.nodes if n.target == torch.ops.aten.rsqrt.default]
+    assert len(rsqrt) == 1  # the final norm's
+    with torch.no_grad():  # the norm's sum of squares adds in another order: rounding-level differences
+        assert _gap(main_output(runner(**inputs)), main_output(cm(**inputs))) < TOLERANCE
+
+
+def test_w8a8_siblings_without_an_rms_norm_share_one_plain_quantizer():
+    """OPT's LayerNorm is not fused: q/k/v sharing its output share one plain quantizer launch
+    (bit-identical to eager: the quantizer kernel is exact)."""
+    model, inputs = make_model("opt"), example_inputs("opt")
+    cm = qc.compile(model, inputs, recipe="w8a8", progress=False)
+    runner = prepare_triton(cm.graph_module)
+    names = [getattr(n.target, "__name__", "") for n in runner.graph.nodes]
+    assert "triton_rmsnorm_quantize" not in names and "triton_quantize_rows" in names
     with torch.no_grad():
         torch.testing.assert_close(main_output(runner(**inputs)), main_output(cm(**inputs)), rtol=0, atol=0)
+
+
+def _gap(got, want) -> float:
+    return ((got - want).abs().max() / want.abs().max()).item()

@@ -166,3 +166,28 @@ def test_kernel_benchmark_runs_and_checks_correctness(tmp_path):
     labels = ["w4a16-g128", "w4a16-g128-stored-layout", "w4a16-g128-act", "w3a16-g128", "w8a8", "spqr-w3g16-1%"]
     assert [r["M"] for r in rows] == [1, 32]
     assert all(r[label]["max_rel_err_vs_reference"] < 1e-2 for r in rows for label in labels)  # fp16 activations
+
+
+@pytest.mark.parametrize(
+    "dtype", [torch.float32, torch.float16] + ([torch.bfloat16] if torch.cuda.is_available() else [])
+)
+@pytest.mark.parametrize("variant", ["dynamic", "smooth", "static"])
+def test_rmsnorm_quantizer_equals_the_graphs_norm_then_the_quantizer(dtype, variant, kernel_device):
+    """The fused RMSNorm + int8 quantizer against the captured norm's ops and ``int8_linear``'s
+    quantizer in plain torch: only the sum of squares adds in another order, so a code may move by
+    one at a rounding boundary (bound: 0.5 % of codes; measured under the interpreter: none). bf16
+    only on a GPU: the interpreter rounds bf16 casts its own way."""
+    from qcompiler.kernels.norm_quant import rmsnorm_quantize_reference
+
+    g = torch.Generator().manual_seed(3)
+    h = (torch.randn(7, 300, generator=g) * 3).to(dtype)
+    w = (torch.rand(300, generator=g) + 0.5).to(dtype)
+    smooth = torch.rand(300, generator=g) + 0.5 if variant == "smooth" else None
+    static = torch.tensor([0.05]) if variant == "static" else None
+    args = (1e-6, dtype, dtype)
+    want_q, want_s = rmsnorm_quantize_reference(h, w, *args, smooth, static)
+    on = [t.to(kernel_device) if t is not None else None for t in (h, w, smooth, static)]
+    got_q, got_s = kernels.rmsnorm_quantize_rows(on[0], on[1], *args, on[2], on[3])
+    moved = (got_q.cpu().int() - want_q.reshape(got_q.shape).int()).abs()
+    assert int(moved.max()) <= 1 and float((moved > 0).float().mean()) <= 0.005
+    torch.testing.assert_close(got_s.cpu().reshape(-1), want_s.reshape(-1), rtol=1e-6, atol=0)
