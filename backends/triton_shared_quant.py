@@ -18,6 +18,7 @@ from typing import Callable
 import torch
 from torch.fx import Graph, Node
 
+from qcompiler.ir.graph import rms_norm_parts
 from qcompiler.ir.op_registry import args_of
 from qcompiler.ir.ops import int8_linear_quantized, quantize_activations
 
@@ -37,35 +38,6 @@ def _gemm_twin(x, quantized, weight, weight_scale, bias):
     rows = (xq.reshape(-1, xq.shape[-1]), sx if sx.dim() == 1 else sx.reshape(-1, 1))
     y = int8_linear_quantized(x.reshape(-1, x.shape[-1]), rows, weight, weight_scale, bias)
     return y.reshape(*x.shape[:-1], weight.shape[0])
-
-
-def _call(node, target, n_args: int) -> bool:
-    return isinstance(node, Node) and node.op == "call_function" and node.target == target and len(node.args) == n_args
-
-
-def rms_norm_parts(x: Node):
-    """``(h, weight node, eps, norm dtype)`` when ``x`` is exactly the captured RMSNorm
-    ``weight · (to_f32(h) · rsqrt(mean(to_f32(h)², [-1], keepdim) + eps)).to(dtype)``, else None."""
-    if not _call(x, aten.mul.Tensor, 2):
-        return None
-    weight, cast = x.args
-    if not (isinstance(weight, Node) and weight.op == "get_attr" and _call(cast, aten.to.dtype, 2)):
-        return None
-    scaled, norm_dtype = cast.args
-    if not (_call(scaled, aten.mul.Tensor, 2) and _call(scaled.args[1], aten.rsqrt.default, 1)):
-        return None
-    hf, add = scaled.args[0], scaled.args[1].args[0]
-    if not (_call(add, aten.add.Tensor, 2) and isinstance(add.args[1], float)):
-        return None
-    mean = add.args[0]
-    if not (_call(mean, aten.mean.dim, 3) and list(mean.args[1]) == [-1] and mean.args[2] is True):
-        return None
-    square = mean.args[0]
-    if not (_call(square, aten.pow.Tensor_Scalar, 2) and square.args == (hf, 2)):
-        return None
-    if not (_call(hf, aten.to.dtype, 2) and hf.args[1] == torch.float32):
-        return None
-    return hf.args[0], weight, add.args[1], norm_dtype
 
 
 def _dtype(node) -> "torch.dtype | None":

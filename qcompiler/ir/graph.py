@@ -26,6 +26,7 @@ __all__ = [
     "find_linears",
     "source_of",
     "find_producing_norm",
+    "rms_norm_parts",
     "find_siblings",
     "producer_groups",
     "ProducerGroup",
@@ -229,6 +230,35 @@ def find_producing_norm(node_or_layer) -> Optional[NormInfo]:
             if _is_attr(weight) and isinstance(core, Node) and _rms_core(core):
                 return NormInfo("rms_norm", src, weight, None, module_path(src))
     return None
+
+
+def _is_call(node, target, n_args: int) -> bool:
+    return isinstance(node, Node) and node.op == "call_function" and node.target == target and len(node.args) == n_args
+
+
+def rms_norm_parts(x: Node):
+    """``(h, weight node, eps, norm dtype)`` when ``x`` is exactly the captured RMSNorm
+    ``weight · (to_f32(h) · rsqrt(mean(to_f32(h)², [-1], keepdim) + eps)).to(dtype)``, else None."""
+    if not _is_call(x, aten.mul.Tensor, 2):
+        return None
+    weight, cast = x.args
+    if not (isinstance(weight, Node) and weight.op == "get_attr" and _is_call(cast, aten.to.dtype, 2)):
+        return None
+    scaled, norm_dtype = cast.args
+    if not (_is_call(scaled, aten.mul.Tensor, 2) and _is_call(scaled.args[1], aten.rsqrt.default, 1)):
+        return None
+    hf, add = scaled.args[0], scaled.args[1].args[0]
+    if not (_is_call(add, aten.add.Tensor, 2) and isinstance(add.args[1], float)):
+        return None
+    mean = add.args[0]
+    if not (_is_call(mean, aten.mean.dim, 3) and list(mean.args[1]) == [-1] and mean.args[2] is True):
+        return None
+    square = mean.args[0]
+    if not (_is_call(square, aten.pow.Tensor_Scalar, 2) and square.args == (hf, 2)):
+        return None
+    if not (_is_call(hf, aten.to.dtype, 2) and hf.args[1] == torch.float32):
+        return None
+    return hf.args[0], weight, add.args[1], norm_dtype
 
 
 def find_siblings(layers: Iterable[LinearLayer], layer: LinearLayer) -> list[LinearLayer]:
