@@ -207,6 +207,7 @@ def test_static_cache_generates_the_dynamic_cache_tokens(llama):
         fp.generate(ids, 2, cache="paged")
 
 
+@pytest.mark.slow  # the static cache's tokens: test_static_cache_generates_the_dynamic_cache_tokens
 def test_static_cache_stops_at_a_sliding_window():
     """Within the window a sliding-window model decodes on the static cache as on the dynamic one;
     past it the static cache would keep what the window drops: refused by name."""

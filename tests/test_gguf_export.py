@@ -237,6 +237,7 @@ def test_tokenizers_llama_cpp_would_read_differently_are_refused(files, message)
         embed_tokenizer(writer, files, {"vocab_size": 300})
 
 
+@pytest.mark.slow  # llama.cpp running Phi-3 is in the default run (test_llama_cpp_runs_our_gguf.py)
 def test_phi3_keeps_its_fused_layers_and_says_llama_cpp_ignores_the_sliding_window(tmp_path):
     """Phi-3's qkv_proj / gate_up_proj are llama.cpp's attn_qkv / ffn_up as they are (llama.cpp runs
     them: tests/test_llama_cpp_runs_our_gguf.py); a sliding window is written and the export says

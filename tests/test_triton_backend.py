@@ -13,6 +13,10 @@ from qcompiler.models import load
 
 # fp32 activations: kernels and references differ only in summation order.
 TOLERANCE = 1e-4  # max |triton − eager| / max |eager|
+# W8A8 with the RMSNorm fused into its quantizer: the norm's sum of squares adds in another order, so
+# scales move by ~1e-7 and, downstream, an int8 code can cross a rounding boundary — W8A8 is
+# discontinuous, so the outputs part by more than rounding (tinylm 2x16 tokens: 8.5e-3) while the
+# quantized model stays exactly as good: its error against the FP model must equal eager's within 2 %.
 RECIPES = ["w8a8-smoothquant", "gptq-w4g128", "gptq-w3g128", "spqr-w3g16"]
 
 
@@ -21,12 +25,15 @@ def tinylm():
     return load("tinylm")
 
 
+def _on_triton(cm, runner):
+    return qc.CompiledModel(cm.graph_module, cm.recipe, cm.report, "triton", runner, cm.example_inputs)
+
+
 def _relative_gap(cm, runner, inputs):
-    on_triton = qc.CompiledModel(cm.graph_module, cm.recipe, cm.report, "triton", runner, cm.example_inputs)
     with torch.no_grad():
         expected = main_output(cm(**inputs))
-        got = main_output(on_triton(**inputs))  # called like the model (a causal LM's cache graph too)
-    return ((got - expected).abs().max() / expected.abs().max()).item()
+        got = main_output(_on_triton(cm, runner)(**inputs))  # called like the model (a causal LM's cache graph too)
+    return _gap(got, expected)
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
@@ -41,12 +48,18 @@ def test_triton_backend_matches_eager_on_bundled_models(model_name, recipe, tiny
     assert kernels and not any(k.startswith("reference") for k in kernels) and not runner.record.notes
     prefix, count = ("model.layers.", 28) if model_name == "tinylm" else ("encoder.layer.", 36)
     assert len(runner.record.layers) == count and all(k.startswith(prefix) for k in runner.record.layers)
-    one_row = loaded.example_inputs(batch=1, seq=1)  # one row: the GEMV (SpQR's outliers fused in)
-    assert _relative_gap(cm, runner, one_row) < TOLERANCE
-    decode = loaded.example_inputs(batch=1, seq=8)  # 8 rows: the split-K decode kernels
-    assert _relative_gap(cm, runner, decode) < TOLERANCE
-    if model_name == "tinylm":  # 32 rows: the prefill kernels
-        assert _relative_gap(cm, runner, loaded.example_inputs()) < TOLERANCE
+    fused_norm = any("in its RMSNorm" in k for k in kernels)  # tinylm's W8A8 (MiniLM has LayerNorms)
+    sizes = [(1, 1), (1, 8)] + ([(2, 16)] if model_name == "tinylm" else [])  # GEMV, split-K, prefill
+    for batch, seq in sizes:
+        inputs = loaded.example_inputs(batch=batch, seq=seq)
+        if not fused_norm:
+            assert _relative_gap(cm, runner, inputs) < TOLERANCE
+            continue
+        with torch.no_grad():
+            fp = main_output(loaded.model(**inputs))
+        err_eager = _gap(main_output(cm(**inputs)), fp)
+        err_triton = _gap(main_output(_on_triton(cm, runner)(**inputs)), fp)
+        assert abs(err_triton - err_eager) <= 0.02 * err_eager, (batch, seq, err_triton, err_eager)
 
 
 def test_compile_with_triton_backend_reports_its_plan_and_gives_the_eager_outputs(tinylm):
@@ -119,8 +132,9 @@ def test_w8a8_siblings_quantize_their_shared_input_once_inside_their_rms_norm():
     assert len(fused) == 5 * blocks  # (q, k, v) and (gate, up) per block; o_proj and down_proj read no norm
     rsqrt = [n for n in runner.graph.nodes if n.target == torch.ops.aten.rsqrt.default]
     assert len(rsqrt) == 1  # the final norm's
-    with torch.no_grad():  # the norm's sum of squares adds in another order: rounding-level differences
-        assert _gap(main_output(runner(**inputs)), main_output(cm(**inputs))) < TOLERANCE
+    with torch.no_grad():  # W8A8_NORM note above: as good as eager against the FP model
+        fp, eager, fused = (main_output(f(**inputs)) for f in (model, cm, runner))
+    assert abs(_gap(fused, fp) - _gap(eager, fp)) <= 0.02 * _gap(eager, fp)
 
 
 def test_w8a8_siblings_without_an_rms_norm_share_one_plain_quantizer():
