@@ -117,6 +117,7 @@ def test_finished_blocks_wait_on_disk_and_the_spill_is_removed(folder, tmp_path,
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.slow  # 17 s; the dense form of the property runs by default (test_weights_alive_stay_near_one_block)
 def test_streamed_experts_leave_memory_once_their_block_is_done(tmp_path, monkeypatch):
     """A streamed MoE model's dequantized expert weights become placeholders once the next block
     has run, and their packed tensors wait on disk: the expert bytes the graph holds stay at one
