@@ -38,7 +38,7 @@ def layout_linear(
 
 
 def layout_experts_linear(
-    x: torch.Tensor, offsets: torch.Tensor, layout: KernelLayout, outliers: Optional[list[Outliers]] = None
+    x: torch.Tensor, offsets: torch.Tensor, layout: KernelLayout, outliers: Optional[Outliers] = None
 ) -> torch.Tensor:
     """The experts ops on stacked layouts: one launch per expert that received rows (rows sorted by
     expert, ``offsets`` cumulative)."""
@@ -46,5 +46,5 @@ def layout_experts_linear(
         x,
         offsets,
         layout.out_features,
-        lambda rows, e: layout_linear(rows, layout.expert(e), None, None if outliers is None else outliers[e]),
+        lambda rows, e: layout_linear(rows, layout.expert(e), None, None if outliers is None else outliers.expert(e)),
     )

@@ -258,6 +258,20 @@ def test_spqr_expert_without_calibration_tokens_uses_an_identity_hessian(mixtral
         assert f"{path}: received no calibration tokens, quantized with SpQR on an identity Hessian" in notes
 
 
+@pytest.mark.slow  # the default run is at its time budget; CI's slow run has it
+def test_spqr_experts_run_on_the_triton_backend_with_the_eager_outputs(mixtral_spqr):
+    """Stacked expert layouts with each expert's outliers (its row of the shared CSR): one row through
+    the GEMV with the outliers fused, five through the GEMM + CSR kernel."""
+    on_triton = mixtral_spqr.with_backend("triton")
+    kernels = {v["kernel"] for v in on_triton.report.passes[-1].layers.values()}
+    assert "layout_gemv/gemm per expert + outliers" in kernels
+    for ids in (prompt(1, 1), prompt(1, 5)):
+        with torch.no_grad():
+            torch.testing.assert_close(
+                on_triton(input_ids=ids).logits, mixtral_spqr(input_ids=ids).logits, rtol=1e-4, atol=1e-4
+            )
+
+
 @pytest.mark.slow
 def test_spqr_experts_run_in_onnxruntime_with_the_eager_tokens(mixtral_spqr):
     ids = prompt(batch=2)
