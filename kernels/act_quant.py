@@ -24,6 +24,22 @@ def _round_half_even(v):
 
 
 @triton.jit
+def row_scale(amax):
+    """A row's int8 scale from its running maxima ``[BLOCK_K]``: ``max / 127`` correctly rounded, ≥ 1e-8."""
+    return tl.maximum(tl.math.div_rn(tl.max(amax, axis=0), 127.0), 1e-8)
+
+
+@triton.jit
+def int8_codes(v, scale):
+    """``clamp(round_half_even(v / scale), ±127)`` with a correctly rounded division, as ``torch.round`` does."""
+    return tl.minimum(tl.maximum(_round_half_even(tl.math.div_rn(v, scale)), -127.0), 127.0).to(tl.int8)
+
+
+# one program per row, a K tile per step; shared by every row quantizer
+ROW_CONFIGS = [triton.Config({"BLOCK_K": bk}, num_warps=w) for bk, w in ((512, 4), (1024, 4), (2048, 8))]
+
+
+@triton.jit
 def _quantize_rows_kernel(
     x_ptr,
     smooth_ptr,
@@ -48,20 +64,19 @@ def _quantize_rows_kernel(
             if HAS_SMOOTH:
                 v = v * tl.load(smooth_ptr + rk, mask=rk < K, other=0.0).to(tl.float32)
             amax = tl.maximum(amax, tl.abs(v))
-        scale = tl.maximum(tl.math.div_rn(tl.max(amax, axis=0), 127.0), 1e-8)
+        scale = row_scale(amax)
         tl.store(scale_ptr + row, scale)
     for k0 in range(0, K, BLOCK_K):
         rk = k0 + tl.arange(0, BLOCK_K)
         v = tl.load(x_row + rk, mask=rk < K, other=0.0).to(tl.float32)
         if HAS_SMOOTH:
             v = v * tl.load(smooth_ptr + rk, mask=rk < K, other=0.0).to(tl.float32)
-        q = tl.minimum(tl.maximum(_round_half_even(tl.math.div_rn(v, scale)), -127.0), 127.0)
-        tl.store(q_ptr + row * K + rk, q.to(tl.int8), mask=rk < K)
+        tl.store(q_ptr + row * K + rk, int8_codes(v, scale), mask=rk < K)
 
 
 _QUANT = Tunable(
     _quantize_rows_kernel,
-    [triton.Config({"BLOCK_K": bk}, num_warps=w) for bk, w in ((512, 4), (1024, 4), (2048, 8))],
+    ROW_CONFIGS,
     key=["K"],
     interpret_config={"BLOCK_K": 256},
 )

@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from qcompiler.kernels.act_quant import _round_half_even
+from qcompiler.kernels.act_quant import ROW_CONFIGS, int8_codes, row_scale
 from qcompiler.kernels.tuning import Tunable, check_activation
 
 __all__ = ["rmsnorm_quantize_rows", "TL_DTYPES"]
@@ -69,18 +69,17 @@ def _rmsnorm_quantize_kernel(
         for k0 in range(0, K, BLOCK_K):
             rk = k0 + tl.arange(0, BLOCK_K)
             amax = tl.maximum(amax, tl.abs(_normalized(h_row, w_ptr, smooth_ptr, rk, K, r, NORM, OUT, HAS_SMOOTH)))
-        scale = tl.maximum(tl.math.div_rn(tl.max(amax, axis=0), 127.0), 1e-8)
+        scale = row_scale(amax)
         tl.store(scale_ptr + row, scale)
     for k0 in range(0, K, BLOCK_K):
         rk = k0 + tl.arange(0, BLOCK_K)
         v = _normalized(h_row, w_ptr, smooth_ptr, rk, K, r, NORM, OUT, HAS_SMOOTH)
-        q = tl.minimum(tl.maximum(_round_half_even(tl.math.div_rn(v, scale)), -127.0), 127.0)
-        tl.store(q_ptr + row * K + rk, q.to(tl.int8), mask=rk < K)
+        tl.store(q_ptr + row * K + rk, int8_codes(v, scale), mask=rk < K)
 
 
 _NORM_QUANT = Tunable(
     _rmsnorm_quantize_kernel,
-    [triton.Config({"BLOCK_K": bk}, num_warps=w) for bk, w in ((512, 4), (1024, 4), (2048, 8))],
+    ROW_CONFIGS,
     key=["K"],
     interpret_config={"BLOCK_K": 256},
 )
