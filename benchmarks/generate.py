@@ -35,6 +35,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from decode_clock import HFEngine, rate  # noqa: E402
 from quality import write_atomically  # noqa: E402
 
 import qcompiler as qc  # noqa: E402
@@ -62,33 +63,6 @@ def llama_05b():
     ids = torch.randint(0, 32000, (1, 16))
     calib = [{"input_ids": torch.randint(0, 32000, (2, 64), generator=torch.Generator().manual_seed(1))}]
     return model, ids, calib, "rtn-w4g128"
-
-
-def _rate(stamps: list[float]) -> float:
-    """Decode tokens/s from the time each new token appeared (the first one ends the prefill)."""
-    return (len(stamps) - 1) / (stamps[-1] - stamps[0])
-
-
-class HFEngine:
-    """transformers ``generate``; a streamer stamps each token as it is produced."""
-
-    def __init__(self, model):
-        self.model = model
-
-    def decode_rate(self, ids, new) -> float:
-        from transformers.generation.streamers import BaseStreamer
-
-        stamps = []
-
-        class Clock(BaseStreamer):
-            def put(self, value):
-                stamps.append(time.perf_counter())
-
-            def end(self):
-                pass
-
-        self.model.generate(ids, max_new_tokens=new, min_new_tokens=new, do_sample=False, streamer=Clock())
-        return _rate(stamps[1:])  # the first put() is the prompt
 
 
 class QCEngine:
@@ -121,7 +95,7 @@ class GenaiEngine:
         for _ in range(new):
             generator.generate_next_token()
             stamps.append(time.perf_counter())
-        return _rate(stamps)
+        return rate(stamps)
 
 
 def builder_int4(model, workdir: Path, group_size: int = 128) -> Path:

@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from decode_clock import HFEngine  # noqa: E402
 from results_file import write_rows  # noqa: E402
 
 RECIPES = ["none", "rtn-w4g128", "w8a8", "rtn-w3g128", "spqr-w3g16"]  # most wanted first: a budget cuts the tail
@@ -53,44 +54,15 @@ def llama(smoke: bool):
     return LlamaForCausalLM(config).half().eval()
 
 
-def rate(stamps: list[float]) -> float:
-    """Decode tokens/s from the time each new token appeared (the first one ends the prefill)."""
-    return (len(stamps) - 1) / (stamps[-1] - stamps[0])
-
-
 class QCEngine:
     def __init__(self, cm, cache: str):
         self.cm, self.cache = cm, cache
 
     def run(self, ids, new):
-        stamps, tokens = [], []
-        for token in self.cm.stream(ids, new, eos_token_id=-1, cache=self.cache):
-            tokens.append(int(token[0]))
-            stamps.append(time.perf_counter())
-        return rate(stamps), tokens
+        from qcompiler.generation import timed_generation  # after --smoke chose the interpreter
 
-
-class HFEngine:
-    def __init__(self, model):
-        self.model = model
-
-    def run(self, ids, new):
-        from transformers.generation.streamers import BaseStreamer
-
-        stamps = []
-
-        class Clock(BaseStreamer):
-            def put(self, value):
-                stamps.append(time.perf_counter())
-
-            def end(self):
-                pass
-
-        device = next(self.model.parameters()).device
-        out = self.model.generate(
-            ids.to(device), max_new_tokens=new, min_new_tokens=new, do_sample=False, streamer=Clock()
-        )
-        return rate(stamps[1:]), out[0, ids.shape[1] :].tolist()  # the first put() is the prompt
+        done = timed_generation(self.cm, ids, new, eos_token_id=-1, cache=self.cache)
+        return done["decode_tokens_per_second"], done["tokens"][0].tolist()
 
 
 def build(model, example, smoke: bool, budget_s: float, started: float):
