@@ -75,10 +75,12 @@ def _calls(statics: dict, experts: bool) -> tuple[Callable, Callable]:
     if not experts:
 
         def linear_kernel(x, tensors, bias, sparse):
-            return layout_linear(x, *_with_bias(unpack(tensors, sparse), bias))
+            layout, outliers = unpack(tensors, sparse)
+            return layout_linear(x, layout, bias, outliers)
 
         def linear_twin(x, tensors, bias, sparse):
-            return kl.layout_linear_reference(x, *_with_bias(unpack(tensors, sparse), bias))
+            layout, outliers = unpack(tensors, sparse)
+            return kl.layout_linear_reference(x, layout, bias, outliers)
 
         return linear_kernel, linear_twin
 
@@ -98,11 +100,6 @@ def _calls(statics: dict, experts: bool) -> tuple[Callable, Callable]:
         )
 
     return kernel, twin
-
-
-def _with_bias(layout_and_outliers, bias):
-    layout, outliers = layout_and_outliers
-    return layout, bias, outliers
 
 
 def repack_node(runner: GraphModule, node: Node, sparse_node: Optional[Node] = None):
