@@ -8,6 +8,7 @@ from qcompiler.passes.lower_int8 import LowerInt8
 from qcompiler.passes.mixed_precision import MixedPrecision
 from qcompiler.passes.rotate import Rotate
 from qcompiler.passes.rtn import RTN
+from qcompiler.passes.signround import SignRound
 from qcompiler.passes.smoothquant import SmoothQuant
 from qcompiler.passes.spqr import SpQR
 
@@ -22,4 +23,5 @@ __all__ = [
     "AutoBits",
     "AWQ",
     "Rotate",
+    "SignRound",
 ]

@@ -25,6 +25,7 @@ __all__ = [
     "Grid",
     "fit_grid",
     "search_grid",
+    "search_shrinks",
     "fit",
     "quantize",
     "dequantize_codes",
@@ -106,6 +107,22 @@ def search_grid(
         best = Grid(torch.where(better, grid.scale, best.scale), torch.where(better, grid.zero, best.zero))
         best_err = torch.where(better, err, best_err)
     return best
+
+
+def search_shrinks(
+    w: torch.Tensor, bits: int, sym: bool, importance: Optional[torch.Tensor] = None, shrinks=CLIP_SHRINKS
+) -> torch.Tensor:
+    """Per row, the factor of ``shrinks`` whose grid ``fit_grid(w · p)`` rounds ``w`` with the least
+    error (``search_grid``'s criterion, without its flipped symmetric candidates): ``p`` [rows], a
+    starting clipping for methods that tune it further (SignRound)."""
+    lo, hi = w.amin(dim=1, keepdim=True), w.amax(dim=1, keepdim=True)
+    best_p = torch.full_like(lo, float(shrinks[0]))
+    best_err = _row_error(w, _grid_for_range(lo * shrinks[0], hi * shrinks[0], bits, sym), bits, importance)
+    for p in shrinks[1:]:
+        err = _row_error(w, _grid_for_range(lo * p, hi * p, bits, sym), bits, importance)
+        best_p = torch.where(err < best_err, torch.full_like(best_p, float(p)), best_p)
+        best_err = torch.minimum(err, best_err)
+    return best_p.squeeze(1)
 
 
 def fit(w: torch.Tensor, bits: int, sym: bool, kind: str = "minmax", importance=None) -> Grid:

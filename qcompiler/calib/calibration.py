@@ -415,6 +415,49 @@ class CalibrationEngine:
             self._interp.env = env = {}
         self.work.forward_s += time.perf_counter() - began
 
+    @property
+    def batch_count(self) -> int:
+        """How many calibration batches this rank holds."""
+        return len(self._states)
+
+    def block_outputs(self, seg: Segment) -> list[Node]:
+        """The values ``seg`` computes that later nodes read (the residual stream, a block's extra
+        outputs): what a block-output loss compares."""
+        return [n for n in self._live_after(seg.end) if seg.start <= self._index[n] < seg.end]
+
+    def block_inputs(self, batch: int) -> tuple[dict, Optional[torch.Tensor]]:
+        """Calibration batch ``batch`` as the current block reads it (the values live at its start,
+        on the cache device) and its flattened attention mask (None without one)."""
+        return self._states[batch], self._masks[batch]
+
+    def run_block(
+        self,
+        seg: Segment,
+        state: dict,
+        replace: dict[Node, torch.Tensor],
+        outputs: list[Node],
+        *,
+        next_state: bool = False,
+    ) -> tuple[list, Optional[dict]]:
+        """``seg`` on one batch's ``state`` (``block_inputs``, or a state this returned), with the
+        ``get_attr`` values in ``replace`` (weights under trial: autograd flows through them),
+        caching nothing: the values of ``outputs``, and with ``next_state`` the state the next
+        block reads (on the cache device) — how a caller keeps a second stream of activations
+        (e.g. the full-precision model's) beside the engine's."""
+        if self.position != seg.start:
+            raise RuntimeError(f"engine is at node {self.position}, not at the start of block {seg.name}")
+        attrs = {n: self._to(get_tensor(self.gm, n.target), self.device) for n in self.weights_read(seg.start, seg.end)}
+        env = {**attrs, **replace, **self._to(state, self.device)}
+        self._interp.env = env
+        try:
+            for node in self.nodes[seg.start : seg.end]:
+                if node.op not in ("placeholder", "get_attr", "output"):
+                    env[node] = self._interp.run_node(node)
+            after = self._to({n: env[n] for n in self._live_after(seg.end)}, self.cache_device) if next_state else None
+            return [env[n] for n in outputs], after
+        finally:
+            self._interp.env = {}
+
     def _last_uses(self, start: int, end: int) -> dict[Node, list[Node]]:
         """For each node of ``start:end``, the values computed in that range whose last reader it is:
         freed once it ran, so a batch holds its live activations, not every intermediate of the

@@ -123,6 +123,19 @@ def _register_builtins() -> None:
             f"other linears), then GPTQ W{bits}A16 g128 (its defaults)",
             (lambda bits=bits: [P.Rotate(), P.GPTQ(bits=bits, group_size=128)]),
         )
+    for bits in (4, 3, 2):
+        register_recipe(
+            f"signround-w{bits}g128",
+            f"SignRound W{bits}A16 g128: rounding and clipping tuned per block against the block's output error "
+            "(200 signed-gradient steps, searched starting grid), stored like GPTQ",
+            (lambda bits=bits: [P.SignRound(bits=bits, group_size=128)]),
+        )
+    for bits in (4, 3):
+        register_recipe(
+            f"rotate-signround-w{bits}g128",
+            f"randomized Hadamard rotations, then SignRound W{bits}A16 g128",
+            (lambda bits=bits: [P.Rotate(), P.SignRound(bits=bits, group_size=128)]),
+        )
     register_recipe(
         "rotate-rtn-w4g128",
         "randomized Hadamard rotations, then round-to-nearest W4A16 g128",
