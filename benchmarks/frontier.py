@@ -44,6 +44,10 @@ UNIFORM = [
     "rotate-rtn-w4g128",
     "rotate-gptq-w4g128",
     "rotate-gptq-w3g128",
+    "signround-w4g128",
+    "signround-w3g128",
+    "rotate-signround-w4g128",
+    "rotate-signround-w3g128",
     "w8a8-smoothquant",
     "rotate-w8a8",
 ]
@@ -63,7 +67,9 @@ def _family(recipe: str) -> str:
         return "W8A8" + (" (rotated)" if recipe.startswith("rotate") else "")
     if recipe.startswith("rotate-"):
         return "rotate + " + _family(recipe[len("rotate-") :])
-    return {"rtn": "RTN", "awq": "AWQ + RTN", "gptq": "GPTQ (defaults)", "spqr": "SpQR"}[recipe.split("-")[0]]
+    return {"rtn": "RTN", "awq": "AWQ + RTN", "gptq": "GPTQ (defaults)", "spqr": "SpQR", "signround": "SignRound"}[
+        recipe.split("-")[0]
+    ]
 
 
 class GenerationJudge:

@@ -9,15 +9,34 @@ kernels are compiled and autotuned; on CPU they run under ``TRITON_INTERPRET=1``
 package is imported), which is slow but exact enough to prove them correct in CI.
 """
 
-from qcompiler.kernels.act_quant import quantize_rows
-from qcompiler.kernels.csr_spmm import csr_linear
-from qcompiler.kernels.gptq_gemm import gptq_experts_linear, gptq_linear
-from qcompiler.kernels.hadamard import hadamard
-from qcompiler.kernels.int8_gemm import int8_linear
-from qcompiler.kernels.layout_linear import layout_experts_linear, layout_linear
-from qcompiler.kernels.norm_quant import rmsnorm_quantize_rows
-from qcompiler.kernels.spqr_gemm import spqr_dense_linear, spqr_experts_linear
-from qcompiler.kernels.tuning import INTERPRET, UnsupportedKernel, runtime_problem
+if __name__ == "kernels":
+    # Imported as top-level ``kernels``: a checkout's root is first on sys.path (``python -m qcompiler``
+    # or torchrun from a clone), and this folder shadows ``kernels``, the Hugging Face package
+    # transformers imports. Put the installed one in our place (the import system returns what
+    # sys.modules holds once this file ran); stdlib only: qcompiler itself imports transformers.
+    import importlib.machinery
+    import importlib.util
+    import os
+    import sys
+
+    _root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    _elsewhere = [p for p in sys.path if os.path.abspath(p or os.curdir) != _root]
+    _spec = importlib.machinery.PathFinder.find_spec("kernels", _elsewhere)
+    if _spec is None:
+        raise ImportError(f"no module named 'kernels' outside the qcompiler checkout {_root}")
+    _installed = importlib.util.module_from_spec(_spec)
+    sys.modules["kernels"] = _installed
+    _spec.loader.exec_module(_installed)
+else:
+    from qcompiler.kernels.act_quant import quantize_rows
+    from qcompiler.kernels.csr_spmm import csr_linear
+    from qcompiler.kernels.gptq_gemm import gptq_experts_linear, gptq_linear
+    from qcompiler.kernels.hadamard import hadamard
+    from qcompiler.kernels.int8_gemm import int8_linear
+    from qcompiler.kernels.layout_linear import layout_experts_linear, layout_linear
+    from qcompiler.kernels.norm_quant import rmsnorm_quantize_rows
+    from qcompiler.kernels.spqr_gemm import spqr_dense_linear, spqr_experts_linear
+    from qcompiler.kernels.tuning import INTERPRET, UnsupportedKernel, runtime_problem
 
 __all__ = [
     "INTERPRET",

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The one script to run when a CUDA GPU is lent (e.g. through the device tool); about 7.5 minutes
 # on one H200, each step under its own time limit so one slow step cannot eat the others':
-#   1. benchmarks/kernels.py   every kernel the triton backend runs vs fp16 cuBLAS at M = 1, 16, 512
+#   1. benchmarks/kernel_speed.py   every kernel the triton backend runs vs fp16 cuBLAS at M = 1, 16, 512
 #                              (4096x4096, 4096x11008, 11008x4096), GB/s and % of HBM, checked vs
 #                              the plain-torch references;
 #   2. benchmarks/gpu_decode.py decode tokens/s of a 1.1 B LLaMA: transformers fp16, triton fp16,
@@ -21,7 +21,7 @@ nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,memory.used --format=csv 2>/dev
 python3 -c "import qcompiler.passes" 2>/dev/null || \
     python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . || exit 1
 status=0
-timeout 170 python3 benchmarks/kernels.py --out "$OUT/kernels.json" 2>&1 | tee "$OUT/kernels.log" || status=1
+timeout 170 python3 benchmarks/kernel_speed.py --out "$OUT/kernels.json" 2>&1 | tee "$OUT/kernels.log" || status=1
 cp "$OUT/kernels.json" benchmarks/results/kernels.json 2>/dev/null || true
 timeout 160 python3 benchmarks/gpu_decode.py --time-budget 80 --out "$OUT/gpu_decode.json" 2>&1 \
     | tee "$OUT/gpu_decode.log" || status=1

@@ -9,7 +9,7 @@ import torch
 # imported (triton.jit decides at decoration time).
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
-else:  # correctness with one fixed config per kernel (benchmarks/kernels.py checks the autotuned ones)
+else:  # correctness with one fixed config per kernel (benchmarks/kernel_speed.py checks the autotuned ones)
     os.environ.setdefault("QC_TRITON_AUTOTUNE", "0")
 
 # pytest-xdist runs one worker per core (pyproject addopts): each gets its share of the cores,

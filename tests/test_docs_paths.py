@@ -20,7 +20,7 @@ PATH = re.compile(r"(?<![\w./-])((?:%s)[\w./-]*[\w/])" % "|".join(re.escape(r) f
 # Files the docs name that a run writes rather than the repo holds, and why.
 OUTPUTS = {
     "benchmarks/results/quick/": "git-ignored output folder of --quick benchmark runs",
-    "benchmarks/results/kernels.json": "written by benchmarks/kernels.py on a GPU (scripts/gpu_check.sh)",
+    "benchmarks/results/kernels.json": "written by benchmarks/kernel_speed.py on a GPU (scripts/gpu_check.sh)",
 }
 LINK = re.compile(r"\]\(([^)#:\s]+)(?:#[^)]*)?\)")
 

@@ -80,3 +80,35 @@ def test_the_package_is_grouped_into_rooms():
         "generation",
         "version",
     ], top
+
+
+def test_no_script_shadows_an_installed_module():
+    """``python benchmarks/x.py`` puts benchmarks/ first on sys.path: a script named like an installed
+    module (transformers imports the ``kernels`` package) would be imported in its place."""
+    import importlib.util
+    import sys
+
+    for folder in ("benchmarks", "scripts"):
+        for f in (ROOT / folder).glob("*.py"):
+            assert f.stem not in sys.stdlib_module_names, f"{folder}/{f.name} shadows the standard library"
+            assert importlib.util.find_spec(f.stem) is None, f"{folder}/{f.name} shadows the installed {f.stem!r}"
+
+
+def test_the_checkout_root_on_sys_path_does_not_hide_the_installed_kernels_package():
+    """``python -m qcompiler`` from a clone (the README's first line) puts the root first on sys.path,
+    where the ``kernels/`` folder would stand in for the Hugging Face ``kernels`` transformers imports."""
+    import importlib.metadata
+    import subprocess
+    import sys
+
+    try:
+        importlib.metadata.version("kernels")
+    except importlib.metadata.PackageNotFoundError:
+        import pytest
+
+        pytest.skip("the Hugging Face kernels package is not installed")
+    code = "import kernels, qcompiler.kernels as ours; print(kernels.__file__); print(ours.__file__)"
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    theirs, ours = out.stdout.split()
+    assert Path(ours) == ROOT / "kernels" / "__init__.py"
+    assert not Path(theirs).is_relative_to(ROOT), theirs

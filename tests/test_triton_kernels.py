@@ -150,13 +150,13 @@ def test_unsupported_combination_is_named(kernel_device):
 
 
 def test_kernel_benchmark_runs_and_checks_correctness(tmp_path):
-    """benchmarks/kernels.py --smoke: the GPU benchmark's code path on tiny shapes (timings meaningless)."""
+    """benchmarks/kernel_speed.py --smoke: the GPU benchmark's code path on tiny shapes (timings meaningless)."""
     import importlib.util
     import json
     from pathlib import Path
 
     spec = importlib.util.spec_from_file_location(
-        "kernels_bench", Path(__file__).parents[1] / "benchmarks" / "kernels.py"
+        "kernels_bench", Path(__file__).parents[1] / "benchmarks" / "kernel_speed.py"
     )
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)

@@ -1,7 +1,7 @@
 """Triton kernel speed against torch fp16 matmul (cuBLAS), with a correctness check at full size.
 
-    python benchmarks/kernels.py            # on a CUDA GPU: LLM shapes at M = 1, 16, 512
-    python benchmarks/kernels.py --smoke    # tiny shapes (CPU: under TRITON_INTERPRET=1); checks the script, not speed
+    python benchmarks/kernel_speed.py            # on a CUDA GPU: LLM shapes at M = 1, 16, 512
+    python benchmarks/kernel_speed.py --smoke    # tiny shapes (CPU: under TRITON_INTERPRET=1); checks the script, not speed
 
 For each layer shape (in × out) and M it times, with ``triton.testing.do_bench`` (median), fp16
 ``F.linear`` and each kernel the ``triton`` backend runs, on the same fp16 activations: W4A16 g128,
