@@ -107,7 +107,7 @@ def test_every_built_in_pass_declares_its_contract():
     """Each pass class says itself what it requires and provides (not inherited empty defaults),
     and provides at least one graph property the manager can check orders against."""
     built_in = [getattr(qc.passes, name) for name in qc.passes.__all__]
-    assert len(built_in) == 10
+    assert len(built_in) == 11
     for cls in built_in:
         assert issubclass(cls, qc.Pass)
         declared = vars(cls)

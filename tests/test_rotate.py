@@ -27,6 +27,9 @@ def test_hadamard_op_is_the_dense_randomized_hadamard(width):
     torch.testing.assert_close(hadamard(x.float(), signs, b).double(), x @ dense, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(rotation_matrix(signs, b), dense)
     torch.testing.assert_close(dense @ dense.t(), torch.eye(width, dtype=torch.float64))  # orthogonal
+    x.requires_grad_(True)
+    (hadamard(x, signs, b) * dense[0]).sum().backward()  # its gradient: grad · Rᵀ (SignRound tunes through it)
+    torch.testing.assert_close(x.grad, (dense[0].expand(3, 5, width) @ dense.t()), rtol=1e-10, atol=1e-10)
 
 
 def _rel(a, b):

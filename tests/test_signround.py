@@ -118,20 +118,23 @@ def _logit_error(model, cm, arch="llama"):
     return ((main_output(cm(**inputs)) - ref).pow(2).mean() / ref.pow(2).mean()).item()
 
 
-def test_the_pass_lowers_the_models_output_error_below_round_to_nearest():
+@pytest.mark.parametrize("rotate", [False, True], ids=["plain", "rotated"])
+def test_the_pass_lowers_the_models_output_error_below_round_to_nearest(rotate):
+    """On a rotated graph too: the block's gradients flow through the online ``qc.hadamard`` ops."""
     model = make_model("llama")
     calib = [example_inputs("llama", 4, 16, seed=s) for s in range(4)]
+    first = [qc.passes.Rotate()] if rotate else []
     err = {}
     for name, p in {
         "rtn": qc.passes.RTN(bits=3, group_size=32, grid="mse"),
-        "signround": qc.passes.SignRound(bits=3, group_size=32, iters=60),
+        "signround": qc.passes.SignRound(bits=3, group_size=32, iters=30),
     }.items():
-        cm = qc.compile(model, example_inputs("llama"), recipe=[p], calibration=calib, progress=False)
+        cm = qc.compile(model, example_inputs("llama"), recipe=first + [p], calibration=calib, progress=False)
         err[name] = _logit_error(model, cm)
         if name == "signround":
-            notes = [n for n in cm.report.passes[0].notes if "SignRound block output error" in n]
-            assert len(notes) == 2, cm.report.passes[0].notes  # one line per block
-    assert err["signround"] <= 0.8 * err["rtn"], err  # measured 0.70x (GPTQ: 1.03x on these random weights)
+            notes = [n for n in cm.report.passes[-1].notes if "SignRound block output error" in n]
+            assert len(notes) == 2, cm.report.passes[-1].notes  # one line per block
+    assert err["signround"] <= 0.85 * err["rtn"], err  # measured 0.65x plain, 0.73x rotated
 
 
 @pytest.mark.parametrize(

@@ -458,4 +458,21 @@ def _hadamard_fake(x, signs, block_size):
     return torch.empty_like(x)
 
 
+def _hadamard_setup(ctx, inputs, output):
+    _, signs, block_size = inputs
+    ctx.save_for_backward(signs)
+    ctx.block_size = block_size
+
+
+def _hadamard_backward(ctx, grad):
+    """``∂/∂x = grad · Rᵀ = (grad · blockdiag(H_b/√b)) · diag(signs)`` (H symmetric): for passes
+    that tune weights by gradients through a rotated graph (SignRound)."""
+    (signs,) = ctx.saved_tensors
+    ones = torch.ones_like(signs)
+    return (rotate_last_dim(grad, ones, ctx.block_size) * signs.to(grad.device)).to(grad.dtype), None, None
+
+
+hadamard.register_autograd(_hadamard_backward, setup_context=_hadamard_setup)
+
+
 register(OpSpec("hadamard"))  # no weights of its own: its signs are part of the FP model, like a norm's
