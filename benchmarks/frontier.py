@@ -149,6 +149,12 @@ def print_table(rows: list[dict]) -> None:
         )
 
 
+def _base_family(family: str) -> str:
+    """The family without its rotation: a rotated recipe is drawn in its base's colour."""
+    base = family.removeprefix("rotate + ").replace(" (rotated)", "")
+    return "auto (mixed precision)" if base == "auto" else base
+
+
 def plot(rows: list[dict], out: Path) -> None:
     import matplotlib
 
@@ -156,6 +162,8 @@ def plot(rows: list[dict], out: Path) -> None:
     import matplotlib.pyplot as plt
 
     names = sorted({r["model"] for r in rows})
+    bases = sorted({_base_family(r["family"]) for r in rows})
+    colors = {b: plt.get_cmap("tab10")(i % 10) for i, b in enumerate(bases)}
     fig, axes = plt.subplots(1, len(names), figsize=(6 * len(names), 4.5), squeeze=False)
     for ax, name in zip(axes[0], names):
         mine = [r for r in rows if r["model"] == name]
@@ -163,8 +171,10 @@ def plot(rows: list[dict], out: Path) -> None:
         key = "next_token_kl" if "next_token_kl" in mine[0] else "loss"
         for family in sorted({r["family"] for r in mine}):
             pts = sorted((r["bits_per_parameter"], r[key]) for r in mine if r["family"] == family)
-            style = "-o" if family.startswith("auto") else "o"
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], style, label=family)
+            rotated = family.startswith("rotate") or "(rotated)" in family  # same hue as its base, square
+            style = ("-" if "auto" in family else "") + ("s" if rotated else "o")
+            xs, ys = [p[0] for p in pts], [p[1] for p in pts]
+            ax.plot(xs, ys, style, color=colors[_base_family(family)], label=family, mfc="none" if rotated else None)
         ax.set_yscale("log")
         ax.set_xlabel("bits per parameter (stored tensors)")
         ax.set_ylabel("next-token KL vs FP32" if key == "next_token_kl" else "1 − cosine")

@@ -1,13 +1,18 @@
-"""Which GPTQ settings are the defaults: each choice measured with and without, on both bundled models.
+"""Which GPTQ (or SignRound) settings are the defaults: each choice measured with and without, on both bundled models.
 
     python benchmarks/gptq_defaults.py                    # w4g128 and w3g128, MiniLM and tinylm (~15 min)
     python benchmarks/gptq_defaults.py --models minilm --bits 3 --quick
+    python benchmarks/gptq_defaults.py --method signround --models minilm longlm   # ~40 min
 
 Variants (one change from plain GPTQ each, then together): true-sequential calibration inside a
 block, act-order with static groups (no g_idx gather at run time), the error-minimizing ("mse")
 grid, and Hessians accumulated in float64. Same calibration for every row; the loss is 1 − cosine
 (MiniLM) or the relative perplexity increase (tinylm) on held-out data; bits per weight counted from
 the stored tensors. Prints a table and writes benchmarks/results/gptq_defaults.json.
+
+``--method signround``: SignRound's defaults (searched starting grid, the FP model's block outputs
+as the target) against AutoRound's start (min-max), GPTQ's target (the block's FP weights on the
+quantized model's inputs), and half / twice the steps; writes benchmarks/results/signround_settings.json.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ from qcompiler import models
 from qcompiler.evaluation.eval import bits_per_parameter
 from qcompiler.evaluation.quality import QualityJudge
 
-VARIANTS = {
+GPTQ_VARIANTS = {
     "plain": dict(),
     "true-sequential": dict(true_sequential=True),
     "act-order+static": dict(act_order=True, static_groups=True),
@@ -32,9 +37,21 @@ VARIANTS = {
     "mse-grid": dict(grid="mse"),
     "all": dict(true_sequential=True, act_order=True, static_groups=True, grid="mse"),
 }
+SIGNROUND_VARIANTS = {
+    "plain": dict(),  # the defaults (the "vs plain" column compares with them)
+    "minmax-start": dict(start="minmax"),
+    "sequential-target": dict(target="sequential"),
+    "iters-100": dict(iters=100),
+    "iters-400": dict(iters=400),
+}
+METHODS = {  # --method: (pass, its variants, results file)
+    "gptq": (qc.passes.GPTQ, GPTQ_VARIANTS, "gptq_defaults"),
+    "signround": (qc.passes.SignRound, SIGNROUND_VARIANTS, "signround_settings"),
+}
 
 
-def run(model_names, bits_list, variants, calib: int) -> list[dict]:
+def run(model_names, bits_list, variants, calib: int, method: str = "gptq") -> list[dict]:
+    make_pass, table, _ = METHODS[method]
     rows = []
     for name in model_names:
         loaded = models.load(name)
@@ -43,13 +60,13 @@ def run(model_names, bits_list, variants, calib: int) -> list[dict]:
         fp32 = judge.score(loaded.model)
         for bits in bits_list:
             for variant in variants:
-                settings = dict(bits=bits, group_size=128, **VARIANTS[variant])
+                settings = dict(bits=bits, group_size=128, **table[variant])
                 torch.manual_seed(0)
                 start = time.perf_counter()
                 cm = qc.compile(
                     loaded.model,
                     loaded.example_inputs(),
-                    recipe=[qc.passes.GPTQ(**settings)],
+                    recipe=[make_pass(**settings)],
                     calibration=calibration,
                     progress=False,
                 )
@@ -58,6 +75,7 @@ def run(model_names, bits_list, variants, calib: int) -> list[dict]:
                 row = dict(
                     model=name,
                     bits=bits,
+                    method=method,
                     variant=variant,
                     metric=judge.metric,
                     value=value,
@@ -87,12 +105,18 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", nargs="+", default=["minilm", "tinylm"])
     ap.add_argument("--bits", nargs="+", type=int, default=[4, 3])
-    ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    ap.add_argument("--method", choices=list(METHODS), default="gptq")
+    ap.add_argument("--variants", nargs="+", default=None, help="default: all of the method's")
     ap.add_argument("--calib", type=int, default=128, help="calibration windows (tinylm) / sentences (minilm)")
     ap.add_argument("--quick", action="store_true", help="write under results/quick/ (not the committed JSON)")
     args = ap.parse_args()
-    rows = run(args.models, args.bits, args.variants, args.calib)
-    write_rows("gptq_defaults", rows, args.quick, calibration=args.calib)
+    _, table, results = METHODS[args.method]
+    variants = args.variants or list(table)
+    unknown = sorted(set(variants) - set(table))
+    if unknown:
+        ap.error(f"unknown {args.method} variants {unknown}; choose from {list(table)}")
+    rows = run(args.models, args.bits, variants, args.calib, args.method)
+    write_rows(results, rows, args.quick, calibration=args.calib)
     print_table(rows)
 
 
