@@ -30,7 +30,7 @@ def main(argv=None) -> int:
 
         return command_line(args)
     ap = argparse.ArgumentParser(prog="python -m qcompiler", description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="tinylm", help="tinylm | minilm | path to a Hugging Face model folder")
+    ap.add_argument("--model", default="tinylm", help="tinylm | longlm | minilm | path to a Hugging Face model folder")
     ap.add_argument("--recipe", default="gptq-w4g128", help="built-in recipe name (see --list)")
     ap.add_argument("--calib", type=int, default=32, help="calibration windows / sentences")
     ap.add_argument("--list", action="store_true", help="list built-in recipes and exit")

