@@ -125,7 +125,7 @@ def _fmt(value) -> str:
 
 @app.command()
 def quantize(
-    model: str = typer.Argument(..., help="bundled:tinylm, bundled:longlm, bundled:minilm or a Hugging Face model folder"),
+    model: str = typer.Argument(..., help="bundled:tinylm|longlm|minilm or a Hugging Face model folder"),
     recipe: str = typer.Option("gptq-w4g128", help="built-in recipe name or a .yaml/.toml recipe file"),
     calib: str = typer.Option(
         "bundled",
