@@ -1,6 +1,6 @@
 """Quality against size: every uniform recipe and automatic mixed precision at several budgets.
 
-    python benchmarks/frontier.py                          # MiniLM and tinylm (~40 min on 2 cores)
+    python benchmarks/frontier.py                          # MiniLM, tinylm and longlm (~100 min on 2 cores)
     python benchmarks/frontier.py --models minilm --budgets 3.25 4.16 --recipes gptq-w4g128 --quick
     python benchmarks/frontier.py --recipes rotate-gptq-w4g128 --budgets --rotated-budgets 4.16 --update
 
@@ -187,7 +187,7 @@ def plot(rows: list[dict], out: Path) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--models", nargs="+", default=["minilm", "tinylm"])
+    ap.add_argument("--models", nargs="+", default=["minilm", "tinylm", "longlm"])
     ap.add_argument("--recipes", nargs="*", default=UNIFORM)
     ap.add_argument("--budgets", nargs="*", type=float, default=BUDGETS)
     ap.add_argument("--rotated-budgets", nargs="*", type=float, default=ROTATED_BUDGETS)
