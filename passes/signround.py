@@ -20,14 +20,13 @@ import torch
 from qcompiler.algorithms.gptq import check_spec
 from qcompiler.algorithms.signround import Rounding, rounding_result, tune_rounding
 from qcompiler.errors import QuantizationError
-from qcompiler.ir.graph import is_router
-from qcompiler.pipeline.layer_filter import ignore_reason
 from qcompiler.pipeline.weight_only import (
     UnpackableLayer,
     check_packable,
     gptq_experts,
     gptq_layer_quant,
     rtn_layer_quant,
+    skip_reason,
 )
 from qcompiler.pipeline.weight_quantizer import WeightQuantizer
 
@@ -131,7 +130,7 @@ class SignRound(WeightQuantizer):
         ctx.log("  " + line)
 
     def _tunable(self, gm, layer) -> bool:
-        if is_router(layer.path) or ignore_reason(layer.path, self.ignore):
+        if skip_reason(layer.path, self.ignore):
             return False
         try:
             check_packable(layer, layer.weight(gm), self.bits)

@@ -42,6 +42,7 @@ __all__ = [
     "gptq_experts",
     "check_packable",
     "UnpackableLayer",
+    "skip_reason",
     "store_dequantized",
     "stored_bits",
 ]
@@ -149,6 +150,12 @@ def solved_from(header: dict, tensors: dict[str, torch.Tensor]) -> SolvedLayer:
 def _moved(solved: SolvedLayer, device: torch.device) -> SolvedLayer:
     weight = None if solved.weight is None else solved.weight.to(device)
     return solved._replace(tensors={k: v.to(device) for k, v in solved.tensors.items()}, weight=weight)
+
+
+def skip_reason(path: str, ignore: tuple[str, ...]) -> Optional[str]:
+    """Why the layer at ``path`` is kept in full precision whatever its weight: a router, or
+    matched by the pass's ``ignore`` patterns; None when it is quantized."""
+    return "mixture-of-experts router" if is_router(path) else ignore_reason(path, ignore)
 
 
 class UnpackableLayer(QuantizationError):
@@ -270,7 +277,7 @@ class _BlockQuantizer:
 
     def skip_reason(self, path: str) -> Optional[str]:
         """Why a layer is kept in full precision before any solve (the same on every rank)."""
-        return "mixture-of-experts router" if is_router(path) else ignore_reason(path, self.ignore)
+        return skip_reason(path, self.ignore)
 
     def solve_linear(
         self,
