@@ -262,6 +262,11 @@ class _OnDevice:
     def __init__(self, runner: GraphModule, device: torch.device):
         self.runner, self.device, self.record = runner, device, runner.record
 
+    def __getattr__(self, name):  # graph, code, named_buffers ...: the GPU graph module's own
+        if name == "runner":
+            raise AttributeError(name)
+        return getattr(self.runner, name)
+
     def __call__(self, *args, **kwargs):
         to_gpu = lambda v: v.to(self.device) if isinstance(v, torch.Tensor) else v  # noqa: E731
         out = self.runner(*pytree.tree_map(to_gpu, args), **pytree.tree_map(to_gpu, kwargs))

@@ -58,7 +58,7 @@ def run(folder: Path, calib: Path, out: Path, size: dict, nproc: int, threads: i
         "wall_s": wall,
         "quantize_s": ranks[0][1],
         "peak_rss_MB_per_rank": [r[2] for r in ranks],
-        "blocks": _block_times(done.stderr),
+        "blocks": block_log(done.stderr),
         "per_rank_work": _rank_work(done.stderr),
     }
 
@@ -76,15 +76,15 @@ def _rank_work(log: str) -> list[dict]:
     return [{"rank": r, **t} for r, t in sorted(totals.items())]
 
 
-def _block_times(log: str) -> list[dict]:
-    """Per block: its seconds and the sum of its layers' solve seconds (rank 0's log)."""
-    blocks, solves = [], 0.0
+def block_log(log: str) -> list[dict]:
+    """Per block: its seconds, and each layer's solve seconds and their sum (rank 0's log)."""
+    blocks, layers = [], {}
     for line in log.splitlines():
-        if m := re.search(r"\]   \S+: .*, ([\d.]+)s$", line):
-            solves += float(m[1])
+        if m := re.search(r"\]   (\S+): .*, ([\d.]+)s$", line):
+            layers[m[1]] = float(m[2])
         elif m := re.search(r"\] block \d+/\d+ \S+: \d+ linears, ([\d.]+)s(,|$)", line):
-            blocks.append({"seconds": float(m[1]), "solve_seconds": solves})
-            solves = 0.0
+            blocks.append({"seconds": float(m[1]), "solve_seconds": sum(layers.values()), "layers": layers})
+            layers = {}
     return blocks
 
 

@@ -10,23 +10,30 @@ package is imported), which is slow but exact enough to prove them correct in CI
 """
 
 if __name__ == "kernels":
-    # Imported as top-level ``kernels``: a checkout's root is first on sys.path (``python -m qcompiler``
-    # or torchrun from a clone), and this folder shadows ``kernels``, the Hugging Face package
-    # transformers imports. Put the installed one in our place (the import system returns what
-    # sys.modules holds once this file ran); stdlib only: qcompiler itself imports transformers.
+    # Imported as top-level ``kernels``: a checkout's root is first on sys.path (``python -m qcompiler``,
+    # ``python -m pytest`` or torchrun from a clone), and this folder shadows ``kernels``, the Hugging
+    # Face package transformers imports. Put the installed one in our place (the import system returns
+    # what sys.modules holds once this file ran); where none is installed, an empty namespace package
+    # (no file, no version): what transformers' availability check, which imports the package to read
+    # its version, reads as "not installed". Stdlib only: qcompiler itself imports transformers.
     import importlib.machinery
     import importlib.util
     import os
     import sys
+    import types
 
     _root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     _elsewhere = [p for p in sys.path if os.path.abspath(p or os.curdir) != _root]
     _spec = importlib.machinery.PathFinder.find_spec("kernels", _elsewhere)
     if _spec is None:
-        raise ImportError(f"no module named 'kernels' outside the qcompiler checkout {_root}")
-    _installed = importlib.util.module_from_spec(_spec)
-    sys.modules["kernels"] = _installed
-    _spec.loader.exec_module(_installed)
+        _installed = types.ModuleType("kernels", "not installed: the checkout's kernels/ is qcompiler.kernels")
+        _installed.__spec__ = importlib.machinery.ModuleSpec("kernels", None, is_package=True)
+        _installed.__path__ = []
+        sys.modules["kernels"] = _installed
+    else:
+        _installed = importlib.util.module_from_spec(_spec)
+        sys.modules["kernels"] = _installed
+        _spec.loader.exec_module(_installed)
 else:
     from qcompiler.kernels.act_quant import quantize_rows
     from qcompiler.kernels.csr_spmm import csr_linear

@@ -8,7 +8,8 @@
 #                              w4g128, w3g128, w8a8 (spqr-w3g16 if the time budget allows), static
 #                              cache + CUDA graph;
 #   3. the kernel, layout, backend and generate tests on the GPU (slow variants included).
-# QC_GPU_CHECK_FULL=1 adds the GPTQ solver and whole-model calibration on the GPU (~5 more minutes).
+# QC_GPU_CHECK_FULL=1 adds the GPTQ solver and whole-model calibration on the GPU, up to a Llama-3-70B-shaped
+# block and the many-GPU projection from it (~8 more minutes).
 # Figures land in $OUT (default /tmp/qc-gpu-out) and are copied to benchmarks/results/; quote them in
 # docs/results.md with date and device. On a bare GPU image that already has torch/triton/
 # transformers, qcompiler is installed without dependencies (nothing fetched; the image's torch stays).
@@ -33,7 +34,7 @@ timeout 120 python3 -m pytest -q -p no:cacheprovider -o addopts="--import-mode=i
     2>&1 | tee "$OUT/gpu_tests.log" || status=1
 if [ "${QC_GPU_CHECK_FULL:-0}" = 1 ]; then
     timeout 90 python3 benchmarks/gptq_speed.py --layer-only cuda 2>&1 | tee "$OUT/gptq_cuda.log" || status=1
-    timeout 240 python3 benchmarks/device_calibration.py --out "$OUT/device_calibration.json" 2>&1 \
-        | tee "$OUT/device_calibration.log" || status=1
+    timeout 400 python3 benchmarks/device_calibration.py --cases llama-1024x4 llama7b-shape-x2 llama70b-block \
+        --out "$OUT/device_calibration.json" 2>&1 | tee "$OUT/device_calibration.log" || status=1
 fi
 exit $status

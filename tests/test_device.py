@@ -44,7 +44,9 @@ def test_each_block_onloads_only_its_own_weights(llama):
 def test_onloaded_compile_matches_in_place_compile(llama, recipe, device):
     """Same recipe, same calibration: solving on ``device`` (with the block-input cache offloaded or
     not) gives the model the in-place run gives (bit-identical on the CPU; on a GPU within a small
-    fraction of the quantization error, since float reductions round differently there)."""
+    fraction of the quantization error, since float reductions round differently there: GPTQ, or
+    SmoothQuant's α search, may then choose differently, so the GPU's model is held to the same
+    error against the FP model, within 25 %, and to stay nearer the CPU's than the quantization error)."""
     model, calib = llama
     x = example_inputs("llama")
     fp = main_output(model(**x))
@@ -57,8 +59,9 @@ def test_onloaded_compile_matches_in_place_compile(llama, recipe, device):
         if device == "cpu":
             assert torch.equal(got, base), f"{recipe} on cpu (offload={offload}) differs from the in-place run"
         else:
-            drift = (got - base).norm() / (base - fp).norm()
-            assert drift < 0.25, f"{recipe} on {device}: outputs moved {drift:.3f} of the quantization error"
+            error, drift = (got - fp).norm() / (base - fp).norm(), (got - base).norm() / (base - fp).norm()
+            assert 0.75 < error < 1.25, f"{recipe} on {device}: error {error:.3f}x the in-place run's"
+            assert drift < 1.0, f"{recipe} on {device}: outputs moved {drift:.3f} of the quantization error"
 
 
 def test_device_names_are_checked():
@@ -73,9 +76,22 @@ def test_device_names_are_checked():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_gpu_holds_one_block_at_a_time(llama):
-    """Peak GPU memory stays near one block's weights + cache, far below the whole model's."""
-    model, calib = llama
+def test_gpu_holds_one_block_at_a_time():
+    """Peak GPU memory stays near one block's weights + cache, far below the whole model's (12 blocks
+    wide enough that the weights, not the cached inputs or the CUDA workspaces, dominate: on the
+    tiny test LLaMA the 0.35 MB of weights are less than those, as the H200 showed)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        hidden_size=256, intermediate_size=768, num_hidden_layers=12, num_attention_heads=4, vocab_size=256
+    )
+    model = LlamaForCausalLM(config).eval()
+    calib = [{"input_ids": torch.randint(0, 256, (2, 32))} for _ in range(2)]
+    # cuBLAS takes its 32 MiB workspace at a process's first GPU matmul and keeps it: take it first
+    # (on the H200 a first compile left 33.5 MB allocated and peaked at 46 MB; later ones 12.9 MB
+    # at 8 and at 16 blocks alike)
+    (torch.ones(8, 8, device="cuda") @ torch.ones(8, 8, device="cuda")).sum().item()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
     _compile(model, calib, "gptq-w4g128", device="cuda")

@@ -8,6 +8,7 @@ from tiny_models import example_inputs, main_output, make_model
 
 import qcompiler as qc
 from qcompiler.backends import prepare_triton
+from qcompiler.backends.triton import _OnDevice
 from qcompiler.errors import BackendError
 from qcompiler.models import load
 
@@ -139,14 +140,16 @@ def test_w8a8_siblings_quantize_their_shared_input_once_inside_their_rms_norm():
 
 def test_w8a8_siblings_without_an_rms_norm_share_one_plain_quantizer():
     """OPT's LayerNorm is not fused: q/k/v sharing its output share one plain quantizer launch
-    (bit-identical to eager: the quantizer kernel is exact)."""
+    (bit-identical to eager under the interpreter: the quantizer kernel is exact; on a GPU the FP ops
+    around the int8 GEMM round differently from the CPU's, 2e-7 apart on the H200)."""
     model, inputs = make_model("opt"), example_inputs("opt")
     cm = qc.compile(model, inputs, recipe="w8a8", progress=False)
     runner = prepare_triton(cm.graph_module)
     names = [getattr(n.target, "__name__", "") for n in runner.graph.nodes]
     assert "triton_rmsnorm_quantize" not in names and "triton_quantize_rows" in names
     with torch.no_grad():
-        torch.testing.assert_close(main_output(runner(**inputs)), main_output(cm(**inputs)), rtol=0, atol=0)
+        tol = dict(rtol=1e-5, atol=1e-6) if isinstance(runner, _OnDevice) else dict(rtol=0, atol=0)
+        torch.testing.assert_close(main_output(runner(**inputs)), main_output(cm(**inputs)), **tol)
 
 
 def _gap(got, want) -> float:
