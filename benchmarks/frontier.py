@@ -59,6 +59,8 @@ PLOT = Path(__file__).resolve().parents[1] / "docs" / "frontier.png"
 def _family(recipe: str) -> str:
     if recipe.startswith("auto:"):
         return "auto (mixed precision)"
+    if recipe.startswith("auto-signround:"):
+        return "auto + SignRound"
     if recipe.startswith("rotate-auto:"):
         return "rotate + auto"
     if recipe.endswith("-plain"):

@@ -1,9 +1,11 @@
 """GGUF files in llama.cpp: qcompiler's GPTQ on llama.cpp's own block grids vs llama.cpp's own
 quantization of the same model to the same type, with and without an importance matrix.
 
-    python benchmarks/gguf_quality.py --llama-cpp-bin BUILD/bin          (~6 min on 2 cores)
+    python benchmarks/gguf_quality.py --llama-cpp-bin BUILD/bin          (~12 min on 2 cores)
+    python benchmarks/gguf_quality.py --llama-cpp-bin BUILD/bin --models longlm --update   (one model's rows)
 
-Per model (the bundled tinylm, and a random-weight LLaMA of width 512 saved to a temporary folder):
+Per model (the bundled tinylm and longlm, and a random-weight LLaMA of width 512 saved to a
+temporary folder):
 qcompiler writes the F16 file (recipe ``none``); llama.cpp's ``llama-imatrix`` computes an
 importance matrix from the calibration text (the same 128 x 256 windows qcompiler calibrates on,
 as text) and ``llama-quantize --pure`` quantizes the F16 file to each type, with and without it,
@@ -30,12 +32,13 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from results_file import write_rows
+from results_file import merged_rows, write_rows
 
 import qcompiler as qc
 from qcompiler import models
 
 TYPES = {"q4_0": "Q4_0", "q4_1": "Q4_1", "q8_0": "Q8_0"}
+MODELS = {"tinylm": "tinylm", "longlm": "longlm", "llama-random-512": None}  # label: bundled name (None: random)
 
 
 def _random_llama(folder: Path) -> Path:
@@ -204,16 +207,21 @@ def main() -> None:
     ap.add_argument("--windows", type=int, default=64, help="held-out windows of 256 tokens")
     ap.add_argument("--reps", type=int, default=5, help="decode-speed repeats")
     ap.add_argument("--quick", action="store_true", help="write under results/quick/ (a check of the script)")
+    ap.add_argument("--models", nargs="+", choices=sorted(MODELS), default=list(MODELS))
+    ap.add_argument("--update", action="store_true", help="replace these models' rows in the committed JSON")
     args = ap.parse_args()
     torch.set_num_threads(2)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
-        for label, source in (("tinylm", "tinylm"), ("llama-random-512", None)):
+        for label in args.models:
+            source = MODELS[label]
             work = tmp / label
             work.mkdir()
             loaded = models.load(source or _random_llama(work / "hf"))
             rows += bench_model(label, loaded, work, args.llama_cpp_bin, args.calib, args.windows, args.reps)
+    if args.update:
+        rows = merged_rows("gguf", rows, key=("model", "file"))
     out = write_rows("gguf", rows, args.quick, calib_windows=args.calib, heldout_windows=args.windows)
     print(f"wrote {out}")
 

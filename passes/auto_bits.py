@@ -8,7 +8,10 @@ Three steps, each visible in the report:
    (``qcompiler/algorithms/allocation.py``). Bits are counted from the tensors each candidate stores,
    as ``bits_per_parameter`` counts them, so the budget is met as the report measures it.
 3. **Quantize**: the plan run as ``MixedPrecision`` (true-sequential: each layer calibrated on the
-   outputs of the already quantized ones), one graph with per-node bits that every backend runs.
+   outputs of the already quantized ones), one graph with per-node bits that every backend runs;
+   with ``finish="signround"`` (``auto-signround:B``) the same plan is quantized by SignRound
+   instead, each layer at its planned bits and group size, tuned jointly per block (GPTQ
+   candidates only: SignRound stores the GPTQ layout; the allocation still measures by GPTQ).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from qcompiler.errors import QuantizationError
 from qcompiler.ir.graph import block_of, find_linears, is_router, source_of
 from qcompiler.ir.tensors import get_raw_tensor
 from qcompiler.passes.mixed_precision import MixedPrecision, candidate_quantizer, parse_candidate
+from qcompiler.passes.signround import SignRound
 from qcompiler.pipeline.layer_filter import ignore_reason
 from qcompiler.pipeline.weight_only import quantize_block_linears
 from qcompiler.pipeline.weight_quantizer import WeightQuantizer
@@ -45,6 +49,8 @@ DEFAULT_CANDIDATES = (
     "spqr-w3g16",
     "spqr-w4g16",
 )
+SIGNROUND_CANDIDATES = tuple(n for n in DEFAULT_CANDIDATES if n.startswith("gptq-"))
+FINISHERS = ("gptq", "signround")
 MAX_BUDGET = 16.0  # bits per parameter: above it a quantized layer is larger than its fp16 weight
 
 
@@ -58,6 +64,7 @@ class AutoBits(WeightQuantizer):
     # True: linears reading one input (q/k/v, gate/up) share a candidate, as vLLM needs (it fuses them)
     tie_siblings: bool = False
     ignore: tuple[str, ...] = ()  # module paths kept in full precision: globs, or 're:' + a regex
+    finish: str = "gptq"  # what quantizes the plan: "gptq" (each candidate's own method) or "signround"
 
     requires = frozenset()
     provides = WeightQuantizer.provides
@@ -66,7 +73,13 @@ class AutoBits(WeightQuantizer):
 
     def __post_init__(self):
         super().__post_init__()
+        if self.finish not in FINISHERS:
+            raise QuantizationError(f"auto: finish={self.finish!r}; choose one of {', '.join(FINISHERS)}")
+        if self.finish == "signround" and tuple(self.candidates) == DEFAULT_CANDIDATES:
+            object.__setattr__(self, "candidates", SIGNROUND_CANDIDATES)
         object.__setattr__(self, "candidates", tuple(self.candidates))
+        if self.finish == "signround" and (odd := [n for n in self.candidates if not n.startswith("gptq-")]):
+            raise QuantizationError(f"auto: finish='signround' takes gptq- candidates only, not {', '.join(odd)}")
         if not isinstance(self.budget, (int, float)) or not 0 < self.budget <= MAX_BUDGET:
             raise QuantizationError(f"auto: budget {self.budget!r} bits per parameter is outside (0, {MAX_BUDGET:g}]")
         if not self.candidates:
@@ -118,7 +131,11 @@ class AutoBits(WeightQuantizer):
         mix = ", ".join(f"{n} x{k}" for n, k in sorted(Counter(n for _p, n in plan).items()))
         ctx.record.notes.append(f"allocation for {self.budget:g} bits per parameter: {planned_bits:.4f} ({mix})")
         ctx.log(f"auto:{self.budget:g}: {planned_bits:.4f} bits per parameter: {mix}")
-        changed = quantize_block_linears(gm, ctx, MixedPrecision(plan=plan))
+        if self.finish == "signround":
+            finisher = SignRound(plan=plan, ignore=self.ignore)
+        else:
+            finisher = MixedPrecision(plan=plan)
+        changed = quantize_block_linears(gm, ctx, finisher)
         for p, n in plan:
             if p in ctx.record.layers:
                 ctx.record.layers[p]["sensitivity"] = table[p][n].distance

@@ -20,6 +20,7 @@ import torch
 from qcompiler.algorithms.gptq import check_spec
 from qcompiler.algorithms.signround import Rounding, rounding_result, tune_rounding
 from qcompiler.errors import QuantizationError
+from qcompiler.passes.mixed_precision import parse_candidate
 from qcompiler.pipeline.weight_only import (
     UnpackableLayer,
     check_packable,
@@ -27,6 +28,7 @@ from qcompiler.pipeline.weight_only import (
     gptq_layer_quant,
     rtn_layer_quant,
     skip_reason,
+    stored_bits,
 )
 from qcompiler.pipeline.weight_quantizer import WeightQuantizer
 
@@ -50,6 +52,9 @@ class SignRound(WeightQuantizer):
     target: str = "fp"
     lm_head: bool = False  # also the output head, by RTN on the starting grid (it is not in a block)
     ignore: tuple[str, ...] = ()  # module paths kept in full precision: globs, or 're:' + a regex
+    # (module path, candidate such as "gptq-w3g64"): the layers whose bits / group size differ from
+    # ``bits`` / ``group_size`` (a mixed-precision plan: ``AutoBits(finish="signround")``)
+    plan: tuple[tuple[str, str], ...] = ()
 
     requires = frozenset()
     provides = WeightQuantizer.provides
@@ -65,6 +70,15 @@ class SignRound(WeightQuantizer):
             raise QuantizationError(f"SignRound: lr must be positive, got {self.lr}")
         if self.target not in ("fp", "sequential"):
             raise QuantizationError(f"SignRound: target={self.target!r}; choose 'fp' or 'sequential'")
+        object.__setattr__(self, "plan", tuple((str(p), str(n)) for p, n in self.plan))
+        specs = {}
+        for path, name in self.plan:
+            method, bits, group = parse_candidate(name)
+            if method not in ("gptq", "rtn"):
+                raise QuantizationError(f"SignRound: plan entry {path}: {name!r} is not a gptq-/rtn- candidate")
+            check_spec(bits, group, self.start)
+            specs[path] = (bits, group)
+        object.__setattr__(self, "_specs", specs)
         object.__setattr__(self, "_tuned", {})  # layer path -> Rounding, for the block being solved
         object.__setattr__(self, "_fp_states", {})  # the full-precision model's inputs to the next block
 
@@ -120,6 +134,7 @@ class SignRound(WeightQuantizer):
                 lr=self.lr,
                 start=self.start,
                 seed=self.seed,
+                specs={path: self._specs[path] for path in weights if path in self._specs},
             )
         self._tuned.update(tuned)
         line = (
@@ -129,11 +144,18 @@ class SignRound(WeightQuantizer):
         ctx.record.notes.append(line)
         ctx.log("  " + line)
 
+    def _spec(self, path: str, planned: bool = False) -> tuple[int, int]:
+        """``(bits, group size)`` of a layer: its plan entry's, else the pass's. ``planned``: a block
+        linear, which a plan must name (a layer it misses would silently get the default bits)."""
+        if planned and self._specs and path not in self._specs:
+            raise QuantizationError(f"layer {path} is not in the SignRound plan")
+        return self._specs.get(path, (self.bits, self.group_size))
+
     def _tunable(self, gm, layer) -> bool:
         if skip_reason(layer.path, self.ignore):
             return False
         try:
-            check_packable(layer, layer.weight(gm), self.bits)
+            check_packable(layer, layer.weight(gm), self._spec(layer.path, planned=True)[0])
         except UnpackableLayer:
             return False
         return True
@@ -141,13 +163,21 @@ class SignRound(WeightQuantizer):
     def quantize_layer(self, layer, W, H):
         """The layer's tuned rounding as codes; a layer without one is rounded to nearest."""
         tuned: Optional[Rounding] = self._tuned.pop(layer.path, None)
+        bits, group = self._spec(layer.path, planned=True)
         if tuned is None:
-            return self._rtn(layer, W, H)
-        res = rounding_result(W, Rounding(*(t.to(W.device) for t in tuned)), self.bits, self.group_size, self.sym)
-        return gptq_layer_quant(layer, W, res, self.bits, self.group_size)
+            result = self._rtn(layer, W, H)
+        else:
+            res = rounding_result(W, Rounding(*(t.to(W.device) for t in tuned)), bits, group, self.sym)
+            result = gptq_layer_quant(layer, W, res, bits, group)
+        if not self.plan:
+            return result
+        # as MixedPrecision reports a planned layer: its candidate and the bits its stored tensors take
+        figures = {"candidate": dict(self.plan)[layer.path], "bits_per_weight": stored_bits(result) / W.numel()}
+        return result._replace(figures={**result.figures, **figures})
 
     def _rtn(self, layer, W, H):
-        return rtn_layer_quant(layer, W, self.bits, self.group_size, self.sym, self.start, H)
+        bits, group = self._spec(layer.path)
+        return rtn_layer_quant(layer, W, bits, group, self.sym, self.start, H)
 
     def head_quantizer(self):
         """The head is quantized by RTN on the starting grid when ``lm_head`` is set."""

@@ -3,6 +3,7 @@ min-max, and ``auto:B`` meets its budget exactly as the report counts bits, in o
 
 import itertools
 import random
+import re
 
 import pytest
 import torch
@@ -15,6 +16,7 @@ from qcompiler.algorithms.quant_grid import _row_error, fit_grid, search_grid
 from qcompiler.errors import QCompilerError, QuantizationError, RecipeError
 from qcompiler.evaluation.eval import bits_per_parameter
 from qcompiler.evaluation.report_page import write_report
+from qcompiler.ir.ops import GPTQ_TENSORS, pack_gptq
 
 QL = torch.ops.qc.quant_linear.default
 SMALL = ("gptq-w2g64", "gptq-w2g32", "gptq-w3g32", "gptq-w4g32", "gptq-w8g32", "rtn-w4g32")
@@ -245,3 +247,67 @@ def test_the_early_budget_check_counts_what_a_candidate_stores(name):
         assert _least_bits(name, 64, 96) < stored  # a lower bound: its statistics and outliers come on top
     else:
         assert _least_bits(name, 64, 96) == stored  # exact: codes, fp16 scales, packed zeros (96 = 1.5 groups of 64)
+
+
+SIGNROUND_SMALL = ("gptq-w2g32", "gptq-w3g32", "gptq-w4g32", "gptq-w8g32")
+
+
+def test_signround_follows_a_plan_layer_by_layer_and_starts_from_each_layers_rtn(llama):
+    """SignRound with a plan and no tuning steps stores each layer's searched-grid round-to-nearest
+    at its planned bits and group size: codes, scales and zeros exactly ``rtn_quantize``'s."""
+    paths = [n for n, m in llama.named_modules() if isinstance(m, torch.nn.Linear) and ".layers." in n]
+    widths = ((2, 32), (3, 32), (4, 32), (8, 32), (4, 16))
+    plan = {p: widths[i % len(widths)] for i, p in enumerate(paths)}
+    recipe = [qc.passes.SignRound(plan=tuple((p, f"gptq-w{b}g{g}") for p, (b, g) in plan.items()), iters=0)]
+    cm = qc.compile(llama, example_inputs("llama"), recipe=recipe, calibration=calib(), progress=False)
+    state = cm.graph_module.state_dict()
+    for path, (bits, group) in plan.items():
+        ref = rtn_quantize(llama.get_submodule(path).weight.detach(), bits=bits, group_size=group, grid="mse")
+        packed = pack_gptq(ref.codes, ref.scales, ref.zeros, ref.g_idx, bits, group)
+        for name, want in zip(GPTQ_TENSORS, packed):
+            assert torch.equal(state[f"{path}.{name}"], want), (path, name)
+    layers = cm.report.passes[0].layers
+    assert {p: (f["bits"], f["candidate"]) for p, f in layers.items()} == {
+        p: (b, f"gptq-w{b}g{g}") for p, (b, g) in plan.items()
+    }
+
+
+def test_auto_signround_quantizes_autos_allocation_within_the_budget(llama):
+    """``finish="signround"``: the allocation auto makes from the same candidates, each layer at its
+    planned bits, tuned (the block error never above round-to-nearest's), within the budget."""
+    kw = dict(budget=3.25, candidates=SIGNROUND_SMALL, samples=4)
+    x = example_inputs("llama")
+    plain = qc.compile(llama, x, recipe=[qc.passes.AutoBits(**kw)], calibration=calib(), progress=False)
+    tuned = qc.compile(
+        llama, x, recipe=[qc.passes.AutoBits(**kw, finish="signround")], calibration=calib(), progress=False
+    )
+    plan = {p: f["candidate"] for p, f in plain.report.passes[0].layers.items()}
+    layers = tuned.report.passes[0].layers
+    assert {p: f["candidate"] for p, f in layers.items()} == plan
+    bits = bits_per_parameter(tuned.graph_module)
+    assert bits == pytest.approx(bits_per_parameter(plain.graph_module), rel=1e-12) and bits <= 3.25
+    notes = [n for n in tuned.report.passes[0].notes if "SignRound block output error" in n]
+    assert len(notes) == 2  # one tuning per block
+    for note in notes:
+        first, best = (float(v) for v in re.findall(r"error ([\d.e-]+) .*-> ([\d.e-]+)", note)[0])
+        assert best <= first, note
+
+
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        (dict(finish="awq"), "finish='awq'; choose one of gptq, signround"),
+        (dict(finish="signround", candidates=("gptq-w4g32", "spqr-w3g16")), "gptq- candidates only, not spqr-w3g16"),
+    ],
+)
+def test_bad_finishers_are_one_line_errors(kwargs, message):
+    with pytest.raises(QuantizationError, match=re.escape(message)):
+        qc.passes.AutoBits(budget=3.0, **kwargs)
+
+
+def test_a_signround_plan_that_misses_a_layer_is_an_error(llama):
+    plan = (("model.layers.0.mlp.down_proj", "gptq-w3g32"),)
+    with pytest.raises(QCompilerError, match="is not in the SignRound plan"):
+        qc.compile(
+            llama, example_inputs("llama"), recipe=[qc.passes.SignRound(plan=plan, iters=2)], calibration=calib()
+        )

@@ -138,12 +138,15 @@ def tune_rounding(
     start: str = "minmax",
     seed: int = 0,
     order: Sequence[int] | None = None,
+    specs: dict[str, tuple[int, int]] | None = None,
 ) -> tuple[dict[str, Rounding], TuneLog]:
     """Tune every weight's rounding jointly: ``block_loss(batch, {name: Ŵ})`` is the block's output
     error on calibration batch ``batch`` with the trial weights (differentiable). Returns the
-    roundings of the step with the least loss, and how the loss went."""
-    lr = 1.0 / iters if lr is None else lr
-    params = {name: initial_rounding(W, bits, group_size, sym, start) for name, W in weights.items()}
+    roundings of the step with the least loss, and how the loss went. ``specs``: ``(bits, group
+    size)`` of the weights that differ from ``bits`` / ``group_size`` (a mixed-precision plan)."""
+    lr = 1.0 / max(iters, 1) if lr is None else lr  # iters=0: round to nearest on the starting grid
+    spec = {name: (specs or {}).get(name, (bits, group_size)) for name in weights}
+    params = {name: initial_rounding(W, *spec[name], sym, start) for name, W in weights.items()}
     for r in params.values():
         for t in r:
             t.requires_grad_(True)
@@ -153,7 +156,7 @@ def tune_rounding(
         order = [int(i) for _ in range(-(-max(iters, 1) // batches)) for i in torch.randperm(batches, generator=gen)]
     best, best_loss, best_step, first = None, float("inf"), 0, float("nan")
     for step in range(max(iters, 1)):
-        trial = {name: fake_quantize_rounding(W, params[name], bits, group_size, sym) for name, W in weights.items()}
+        trial = {name: fake_quantize_rounding(W, params[name], *spec[name], sym) for name, W in weights.items()}
         loss = block_loss(order[step % len(order)], trial)
         value = float(loss.detach())
         if step == 0:

@@ -34,7 +34,8 @@ def register_recipe(name: str, description: str, factory: Callable[[], Sequence[
 
 
 AUTO_PREFIX = "auto:"  # auto:B — the AutoBits pass at a budget of B bits per parameter
-ROTATE_PREFIX = "rotate-"  # rotate-auto:B — the Rotate pass, then auto:B
+AUTO_SIGNROUND_PREFIX = "auto-signround:"  # auto-signround:B — auto:B's allocation, quantized by SignRound
+ROTATE_PREFIX = "rotate-"  # rotate-auto:B — the Rotate pass, then auto:B (rotate-auto-signround:B likewise)
 
 
 def get_recipe(name: str) -> Recipe:
@@ -42,9 +43,9 @@ def get_recipe(name: str) -> Recipe:
     ``auto:B`` is automatic mixed precision at ``B`` bits per parameter (passes/auto_bits.py);
     ``rotate-auto:B`` the same after the Rotate pass (passes/rotate.py)."""
     _register_builtins()
-    if name.startswith(AUTO_PREFIX):
+    if name.startswith((AUTO_PREFIX, AUTO_SIGNROUND_PREFIX)):
         return _auto_recipe(name)
-    if name.startswith(ROTATE_PREFIX + AUTO_PREFIX):
+    if name.startswith((ROTATE_PREFIX + AUTO_PREFIX, ROTATE_PREFIX + AUTO_SIGNROUND_PREFIX)):
         from qcompiler import passes as P
 
         auto = _auto_recipe(name[len(ROTATE_PREFIX) :])
@@ -60,11 +61,20 @@ def get_recipe(name: str) -> Recipe:
 def _auto_recipe(name: str) -> Recipe:
     from qcompiler import passes as P
 
-    text = name[len(AUTO_PREFIX) :]
+    signround = name.startswith(AUTO_SIGNROUND_PREFIX)
+    text = name[len(AUTO_SIGNROUND_PREFIX if signround else AUTO_PREFIX) :]
     try:
         budget = float(text)
     except ValueError:
         raise RecipeError(f"recipe {name!r}: {text!r} is not a number of bits per parameter (e.g. auto:3.25)") from None
+    if signround:
+        return Recipe(
+            name,
+            (P.AutoBits(budget=budget, finish="signround"),),
+            f"automatic mixed precision by SignRound: per layer 2/3/4/8 bits x groups 32/64/128 chosen from each "
+            f"layer's measured effect on the output to fit {budget:g} bits per parameter, then every block's "
+            "rounding tuned jointly at those bits",
+        )
     return Recipe(
         name,
         (P.AutoBits(budget=budget),),
