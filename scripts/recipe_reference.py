@@ -43,7 +43,7 @@ def page() -> str:
         "measured on calibration samples; one candidate per layer is then chosen to fit B bits per parameter "
         "(every stored tensor counted, as the report counts them) with the least summed damage, and the "
         "plan is quantized as `MixedPrecision`. B is in (0, 16]; a B below the cheapest allocation of the "
-        "candidates is an error naming both. `auto-signround:B` (`AutoBits(finish=\"signround\")`, GPTQ "
+        'candidates is an error naming both. `auto-signround:B` (`AutoBits(finish="signround")`, GPTQ '
         "candidates only) makes the same allocation and quantizes it with SignRound: every block's rounding "
         "tuned jointly, each layer at its planned bits and group size. `rotate-auto:B` and "
         "`rotate-auto-signround:B` run the Rotate pass first. To fix a plan by hand, use `MixedPrecision` "
