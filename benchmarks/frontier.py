@@ -2,7 +2,7 @@
 
     python benchmarks/frontier.py                          # MiniLM, tinylm and longlm (~100 min on 2 cores)
     python benchmarks/frontier.py --models minilm --budgets 3.25 4.16 --recipes gptq-w4g128 --quick
-    python benchmarks/frontier.py --recipes rotate-gptq-w4g128 --budgets --rotated-budgets 4.16 --update
+    python benchmarks/frontier.py --recipes rotate-gptq-w4g128 --budgets --rotated-budgets 4.16 --signround-budgets --update
 
 Per model, same calibration for every row: loss vs FP32 (1 − cosine on MiniLM's held-out sentences;
 relative perplexity increase on tinylm's held-out modules) at the bits per parameter counted from the
@@ -53,6 +53,7 @@ UNIFORM = [
 ]
 BUDGETS = [2.5, 3.0, 3.25, 3.5, 4.0, 4.16, 4.5]
 ROTATED_BUDGETS = [3.25, 4.16]  # rotate-auto:B
+SIGNROUND_BUDGETS = [3.25, 4.16]  # auto-signround:B and rotate-auto-signround:B
 PLOT = Path(__file__).resolve().parents[1] / "docs" / "frontier.png"
 
 
@@ -95,7 +96,7 @@ class GenerationJudge:
         return dict(greedy_agreement=float(same.mean()), next_token_kl=float(kl))
 
 
-def run(model_names, recipes, budgets, calib: int, rotated_budgets=()) -> list[dict]:
+def run(model_names, recipes, budgets, calib: int, rotated_budgets=(), signround_budgets=()) -> list[dict]:
     rows = []
     for name in model_names:
         loaded = models.load(name)
@@ -104,6 +105,7 @@ def run(model_names, recipes, budgets, calib: int, rotated_budgets=()) -> list[d
         fp32 = judge.score(loaded.model)
         generation = GenerationJudge(loaded) if loaded.kind == "causal-lm" else None
         autos = [f"auto:{b:g}" for b in budgets] + [f"rotate-auto:{b:g}" for b in rotated_budgets]
+        autos += [f"{rot}auto-signround:{b:g}" for b in signround_budgets for rot in ("", "rotate-")]
         for recipe in list(recipes) + autos:
             torch.manual_seed(0)
             start = time.perf_counter()
@@ -193,6 +195,7 @@ def main() -> None:
     ap.add_argument("--recipes", nargs="*", default=UNIFORM)
     ap.add_argument("--budgets", nargs="*", type=float, default=BUDGETS)
     ap.add_argument("--rotated-budgets", nargs="*", type=float, default=ROTATED_BUDGETS)
+    ap.add_argument("--signround-budgets", nargs="*", type=float, default=SIGNROUND_BUDGETS)
     ap.add_argument(
         "--update",
         action="store_true",
@@ -205,7 +208,7 @@ def main() -> None:
     if args.plot_only:
         plot(json.loads(results_file("frontier").read_text())["rows"], PLOT)
         return
-    rows = run(args.models, args.recipes, args.budgets, args.calib, args.rotated_budgets)
+    rows = run(args.models, args.recipes, args.budgets, args.calib, args.rotated_budgets, args.signround_budgets)
     if args.update:
         rows = merged_rows("frontier", rows)
     write_rows("frontier", rows, args.quick, calibration=args.calib)
