@@ -38,7 +38,7 @@ from qcompiler.backends.onnx_layout import lower_for_onnx
 from qcompiler.errors import BackendError
 from qcompiler.frontend import causal_lm
 from qcompiler.frontend.capture import dynamic_shapes_for
-from qcompiler.ir.op_registry import implement, implementations, spec
+from qcompiler.ir.op_registry import implement, implementation, implementations, spec
 from qcompiler.store.atomic import temporary_sibling
 
 __all__ = ["export_onnx", "ONNX_OPSET", "MSFT_OPSET", "default_accuracy_level"]
@@ -331,12 +331,14 @@ def _check_mappable(lowered: GraphModule, table: dict) -> None:
         if node.op == "call_function" and getattr(node.target, "namespace", None) == "qc" and node.target not in table:
             from qcompiler.ir.graph import module_path
 
-            mapped = sorted(implementations("onnx"))
-            raise BackendError(
-                f"node {node.name} ({module_path(node) or 'top level'}) uses op "
-                f"qc.{str(node.target).split('.')[-2]}, which has no ONNX mapping "
-                f"(mapped: {', '.join(mapped)})"
+            op = str(node.target).split(".")[-2]
+            refused = implementation("onnx", op)
+            why = (
+                refused.refusal
+                if refused is not None and refused.refusal
+                else f"it has no ONNX mapping (mapped: {', '.join(sorted(implementations('onnx')))})"
             )
+            raise BackendError(f"node {node.name} ({module_path(node) or 'top level'}) uses op qc.{op}: {why}")
 
 
 @contextlib.contextmanager

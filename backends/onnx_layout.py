@@ -42,6 +42,7 @@ from qcompiler.ir.op_registry import (
     implement,
     implementation,
     quantized_layer_path,
+    refuse,
     register,
     register_target,
     spec_of,
@@ -265,6 +266,12 @@ implement("onnx", "quant_linear", _lower_gptq, kind="lowering", label="MatMulNBi
 implement("onnx", "spqr_dense_linear", _lower_spqr_dense, kind="lowering", label="MatMulNBits + block correction")
 implement("onnx", "sparse_outlier_linear", _lower_outliers, kind="lowering", label="Gather + MatMul")
 implement("onnx", "quant_experts_linear", _lower_experts, kind="lowering", label="MatMulNBits per expert")
+refuse(
+    "onnx",
+    "gguf_linear",
+    "llama.cpp's free-minimum blocks (Q4_K, Q4_1) have no ONNX Runtime layout yet; export with --format gguf, "
+    "or quantize with gptq-w4g128 for ONNX",
+)
 implement(
     "onnx", "spqr_experts_linear", _lower_spqr_experts, kind="lowering", label="MatMulNBits + Gather/MatMul per expert"
 )

@@ -27,6 +27,7 @@ from qcompiler.ir.op_registry import (
     implement,
     implementations,
     quantized_layer_path,
+    refuse,
     register_target,
     spec,
     spec_of,
@@ -67,6 +68,11 @@ implement(
 )
 implement("triton", "sparse_outlier_linear", load=_kernel("csr_linear"), kind="kernel", label="csr_spmm")
 implement("triton", "hadamard", load=_kernel("hadamard"), kind="kernel", label="hadamard")
+refuse(
+    "triton",
+    "gguf_linear",
+    "no Triton kernel for llama.cpp's free-minimum blocks (Q4_K, Q4_1) yet: such a node runs its plain-torch reference",
+)
 
 
 def _kernels():

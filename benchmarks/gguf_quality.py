@@ -3,6 +3,7 @@ quantization of the same model to the same type, with and without an importance 
 
     python benchmarks/gguf_quality.py --llama-cpp-bin BUILD/bin          (~12 min on 2 cores)
     python benchmarks/gguf_quality.py --llama-cpp-bin BUILD/bin --models longlm --update   (one model's rows)
+    python benchmarks/gguf_quality.py --llama-cpp-bin BUILD/bin --types q4_k --update     (one type's rows)
 
 Per model (the bundled tinylm and longlm, and a random-weight LLaMA of width 512 saved to a
 temporary folder):
@@ -37,7 +38,8 @@ from results_file import merged_rows, write_rows
 import qcompiler as qc
 from qcompiler import models
 
-TYPES = {"q4_0": "Q4_0", "q4_1": "Q4_1", "q8_0": "Q8_0"}
+TYPES = {"q4_0": "Q4_0", "q4_1": "Q4_1", "q8_0": "Q8_0", "q4_k": "Q4_K"}
+SUPER_BLOCK_TYPES = {"q4_k"}  # need every linear's input width a multiple of 256 (llama.cpp falls back otherwise)
 MODELS = {"tinylm": "tinylm", "longlm": "longlm", "llama-random-512": None}  # label: bundled name (None: random)
 
 
@@ -48,7 +50,7 @@ def _random_llama(folder: Path) -> Path:
     config = LlamaConfig(
         vocab_size=256,
         hidden_size=512,
-        intermediate_size=1376,
+        intermediate_size=1536,  # a multiple of 256: Q4_K holds every linear
         num_hidden_layers=4,
         num_attention_heads=8,
         num_key_value_heads=8,
@@ -106,7 +108,7 @@ def _tool(bin_dir: Path, name: str, *args) -> None:
     subprocess.run([str(bin_dir / name), *map(str, args)], check=True, capture_output=True)
 
 
-def bench_model(label, loaded, work: Path, bin_dir: Path, calib: int, n_windows: int, reps: int) -> list[dict]:
+def bench_model(label, loaded, work: Path, bin_dir: Path, calib: int, n_windows: int, reps: int, types) -> list[dict]:
     import llama_cpp
 
     quiet = dict(progress=lambda s: None)
@@ -133,7 +135,12 @@ def bench_model(label, loaded, work: Path, bin_dir: Path, calib: int, n_windows:
         "-t",
         2,
     )
-    for kind, name in TYPES.items():
+    cfg = loaded.model.config
+    for kind in types:
+        name = TYPES[kind]
+        if kind in SUPER_BLOCK_TYPES and (cfg.hidden_size % 256 or cfg.intermediate_size % 256):
+            print(f"  {label}: {name} skipped (widths {cfg.hidden_size}/{cfg.intermediate_size})", file=sys.stderr)
+            continue
         for imatrix in (False, True):
             out = work / f"llamacpp-{kind}{'-imatrix' if imatrix else ''}.gguf"
             extra = ["--imatrix", work / "imatrix.gguf"] if imatrix else []
@@ -208,6 +215,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=5, help="decode-speed repeats")
     ap.add_argument("--quick", action="store_true", help="write under results/quick/ (a check of the script)")
     ap.add_argument("--models", nargs="+", choices=sorted(MODELS), default=list(MODELS))
+    ap.add_argument("--types", nargs="+", choices=sorted(TYPES), default=list(TYPES))
     ap.add_argument("--update", action="store_true", help="replace these models' rows in the committed JSON")
     args = ap.parse_args()
     torch.set_num_threads(2)
@@ -219,7 +227,9 @@ def main() -> None:
             work = tmp / label
             work.mkdir()
             loaded = models.load(source or _random_llama(work / "hf"))
-            rows += bench_model(label, loaded, work, args.llama_cpp_bin, args.calib, args.windows, args.reps)
+            rows += bench_model(
+                label, loaded, work, args.llama_cpp_bin, args.calib, args.windows, args.reps, args.types
+            )
     if args.update:
         rows = merged_rows("gguf", rows, key=("model", "file"))
     out = write_rows("gguf", rows, args.quick, calib_windows=args.calib, heldout_windows=args.windows)

@@ -15,7 +15,7 @@ import torch
 
 from qcompiler.algorithms.gptq import check_spec, gptq_quantize, hessian_factor
 from qcompiler.errors import QuantizationError
-from qcompiler.pipeline.weight_only import gptq_experts, gptq_layer_quant, rtn_layer_quant
+from qcompiler.pipeline.weight_only import check_grid_fits, gptq_experts, gptq_layer_quant, rtn_layer_quant
 from qcompiler.pipeline.weight_quantizer import WeightQuantizer
 
 __all__ = ["GPTQ"]
@@ -50,7 +50,9 @@ class GPTQ(WeightQuantizer):
     damp: float = 0.01  # λ = damp · mean(diag H), raised ×10 while H is not PD
     block_size: int = 128  # lazy-batch width
     true_sequential: bool = False  # True: q/k/v, then o, then gate/up, then down, re-running inputs between
-    grid: str = "mse"  # each group's range searched for the least 1/[H⁻¹]_jj-weighted error; "minmax": the paper's
+    # each group's range searched for the least 1/[H⁻¹]_jj-weighted error; "minmax": the paper's;
+    # "q4_k" / "q4_1": llama.cpp's grids with a free minimum, stored as its bytes (qc.gguf_linear)
+    grid: str = "mse"
     lm_head: bool = False  # also the output head, by RTN on the same grid (it has no block Hessian)
     ignore: tuple[str, ...] = ()  # module paths kept in full precision: globs, or 're:' + a regex
 
@@ -77,6 +79,7 @@ class GPTQ(WeightQuantizer):
 
     def quantize_layer(self, layer, W, H):
         """GPTQ on one layer, with the factor of its (shared) Hessian computed once."""
+        check_grid_fits(layer, W, self.grid)
         res = gptq_quantize(
             W,
             H,
@@ -90,7 +93,7 @@ class GPTQ(WeightQuantizer):
             factor=_factor(H, self.damp, self.act_order),
             grid=self.grid,
         )
-        return gptq_layer_quant(layer, W, res, self.bits, self.group_size)
+        return gptq_layer_quant(layer, W, res, self.bits, self.group_size, self.grid)
 
     def _rtn(self, layer, W, H):
         """The head and experts no calibration row reached: RTN on the same grid."""

@@ -22,7 +22,8 @@ class RTN(WeightQuantizer):
     bits: int = 4
     group_size: int = 128
     sym: bool = False
-    grid: str = "minmax"  # "mse": each group's range searched for the least error (Hessian-diagonal weighted)
+    grid: str = "minmax"  # "mse": each group's range searched for the least error (Hessian-diagonal weighted);
+    # "q4_k" / "q4_1": llama.cpp's grids with a free minimum, stored as its bytes (qc.gguf_linear)
     lm_head: bool = False  # also the output head (RTN), as onnxruntime-genai's int4 builder does
     ignore: tuple[str, ...] = ()  # module paths kept in full precision: globs, or 're:' + a regex
 

@@ -70,11 +70,13 @@ def test_q4_1_blocks_hold_the_asymmetric_grid_within_fp16_rounding_of_the_minimu
     assert (back - grid).abs().max() > 0  # m is rounded: not bit-identical, and the test can tell
 
 
-def test_q4_1_file_is_the_asymmetric_recipe(tmp_path):
-    """gptq-q4_1 (asymmetric 4-bit groups of 32) is written as Q4_1 blocks whose weights are the
-    graph's within the fp16 rounding of each block's minimum; gptq-q4_0 stays Q4_0."""
+def test_asymmetric_groups_of_32_are_written_as_q4_1(tmp_path):
+    """GPTQ on qcompiler's asymmetric grid (integer zero points) in 4-bit groups of 32 is written as
+    Q4_1 blocks whose weights are the graph's within the fp16 rounding of each block's minimum
+    (the gptq-q4_1 recipe itself fits Q4_1's free minimum: test_gguf_grids.py)."""
     model = causal_lm("llama")
-    cm = qc.compile(model, {"input_ids": prompt()}, recipe="gptq-q4_1", calibration=calibration(), backend="eager")
+    gptq = qc.passes.GPTQ(bits=4, group_size=32, sym=False)
+    cm = qc.compile(model, {"input_ids": prompt()}, recipe=[gptq], calibration=calibration(), backend="eager")
     cm.export_gguf(tmp_path / "q41.gguf", progress=lambda s: None)
     tensors = {t.name: t for t in gguf.GGUFReader(str(tmp_path / "q41.gguf")).tensors}
     cfg = model.config

@@ -211,7 +211,7 @@ def test_unmapped_op_is_named(tmp_path):
     with pytest.raises(
         qc.BackendError,
         match=r"node test_unmapped_default \(model.layers.0.self_attn.q_proj\) uses op "
-        r"qc.test_unmapped, which has no ONNX mapping",
+        r"qc.test_unmapped: it has no ONNX mapping",
     ):
         cm.export_onnx(tmp_path / "m.onnx")
     assert not (tmp_path / "m.onnx").exists()

@@ -15,6 +15,7 @@ from typing import Callable, NamedTuple, Optional
 import torch
 
 from qcompiler.algorithms.finite import all_finite
+from qcompiler.algorithms.gguf_grids import FORMATS, FreeMinGrid, fit_grid, quantize_codes, sub_block_grid
 from qcompiler.algorithms.packing import SUPPORTED_BITS
 from qcompiler.algorithms.quant_grid import GRID_KINDS, Grid, dequantize_codes, fit, quantize
 from qcompiler.errors import QuantizationError
@@ -33,7 +34,12 @@ __all__ = [
     "output_error",
     "quadratic_form",
     "lazy_sweep",
+    "KQUANT_GRIDS",
 ]
+
+# llama.cpp's grids with a free minimum (``qcompiler.algorithms.gguf_grids``): 4-bit codes on sub-blocks of
+# 32, each with its own scale and offset (Q4_K: 6-bit, per super-block of 256; Q4_1: fp16); qc.gguf_linear.
+KQUANT_GRIDS = tuple(FORMATS)
 
 
 class QuantResult(NamedTuple):
@@ -48,12 +54,18 @@ class QuantResult(NamedTuple):
     damp_steps: int  # how many times damping was raised (0: the default sufficed)
     # GPTQ only: (‖E‖², λ) with E the sweep's scaled errors: tr(ΔW (H + λI) ΔWᵀ) = ‖E‖² (output_error)
     damped_error: Optional[tuple[float, float]] = None
+    free_min: Optional[FreeMinGrid] = None  # a free-minimum grid (codes 0..15, zeros 0): its stored scales
 
 
 def check_spec(bits: int, group_size: int, grid: str = "minmax") -> None:
     """Refuse bit widths, group sizes and grid kinds the packed layout and kernels cannot hold."""
-    if grid not in GRID_KINDS:
-        raise QuantizationError(f"grid={grid!r} is not a grid kind; choose one of {GRID_KINDS}")
+    if grid not in GRID_KINDS + KQUANT_GRIDS:
+        raise QuantizationError(f"grid={grid!r} is not a grid kind; choose one of {GRID_KINDS + KQUANT_GRIDS}")
+    if grid in KQUANT_GRIDS and (bits, group_size) != (4, 32):
+        raise QuantizationError(
+            f"grid={grid!r} is llama.cpp's 4-bit codes in sub-blocks of 32: it needs bits=4 and "
+            f"group_size=32, got bits={bits}, group_size={group_size}"
+        )
     if bits not in SUPPORTED_BITS:
         raise QuantizationError(f"bits={bits} is not supported; choose one of {SUPPORTED_BITS}")
     if group_size != -1 and group_size < 1:
@@ -183,7 +195,11 @@ class _Groups:
         n_groups = int(self.g_idx.max().item()) + 1
         self.scales = torch.zeros(n_groups, W0.shape[0], device=W0.device)
         self.zeros = torch.zeros(n_groups, W0.shape[0], device=W0.device)
-        if self.static:  # every grid from the original weights, groups contiguous in original order
+        self.offsets: Optional[torch.Tensor] = None  # free-minimum grids: value = scale · code − offset
+        self.free_min: Optional[FreeMinGrid] = None
+        if grid in KQUANT_GRIDS:
+            self._init_free_min(W0, perm, original, importance)
+        elif self.static:  # every grid from the original weights, groups contiguous in original order
             W_orig = original if original is not None else W0 if perm is None else W0[:, torch.argsort(perm)]
             imp = importance if importance is None or perm is None else importance[torch.argsort(perm)]
             whole = n_in // group_size  # the whole groups' grids in one call, the partial last one alone
@@ -203,16 +219,48 @@ class _Groups:
                 rest = None if imp is None else imp[whole * group_size :]
                 self._store(whole, fit(W_orig[:, whole * group_size :], bits, sym, grid, rest))
         self._rows: list = [None] * n_groups
-        if self.static:
+        if self.static and self.free_min is None:
             self._rows = list(zip(self.scales.unbind(0), (-self.zeros).unbind(0), (self.maxq - self.zeros).unbind(0)))
 
     def _store(self, g: int, grid: Grid) -> None:
         self.scales[g], self.zeros[g] = grid.scale[:, 0], grid.zero[:, 0]
 
+    def _init_free_min(self, W0: torch.Tensor, perm, original, importance) -> None:
+        """A free-minimum grid: fitted whole from the original weights (static), or per stored block
+        when the sweep reaches it (natural column order only: its sub-blocks are contiguous)."""
+        rows, n_in = W0.shape
+        self.block = FORMATS[self.kind].super_block
+        if n_in % self.block:
+            raise QuantizationError(f"grid={self.kind!r} needs a multiple of {self.block} input columns, got {n_in}")
+        if perm is not None and not self.static:
+            raise QuantizationError(f"grid={self.kind!r} with act-order needs static groups (contiguous sub-blocks)")
+        self.offsets = torch.zeros_like(self.scales)
+        floats = self.scales.new_zeros(rows, n_in // self.block)
+        ints = torch.zeros(rows, n_in // self.group_size, dtype=torch.int32, device=W0.device)
+        self.free_min = FreeMinGrid(floats, floats.clone(), ints, ints.clone())
+        if self.static:
+            W_orig = original if original is not None else W0 if perm is None else W0[:, torch.argsort(perm)]
+            imp = importance if importance is None or perm is None else importance[torch.argsort(perm)]
+            self._store_free_min(0, fit_grid(self.kind, W_orig, imp))
+
+    def _store_free_min(self, col: int, grid: FreeMinGrid) -> None:
+        """Put ``grid`` (of the stored blocks from input column ``col`` on) into place."""
+        sb, g = col // self.block, col // self.group_size
+        for name, part in zip(FreeMinGrid._fields, grid):
+            start = sb if name in ("d", "dmin") else g
+            getattr(self.free_min, name)[:, start : start + part.shape[1]] = part
+        scale, offset = sub_block_grid(grid)
+        self.scales[g : g + scale.shape[1]], self.offsets[g : g + scale.shape[1]] = scale.t(), offset.t()
+
     def grid_for(self, j: int, upcoming: torch.Tensor) -> Grid:
         """``upcoming``: current weights of the processed columns ``j, j+1, …`` (at least one group)."""
         g = self.col_group[j]
         starts_group = j == 0 or self.col_group[j - 1] != g
+        if self.free_min is not None:
+            if not self.static and j % self.block == 0:  # natural order: column j is input column j
+                imp = None if self.importance is None else self.importance[j : j + self.block]
+                self._store_free_min(j, fit_grid(self.kind, upcoming[:, : self.block], imp))
+            return Grid(self.scales[g].unsqueeze(1), self.offsets[g].unsqueeze(1))
         if not self.static and starts_group:
             width = upcoming.shape[1] if self.group_size == -1 else min(self.group_size, upcoming.shape[1])
             imp = None if self.importance is None else self.importance[j : j + width]
@@ -231,6 +279,17 @@ class _Groups:
             rows = self._rows[g] = (scale, -zero, self.maxq - zero)
         return rows
 
+    def free_min_rows(self, j: int, upcoming: Callable[[], torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        """Column ``j``'s free-minimum grid as the sweep uses it: rows ``scale``, ``offset`` and the divisor
+        (the scale, or +inf where it is 0, so that such a sub-block's codes are 0)."""
+        g = self.col_group[j]
+        rows = self._rows[g]
+        if rows is None:
+            grid = self.grid_for(j, upcoming())
+            scale, offset = grid.scale[:, 0], grid.zero[:, 0]
+            rows = self._rows[g] = (scale, offset, torch.where(scale > 0, scale, torch.full_like(scale, float("inf"))))
+        return rows
+
 
 def _column_cost(U: torch.Tensor, grid: str) -> Optional[torch.Tensor]:
     """What an error in each column costs GPTQ once later columns compensate it: ``1/[H⁻¹]_jj``
@@ -242,7 +301,8 @@ def _finish(Q: torch.Tensor, codes: torch.Tensor, perm, groups: _Groups, damp: f
     if perm is not None:
         inv = torch.argsort(perm)
         Q, codes = Q[:, inv], codes[:, inv]
-    return QuantResult(codes, groups.scales, groups.zeros, groups.g_idx.to(Q.device), Q, damp, steps)
+    g_idx = groups.g_idx.to(Q.device)
+    return QuantResult(codes, groups.scales, groups.zeros, g_idx, Q, damp, steps, None, groups.free_min)
 
 
 def lazy_sweep(W: torch.Tensor, U: torch.Tensor, block_size: int, step) -> None:
@@ -303,8 +363,10 @@ def gptq_quantize(
     n_out, n_in = W.shape
     groups = _Groups(WT.t(), bits, group_size, sym, static_groups, perm, W, grid, _column_cost(U, grid))
     del W
-    if group_size != -1 and not groups.static:  # blocks hold whole groups
-        block_size = max(group_size, block_size // group_size * group_size)
+    if group_size != -1 and not groups.static:  # blocks hold whole groups (free-minimum grids: whole stored blocks)
+        unit = groups.block if groups.free_min is not None else group_size
+        block_size = max(unit, block_size // unit * unit)
+    free_min = groups.free_min is not None
     QT = torch.empty_like(WT)  # dequantized weight, transposed
     codesT = torch.empty_like(WT)  # integer codes as floats until the end
     diag = torch.diagonal(U).tolist()  # one sync per layer, not one per column
@@ -315,11 +377,17 @@ def gptq_quantize(
         Err1 = torch.empty(i2 - i1, n_out, device=WT.device)
         for i in range(i2 - i1):
             j = i1 + i
-            scale, low, high = groups.sweep_rows(j, lambda: W1[i:].t() if group_size != -1 else WT[j:].t())
-            # clamp(round(w/s), −z, maxq − z) + z is clamp(round(w/s) + z, 0, maxq) exactly (integers):
-            # the zero is added to all codes at once below, and the dequantized value needs no subtraction
-            q = torch.div(W1[i], scale, out=codesT[j]).round_().clamp_(low, high)
-            torch.mul(q, scale, out=QT[j])
+            upcoming = lambda: W1[i:].t() if group_size != -1 else WT[j:].t()  # noqa: E731
+            if free_min:  # value = scale · code − offset, the offset a free value (not an integer zero)
+                scale, offset, divisor = groups.free_min_rows(j, upcoming)
+                q = torch.add(W1[i], offset, out=codesT[j]).div_(divisor).round_().clamp_(0, groups.maxq)
+                torch.mul(q, scale, out=QT[j]).sub_(offset)
+            else:
+                scale, low, high = groups.sweep_rows(j, upcoming)
+                # clamp(round(w/s), −z, maxq − z) + z is clamp(round(w/s) + z, 0, maxq) exactly (integers):
+                # the zero is added to all codes at once below, and the dequantized value needs no subtraction
+                q = torch.div(W1[i], scale, out=codesT[j]).round_().clamp_(low, high)
+                torch.mul(q, scale, out=QT[j])
             err = torch.sub(W1[i], QT[j], out=Err1[i]).div_(diag[j])
             W1[i + 1 :].addr_(U1[i, i + 1 :], err, alpha=-1)
         WT[i2:].addmm_(U[i1:i2, i2:].t(), Err1, alpha=-1)
@@ -344,6 +412,7 @@ def gptq_quantize(
         f.damp,
         f.damp_steps,
         (error_sq.item(), f.lam),
+        groups.free_min,
     )
 
 
@@ -369,9 +438,16 @@ def gptq_quantize_reference(
     codes = torch.zeros(n_out, n_in, dtype=torch.int32, device=W.device)
     for j in range(n_in):
         grid = groups.grid_for(j, W[:, j:])
-        q = quantize(W[:, j : j + 1], grid, bits)
-        codes[:, j] = q[:, 0]
-        Q[:, j] = dequantize_codes(q, grid)[:, 0]
+        if groups.free_min is not None:  # scale · code − offset (the Grid's zero holds the offset)
+            scale, offset = grid.scale[:, 0], grid.zero[:, 0]
+            safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+            q = torch.where(scale > 0, torch.round((W[:, j] + offset) / safe).clamp(0, 2**bits - 1), 0)
+            codes[:, j] = q.to(torch.int32)
+            Q[:, j] = q * scale - offset
+        else:
+            q = quantize(W[:, j : j + 1], grid, bits)
+            codes[:, j] = q[:, 0]
+            Q[:, j] = dequantize_codes(q, grid)[:, 0]
         err = (W[:, j] - Q[:, j]) / U[j, j]
         W[:, j + 1 :] -= err.unsqueeze(1) * U[j, j + 1 :].unsqueeze(0)
     return _finish(Q, codes, perm, groups, damp_used, steps)
@@ -397,6 +473,12 @@ def rtn_quantize(
     g_idx = groups.g_idx.to(W.device)
     g = g_idx.long()
     scale, zero = groups.scales[g].t(), groups.zeros[g].t()  # [out, in]
+    if groups.free_min is not None:
+        codes = quantize_codes(W, groups.free_min)
+        offset = groups.offsets[g].t()
+        return QuantResult(
+            codes, groups.scales, groups.zeros, g_idx, scale * codes.float() - offset, 0.0, 0, None, groups.free_min
+        )
     codes = torch.clamp(torch.round(W / scale) + zero, 0, 2**bits - 1).to(torch.int32)
     return QuantResult(codes, groups.scales, groups.zeros, g_idx, scale * (codes.float() - zero), 0.0, 0)
 

@@ -33,6 +33,10 @@ __all__ = [
     "write_tokenizer_files",
 ]
 
+GGUF_BLOCKS_ONLY = (
+    "its weights are llama.cpp's blocks with a free minimum per 32 weights (Q4_K, Q4_1), "
+    "which only GGUF holds; export it with --format gguf, or quantize with gptq-w4g128 for other runtimes"
+)
 ONLINE_ROTATION = (
     "an online Hadamard rotation (Rotate's online step), which checkpoint clients (transformers, vLLM, "
     "GPTQModel) cannot run; quantize with Rotate(online=False) for an ordinary checkpoint, or export to ONNX"
@@ -52,6 +56,7 @@ class QuantLayer:
     tensors: dict[str, torch.Tensor]
     bits: int
     group_size: int
+    block_type: Optional[str] = None  # qc.gguf_linear: llama.cpp's block type of its bytes
 
 
 def layer_writers(

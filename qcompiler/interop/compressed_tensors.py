@@ -18,6 +18,7 @@ import torch
 from qcompiler.algorithms.packing import unpack_cols
 from qcompiler.interop.checkpoint import (
     DEFAULT_SHARD_BYTES,
+    GGUF_BLOCKS_ONLY,
     ONLINE_ROTATION,
     ExportError,
     fp_tensors,
@@ -112,6 +113,7 @@ refuse("compressed-tensors", "spqr_dense_linear", _NO_FORM)
 refuse("compressed-tensors", "sparse_outlier_linear", _NO_FORM)
 refuse("compressed-tensors", "spqr_experts_linear", _NO_FORM)
 refuse("compressed-tensors", "hadamard", ONLINE_ROTATION)
+refuse("compressed-tensors", "gguf_linear", GGUF_BLOCKS_ONLY)
 
 
 def export_compressed_tensors(

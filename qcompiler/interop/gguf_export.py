@@ -25,6 +25,7 @@ from qcompiler.algorithms.packing import unpack_cols, unpack_rows
 from qcompiler.interop.checkpoint import (
     ONLINE_ROTATION,
     ExportError,
+    QuantLayer,
     fp_tensors,
     gptq_layer,
     layer_writers,
@@ -43,8 +44,17 @@ __all__ = ["export_gguf", "GGUF_ARCHITECTURES", "is_qcompiler_gguf"]
 
 register_target("gguf", "exporter: GGUF files for llama.cpp")
 implement("gguf", "quant_linear", gptq_layer, kind="writer", label="Q8_0/Q4_0/Q4_1 blocks")
+
+
+def _gguf_bytes_layer(gm, a, path: str) -> QuantLayer:
+    """A ``qc.gguf_linear`` node: llama.cpp's block bytes, written as they are."""
+    return QuantLayer(path, a.node, {"blocks": a.tensor(gm, "blocks")}, 4, 32, a.block_type)
+
+
+implement("gguf", "gguf_linear", _gguf_bytes_layer, kind="writer", label="its block bytes (Q4_K, Q4_1)")
 _NOT_GGUF = (
-    "GGUF holds weight-only block quantization (recipes gptq-q4_0, gptq-q4_1, gptq-q8_0); export this recipe to ONNX"
+    "GGUF holds weight-only block quantization (recipes gptq-q4_0, gptq-q4_1, gptq-q8_0, gptq-q4_k); "
+    "export this recipe to ONNX"
 )
 for _op in ("int8_linear", "spqr_dense_linear", "sparse_outlier_linear", "spqr_experts_linear"):
     refuse("gguf", _op, _NOT_GGUF)
@@ -65,8 +75,9 @@ _FILE_TYPES = {
     "Q8_0": gguf.LlamaFileType.MOSTLY_Q8_0,
     "Q4_0": gguf.LlamaFileType.MOSTLY_Q4_0,
     "Q4_1": gguf.LlamaFileType.MOSTLY_Q4_1,
+    "Q4_K": gguf.LlamaFileType.MOSTLY_Q4_K_M,
 }
-_RECIPES = ", ".join(b.recipe for b in BLOCK_TYPES.values())
+_RECIPES = ", ".join(dict.fromkeys([b.recipe for b in BLOCK_TYPES.values()] + ["gptq-q4_k"]))
 RECIPE_KEY = "qcompiler.recipe"
 
 
@@ -96,6 +107,8 @@ def _rotary_rows(n_rows: int, heads: int) -> torch.Tensor:
 
 def _quant_tensor(layer, requantize: Optional[str]) -> tuple[np.ndarray, gguf.GGMLQuantizationType, str]:
     """A quantized layer's GGUF data, type, and how it got there."""
+    if layer.block_type is not None:  # qc.gguf_linear: llama.cpp's bytes already
+        return layer.tensors["blocks"].numpy(), gguf.GGMLQuantizationType[layer.block_type], "exact"
     t, bits = layer.tensors, layer.bits
     n_in, n_out = t["g_idx"].numel(), t["scales"].shape[1]
     zeros = unpack_cols(t["qzeros"], bits, n_out)
@@ -140,7 +153,7 @@ def export_gguf(cm, path, *, requantize: Optional[str] = None, protect=(), progr
     path = check_output_file(Path(path), "GGUF", ours=is_qcompiler_gguf, protect=(*protect, *source_folder(gm)))
     arch, pairs_rotary = GGUF_ARCHITECTURES[model_type]
     layers = [write(gm, a, path) for a, path, write in layer_writers(gm, "gguf", "GGUF", require_any=False)]
-    consumed = {getattr(args_of(layer.node), name).target for layer in layers for name in GPTQ_TENSORS}
+    consumed = {getattr(args_of(layer.node), name).target for layer in layers for name in layer.tensors}
     heads = int(config["num_attention_heads"])
     kv_heads = int(config.get("num_key_value_heads") or heads)
     hidden, n_layers = int(config["hidden_size"]), int(config["num_hidden_layers"])

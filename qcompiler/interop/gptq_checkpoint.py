@@ -27,6 +27,7 @@ from qcompiler.algorithms.gptq import groups_in_column_order
 from qcompiler.algorithms.packing import pack_cols, unpack_cols
 from qcompiler.interop.checkpoint import (
     DEFAULT_SHARD_BYTES,
+    GGUF_BLOCKS_ONLY,
     ONLINE_ROTATION,
     ExportError,
     QuantLayer,
@@ -59,6 +60,7 @@ refuse("gptq", "spqr_dense_linear", _ONLY_GPTQ)
 refuse("gptq", "sparse_outlier_linear", _ONLY_GPTQ)
 refuse("gptq", "spqr_experts_linear", _ONLY_GPTQ)
 refuse("gptq", "hadamard", ONLINE_ROTATION)
+refuse("gptq", "gguf_linear", GGUF_BLOCKS_ONLY)
 
 
 def _split_for_loaders(layer: QuantLayer, model_type) -> list[QuantLayer]:

@@ -18,6 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from qcompiler.algorithms.gguf_grids import FORMATS
+from qcompiler.algorithms.gguf_grids import dequantize as dequantize_blocks
 from qcompiler.algorithms.hadamard import rotate_last_dim
 from qcompiler.algorithms.int8 import quantize_per_token
 from qcompiler.algorithms.packing import pack_cols, pack_rows, unpack_cols, unpack_rows
@@ -44,6 +46,9 @@ __all__ = [
     "expert_csr",
     "per_expert",
     "hadamard",
+    "gguf_linear",
+    "dequantize_gguf",
+    "GGUF_BLOCK_TYPES",
 ]
 
 
@@ -476,3 +481,36 @@ hadamard.register_autograd(_hadamard_backward, setup_context=_hadamard_setup)
 
 
 register(OpSpec("hadamard"))  # no weights of its own: its signs are part of the FP model, like a norm's
+
+
+GGUF_BLOCK_TYPES = tuple(f.name for f in FORMATS.values())  # llama.cpp block types qc.gguf_linear holds
+
+
+def dequantize_gguf(blocks: Tensor, block_type: str, in_features: int) -> Tensor:
+    """The float32 weight ``[out, in]`` that llama.cpp block bytes ``[out, ·]`` of ``block_type`` stand for."""
+    if block_type not in GGUF_BLOCK_TYPES:
+        raise ValueError(f"block_type {block_type!r} is not one qc.gguf_linear holds ({', '.join(GGUF_BLOCK_TYPES)})")
+    return dequantize_blocks(block_type, blocks, in_features)
+
+
+@torch.library.custom_op("qc::gguf_linear", mutates_args=())
+def gguf_linear(x: Tensor, blocks: Tensor, bias: Optional[Tensor], block_type: str, in_features: int) -> Tensor:
+    """Weight-only linear on llama.cpp's block bytes as they are written to a GGUF file (Q4_K, Q4_1:
+    grids whose minima are not integer zero points): dequantize, then an ordinary matmul."""
+    w = dequantize_gguf(blocks, block_type, in_features).to(x.dtype)
+    return F.linear(x, w, None if bias is None else bias.to(x.dtype))
+
+
+@gguf_linear.register_fake
+def _gguf_linear_fake(x, blocks, bias, block_type, in_features):
+    return x.new_empty((*x.shape[:-1], blocks.shape[0]))
+
+
+register(
+    OpSpec(
+        "gguf_linear",
+        storage=("blocks",),
+        weights=lambda a, gm: a.stored_like(gm, "blocks").shape[0] * a.in_features,
+        establishes=_QUANTIZED,
+    )
+)

@@ -189,8 +189,18 @@ def _describe(cls: type, kw: dict) -> str:
         if order
         else ""
     )
-    extra += ", searched (mse) grid" if p.grid == "mse" else ", min-max grid"
     extra += ", lm_head in 4 bits (RTN)" if p.lm_head else ""
+    if p.grid == "q4_k":
+        return (
+            f"{method} on llama.cpp's Q4_K grid (4-bit codes in sub-blocks of 32, 6-bit scales and minima per "
+            f"super-block of 256: 4.5 bits per weight, searched){extra}; eager and GGUF only"
+        )
+    if p.grid == "q4_1":
+        return (
+            f"{method} on llama.cpp's Q4_1 grid (4-bit codes in blocks of 32, an fp16 scale and a free fp16 "
+            f"minimum each: 5.0 bits per weight, searched){extra}; eager and GGUF only"
+        )
+    extra += ", searched (mse) grid" if p.grid == "mse" else ", min-max grid"
     return f"{method} W{p.bits}A16, {group}, {'symmetric' if p.sym else 'asymmetric'}{extra}"
 
 
@@ -224,14 +234,19 @@ _WEIGHT_ONLY = {
     "rtn-w4g128-sym": ("RTN", dict(bits=4, group_size=128, sym=True)),
     "gptq-w4g128-sym": ("GPTQ", dict(bits=4, group_size=128, sym=True)),
     "gptq-w3g128-sym": ("GPTQ", dict(bits=3, group_size=128, sym=True)),
-    # llama.cpp's Q4_0 / Q8_0 blocks (32 weights, one fp16 scale, symmetric) and Q4_1 (plus an fp16
-    # minimum: asymmetric): written to GGUF code for code
+    # llama.cpp's Q4_0 / Q8_0 blocks (32 weights, one fp16 scale, symmetric): written to GGUF code for code
     "rtn-q4_0": ("RTN", dict(bits=4, group_size=32, sym=True)),
     "gptq-q4_0": ("GPTQ", dict(bits=4, group_size=32, sym=True)),
-    "rtn-q4_1": ("RTN", dict(bits=4, group_size=32, sym=False)),
-    "gptq-q4_1": ("GPTQ", dict(bits=4, group_size=32, sym=False)),
     "rtn-q8_0": ("RTN", dict(bits=8, group_size=32, sym=True)),
     "gptq-q8_0": ("GPTQ", dict(bits=8, group_size=32, sym=True)),
+    # llama.cpp's grids with a free minimum per 32 weights, stored as their own bytes (qc.gguf_linear): run in
+    # eager and llama.cpp only. Q4_1 (fp16 scale and minimum, 5.0 bits per weight) on its own grid: longlm
+    # perplexity +0.30 % vs +0.79 % for an integer zero point (asymmetric groups of 32, written as Q4_1 too).
+    # Q4_K (super-blocks of 256: 6-bit scales and minima per 32, 4.5 bits per weight).
+    "rtn-q4_1": ("RTN", dict(bits=4, group_size=32, grid="q4_1")),
+    "gptq-q4_1": ("GPTQ", dict(bits=4, group_size=32, grid="q4_1")),
+    "rtn-q4_k": ("RTN", dict(bits=4, group_size=32, grid="q4_k")),
+    "gptq-q4_k": ("GPTQ", dict(bits=4, group_size=32, grid="q4_k")),
     # the output head in 4 bits too (RTN), as onnxruntime-genai's int4 builder: faster decoding
     "rtn-w4g128-head": ("RTN", dict(bits=4, group_size=128, sym=False, lm_head=True)),
     "gptq-w4g128-head": ("GPTQ", dict(bits=4, group_size=128, sym=False, lm_head=True)),

@@ -14,7 +14,8 @@ import torch
 from torch.fx import GraphModule, Node
 
 from qcompiler.algorithms.finite import all_finite
-from qcompiler.algorithms.gptq import QuantResult, output_error, rtn_quantize
+from qcompiler.algorithms.gguf_grids import FORMATS, dequantize, pack
+from qcompiler.algorithms.gptq import KQUANT_GRIDS, QuantResult, output_error, rtn_quantize
 from qcompiler.algorithms.packing import packed_length
 from qcompiler.calib.calibration import CalibrationEngine, LayerStats, RankWork
 from qcompiler.calib.host_memory import return_freed_memory
@@ -41,6 +42,7 @@ __all__ = [
     "rtn_layer_quant",
     "gptq_experts",
     "check_packable",
+    "check_grid_fits",
     "UnpackableLayer",
     "skip_reason",
     "store_dequantized",
@@ -616,10 +618,26 @@ def _calibrated_walk(walk: _BlockQuantizer, engine: CalibrationEngine, quantizer
         walk.block_done(first, first_expert)
 
 
-def gptq_layer_quant(layer: LinearLayer, W: torch.Tensor, res: QuantResult, bits: int, group_size: int) -> LayerQuant:
-    """A GPTQ/RTN result as a layer rewrite to ``qc.quant_linear`` (GPTQ checkpoint layout).
+def check_grid_fits(layer: LinearLayer, W: torch.Tensor, grid: str) -> None:
+    """Raise UnpackableLayer, before any solve, when a llama.cpp grid cannot hold ``W``'s width
+    (its stored blocks: Q4_K's super-blocks are 256 input columns)."""
+    if grid in KQUANT_GRIDS and W.shape[1] % FORMATS[grid].super_block:
+        fmt = FORMATS[grid]
+        raise UnpackableLayer(
+            f"layer {layer.path}: in_features={W.shape[1]} is not a multiple of {fmt.super_block}, "
+            f"llama.cpp's {fmt.name} block"
+        )
+
+
+def gptq_layer_quant(
+    layer: LinearLayer, W: torch.Tensor, res: QuantResult, bits: int, group_size: int, grid: str = "minmax"
+) -> LayerQuant:
+    """A GPTQ/RTN result as a layer rewrite to ``qc.quant_linear`` (GPTQ checkpoint layout), or to
+    ``qc.gguf_linear`` (llama.cpp's bytes) for a free-minimum grid (Q4_K, Q4_1).
     ``group_size`` is the recipe's, also when the width is not a multiple of it (the last group
     is shorter) or is one group: every layer of a recipe records the same setting."""
+    if res.free_min is not None:
+        return _gguf_layer_quant(res, grid)
     check_packable(layer, W, bits)
     packed = pack_gptq(res.codes, res.scales, res.zeros, res.g_idx, bits, group_size)
     figures = {"bits": bits}
@@ -632,6 +650,30 @@ def gptq_layer_quant(layer: LinearLayer, W: torch.Tensor, res: QuantResult, bits
         {f: getattr(packed, f) for f in GPTQ_TENSORS},
         LayerRewrite("quant_linear", {"bits": packed.bits, "group_size": packed.group_size}),
         res.damped_error,
+    )
+
+
+def _gguf_layer_quant(res: QuantResult, grid: str) -> LayerQuant:
+    """A free-minimum grid's result as llama.cpp's block bytes; the dequantized weight is read back
+    from them, so calibration of later blocks sees exactly what the op computes."""
+    block_type = FORMATS[grid].name
+    blocks = pack(grid, res.codes, res.free_min)
+    n_in = res.codes.shape[1]
+    figures = {"bits": 4, "grid": block_type}
+    if res.damp:
+        figures.update(damp=res.damp, damp_steps=res.damp_steps)
+    rewrite = LayerRewrite("gguf_linear", {"block_type": block_type, "in_features": n_in})
+    return LayerQuant(dequantize(block_type, blocks, n_in), figures, {"blocks": blocks}, rewrite, res.damped_error)
+
+
+@register_rewrite("gguf_linear")
+def _gguf_linear(gm: GraphModule, layer: LinearLayer, tensors: dict, block_type: str, in_features: int) -> None:
+    replace_linear(
+        gm,
+        layer,
+        "gguf_linear",
+        tensors,
+        lambda x, a: dict(x=x, **a, bias=layer.bias_node, block_type=block_type, in_features=in_features),
     )
 
 
@@ -658,9 +700,10 @@ def rtn_layer_quant(
     """Round-to-nearest on the GPTQ grid, stored like GPTQ: RTN's layers, and GPTQ's head and its
     experts that no calibration row reached. An "mse" grid weighs each column by ``diag(H)`` when
     there is an ``H`` (plain squared error without)."""
+    check_grid_fits(layer, W, grid)
     importance = None if H is None else torch.diagonal(H).float()
     res = rtn_quantize(W, bits=bits, group_size=group_size, sym=sym, grid=grid, importance=importance)
-    return gptq_layer_quant(layer, W, res, bits, group_size)
+    return gptq_layer_quant(layer, W, res, bits, group_size, grid)
 
 
 def gptq_experts(no_tokens: QuantizeFn) -> ExpertsFormat:
