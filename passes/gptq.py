@@ -15,7 +15,7 @@ import torch
 
 from qcompiler.algorithms.gptq import check_spec, gptq_quantize, hessian_factor
 from qcompiler.errors import QuantizationError
-from qcompiler.pipeline.weight_only import check_grid_fits, gptq_experts, gptq_layer_quant, rtn_layer_quant
+from qcompiler.pipeline.weight_only import gptq_experts, gptq_layer_quant, layer_grid, rtn_layer_quant
 from qcompiler.pipeline.weight_quantizer import WeightQuantizer
 
 __all__ = ["GPTQ"]
@@ -79,7 +79,7 @@ class GPTQ(WeightQuantizer):
 
     def quantize_layer(self, layer, W, H):
         """GPTQ on one layer, with the factor of its (shared) Hessian computed once."""
-        check_grid_fits(layer, W, self.grid)
+        grid = layer_grid(layer, W, self.grid)
         res = gptq_quantize(
             W,
             H,
@@ -91,7 +91,7 @@ class GPTQ(WeightQuantizer):
             damp=self.damp,
             block_size=self.block_size,
             factor=_factor(H, self.damp, self.act_order),
-            grid=self.grid,
+            grid=grid,
         )
         return gptq_layer_quant(layer, W, res, self.bits, self.group_size, self.grid)
 

@@ -25,23 +25,28 @@ from qcompiler.ir.ops import dequantize_gguf
 
 def _random_grid(kind: str, rows: int, cols: int, seed: int = 0) -> tuple[torch.Tensor, FreeMinGrid]:
     g = torch.Generator().manual_seed(seed)
-    n_sb = cols // (256 if kind == "q4_k" else 32)
-    d, dmin = ((torch.rand(rows, n_sb, generator=g) - s) * 0.01 for s in (0, 0 if kind == "q4_k" else 0.5))
+    per_block = kind in ("q4_1", "q5_1")
+    n_sb = cols // (32 if per_block else 256)
+    d, dmin = ((torch.rand(rows, n_sb, generator=g) - s) * 0.01 for s in (0, 0.5 if per_block else 0))
     ints = (torch.randint(0, 64, (rows, cols // 32), generator=g, dtype=torch.int32) for _ in range(2))
-    if kind == "q4_1":
+    if per_block:
         ints = (torch.ones(rows, n_sb, dtype=torch.int32),) * 2
     grid = FreeMinGrid(d.half().float(), dmin.half().float(), *ints)
-    return torch.randint(0, 16, (rows, cols), generator=g, dtype=torch.int32), grid
+    top = 32 if kind.startswith("q5") else 16
+    return torch.randint(0, top, (rows, cols), generator=g, dtype=torch.int32), grid
 
 
-@pytest.mark.parametrize("kind", ["q4_k", "q4_1"])
+@pytest.mark.parametrize("kind", ["q4_k", "q5_k", "q4_1", "q5_1"])
 def test_packed_bytes_are_llama_cpp_blocks(kind):
-    """Random codes and stored scales (Q4_K: 6-bit scales and minima, fp16 d and dmin; Q4_1: fp16
+    """Random codes and stored scales (Q4_K, Q5_K: 6-bit scales and minima, fp16 d and dmin; Q4_1, Q5_1: fp16
     scales and minima of either sign): gguf's reference dequantizer reads the bytes as the grid's
     scale·q − offset, bit for bit, and so does the op's own dequantizer."""
     codes, grid = _random_grid(kind, 6, 512)
     blocks = pack(kind, codes, grid)
-    assert blocks.shape == (6, {"q4_k": 2 * 144, "q4_1": 16 * 20}[kind]) and blocks.dtype == torch.uint8
+    assert (
+        blocks.shape == (6, {"q4_k": 2 * 144, "q5_k": 2 * 176, "q4_1": 16 * 20, "q5_1": 16 * 24}[kind])
+        and blocks.dtype == torch.uint8
+    )
     qtype = gguf.GGMLQuantizationType[kind.upper()]
     theirs = gguf.quants.dequantize(blocks.numpy(), qtype)
     scale, offset = sub_block_grid(grid)
@@ -87,7 +92,7 @@ def test_fitted_grid_beats_the_min_max_grid():
     assert error(fitted) <= 0.85 * error(plain)
 
 
-@pytest.mark.parametrize("kind", ["q4_k", "q4_1"])
+@pytest.mark.parametrize("kind", ["q4_k", "q5_k", "q4_1"])
 @pytest.mark.parametrize("act_order,static", [(False, False), (True, True), (False, True)])
 def test_gptq_on_the_grid_is_the_straightforward_algorithm(kind, act_order, static):
     """The lazy-batch sweep picks the codes the column-by-column reference picks (static grids: the
@@ -96,7 +101,7 @@ def test_gptq_on_the_grid_is_the_straightforward_algorithm(kind, act_order, stat
     3 %, and within 0.1 % on static grids), and the
     dequantized weight is exactly what the packed bytes stand for."""
     W, H = _problem()
-    kw = dict(bits=4, group_size=32, grid=kind, act_order=act_order, static_groups=static)
+    kw = dict(bits=5 if kind == "q5_k" else 4, group_size=32, grid=kind, act_order=act_order, static_groups=static)
     fast, ref = gptq_quantize(W, H, block_size=64, **kw), gptq_quantize_reference(W, H, **kw)
     assert (fast.codes == ref.codes).float().mean() >= (0.999 if static else 0.98)
     assert torch.equal(dequantize(kind.upper(), pack(kind, fast.codes, fast.free_min), 512), fast.dequantized)
@@ -152,7 +157,7 @@ def _llama256(intermediate_size: int = 512) -> torch.nn.Module:
     return transformers.LlamaForCausalLM(cfg).eval()
 
 
-@pytest.fixture(scope="module", params=["q4_k", "q4_1"])
+@pytest.fixture(scope="module", params=["q4_k", "q5_k", "q4_1"])
 def compiled(request, tmp_path_factory):
     model = _llama256()
     calib = [{"input_ids": torch.randint(3, 128, (4, 64), generator=torch.Generator().manual_seed(1))}]
@@ -168,13 +173,14 @@ def _layers(cm) -> dict:
 
 
 def test_every_layer_is_on_the_grid_at_its_exact_bits(compiled):
-    """Q4_K: (2 + 2 + 12 + 128) bytes per 256 weights = 4.5 bits; Q4_1: (2 + 2 + 16) per 32 = 5.0."""
+    """Q4_K: (2 + 2 + 12 + 128) bytes per 256 weights = 4.5 bits; Q5_K: (2 + 2 + 12 + 32 + 128) per
+    256 = 5.5; Q4_1: (2 + 2 + 16) per 32 = 5.0."""
     model, cm, _, _, block_type = compiled
     layers = _layers(cm)
     assert len(layers) == 7 * model.config.num_hidden_layers
     assert {a.spec.name for a in layers.values()} == {"gguf_linear"}
     assert {a.block_type for a in layers.values()} == {block_type}
-    assert bits_per_parameter(cm.graph_module) == {"Q4_K": 4.5, "Q4_1": 5.0}[block_type]
+    assert bits_per_parameter(cm.graph_module) == {"Q4_K": 4.5, "Q5_K": 5.5, "Q4_1": 5.0}[block_type]
 
 
 def test_gguf_file_holds_the_graphs_weights_bit_for_bit(compiled):
@@ -208,13 +214,17 @@ def test_artifact_round_trip_and_other_formats_refuse_by_name(compiled):
     assert not (tmp / "out").exists() and not (tmp / "m.onnx").exists()
 
 
-def test_a_width_q4_k_cannot_hold_stays_in_full_precision_with_a_note():
-    """FFN width 384: the down projections (384 inputs) are kept in full precision, each named in a note."""
+def test_a_width_q4_k_cannot_hold_falls_back_to_q4_1_with_a_note():
+    """FFN width 384: the down projections (384 inputs) are Q4_1 blocks (as llama-quantize falls
+    back to a 32-column type), each named in a note; the rest Q4_K; bits per parameter counted
+    exactly: (393216 x 4.5 + 98304 x 5.0) / 491520 = 4.6."""
     ids = torch.randint(3, 128, (1, 8), generator=torch.Generator().manual_seed(2))
     cm = qc.compile(_llama256(384), {"input_ids": ids}, recipe="rtn-q4_k", progress=False)
     notes = "\n".join(cm.report.passes[-1].notes)
+    layers = _layers(cm)
+    assert len(layers) == 14
+    for path, a in layers.items():
+        assert a.block_type == ("Q4_1" if path.endswith("down_proj") else "Q4_K"), path
     for i in range(2):
-        assert (
-            f"model.layers.{i}.mlp.down_proj: kept in full precision (in_features=384 is not a multiple of 256" in notes
-        )
-    assert len(_layers(cm)) == 12
+        assert f"model.layers.{i}.mlp.down_proj: Q4_1 for Q4_K (in_features=384 is not a multiple of 256)" in notes
+    assert bits_per_parameter(cm.graph_module) == pytest.approx(4.6, abs=1e-12)

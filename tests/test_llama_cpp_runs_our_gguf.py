@@ -25,7 +25,15 @@ if os.environ.get("QC_REQUIRE_LLAMA_CPP"):
 else:
     llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (.ci/run installs it)")
 
-BOUND = {"none": 0.003, "gptq-q4_0": 0.025, "gptq-q4_1": 0.025, "rtn-q8_0": 0.025, "gptq-q4_k": 0.025}
+BOUND = {
+    "none": 0.003,
+    "gptq-q4_0": 0.025,
+    "gptq-q4_1": 0.025,
+    "rtn-q8_0": 0.025,
+    "gptq-q4_k": 0.025,
+    "gptq-q5_k": 0.025,
+    "gptq-q5_1": 0.025,
+}
 
 
 def _llama(path, n_ctx=256):
@@ -48,6 +56,7 @@ def _logits(llm, ids: list[int]) -> np.ndarray:
         pytest.param("qwen3", "gptq-q4_0", marks=pytest.mark.slow),
         ("phi3", "gptq-q4_1"),  # fused qkv_proj / gate_up_proj as llama.cpp's attn_qkv / ffn_up
         pytest.param("llama", "none", marks=pytest.mark.slow),
+        pytest.param("llama", "gptq-q5_1", marks=pytest.mark.slow),  # Q5_1: Q4_1's grid with a fifth bit
     ],
 )
 def test_llama_cpp_logits_match_the_graph(arch, recipe, tmp_path):
@@ -98,17 +107,18 @@ def test_bundled_lm_through_the_cli_generates_what_qcompiler_generates(tinylm_q4
     assert llm.detokenize(want.tolist()) == bytes(want.tolist())
 
 
-def test_llama_cpp_runs_q4_k_as_the_graph_does(tmp_path):
-    """gptq-q4_k (llama.cpp's own super-block bytes, stored as they are) on the bundled LM, whose
-    widths are multiples of 256: llama.cpp's logits within the bound of the graph's, and its argmax
-    is the graph's at every position of a code snippet except near-ties within that bound."""
+@pytest.mark.parametrize("recipe", ["gptq-q4_k", "gptq-q5_k"])
+def test_llama_cpp_runs_k_quants_as_the_graph_does(recipe, tmp_path):
+    """gptq-q4_k / gptq-q5_k (llama.cpp's own super-block bytes, stored as they are) on the bundled
+    LM, whose widths are multiples of 256: llama.cpp's logits within the bound of the graph's, and its
+    argmax is the graph's at every position of a code snippet except near-ties within that bound."""
     m = models.load("tinylm")
-    cm = qc.compile(m.model, m.example_inputs(), recipe="gptq-q4_k", calibration=m.calibration(8), backend="eager")
+    cm = qc.compile(m.model, m.example_inputs(), recipe=recipe, calibration=m.calibration(8), backend="eager")
     cm.export_gguf(tmp_path / "q4k.gguf", progress=lambda s: None)
     ids = m.encode("import os\nimport sys\n\ndef main(argv):\n    return parse(argv[1:])\n").reshape(-1)
     want = cm(input_ids=ids[None]).logits[0].detach().float()
     got = torch.from_numpy(_logits(_llama(tmp_path / "q4k.gguf"), ids.tolist()))
-    bound = BOUND["gptq-q4_k"] * want.abs().max()
+    bound = BOUND[recipe] * want.abs().max()
     assert (got - want).abs().max() <= bound
     picked = got.argmax(-1)
     margin = want.max(-1).values - want.gather(-1, picked[:, None])[:, 0]

@@ -34,12 +34,12 @@ __all__ = [
     "output_error",
     "quadratic_form",
     "lazy_sweep",
-    "KQUANT_GRIDS",
+    "FREE_MIN_GRIDS",
 ]
 
-# llama.cpp's grids with a free minimum (``qcompiler.algorithms.gguf_grids``): 4-bit codes on sub-blocks of
-# 32, each with its own scale and offset (Q4_K: 6-bit, per super-block of 256; Q4_1: fp16); qc.gguf_linear.
-KQUANT_GRIDS = tuple(FORMATS)
+# llama.cpp's grids with a free minimum (``qcompiler.algorithms.gguf_grids``): codes on sub-blocks of 32, each
+# with its own scale and offset (Q4_K, Q5_K: 6-bit, per super-block of 256; Q4_1: fp16); qc.gguf_linear.
+FREE_MIN_GRIDS = tuple(FORMATS)
 
 
 class QuantResult(NamedTuple):
@@ -54,19 +54,20 @@ class QuantResult(NamedTuple):
     damp_steps: int  # how many times damping was raised (0: the default sufficed)
     # GPTQ only: (‖E‖², λ) with E the sweep's scaled errors: tr(ΔW (H + λI) ΔWᵀ) = ‖E‖² (output_error)
     damped_error: Optional[tuple[float, float]] = None
-    free_min: Optional[FreeMinGrid] = None  # a free-minimum grid (codes 0..15, zeros 0): its stored scales
+    free_min: Optional[FreeMinGrid] = None  # a free-minimum grid (codes from 0, zeros 0): its stored scales
 
 
 def check_spec(bits: int, group_size: int, grid: str = "minmax") -> None:
     """Refuse bit widths, group sizes and grid kinds the packed layout and kernels cannot hold."""
-    if grid not in GRID_KINDS + KQUANT_GRIDS:
-        raise QuantizationError(f"grid={grid!r} is not a grid kind; choose one of {GRID_KINDS + KQUANT_GRIDS}")
-    if grid in KQUANT_GRIDS and (bits, group_size) != (4, 32):
+    if grid not in GRID_KINDS + FREE_MIN_GRIDS:
+        raise QuantizationError(f"grid={grid!r} is not a grid kind; choose one of {GRID_KINDS + FREE_MIN_GRIDS}")
+    if grid in FREE_MIN_GRIDS and (bits, group_size) != (FORMATS[grid].bits, 32):
+        need = FORMATS[grid].bits
         raise QuantizationError(
-            f"grid={grid!r} is llama.cpp's 4-bit codes in sub-blocks of 32: it needs bits=4 and "
+            f"grid={grid!r} is llama.cpp's {need}-bit codes in sub-blocks of 32: it needs bits={need} and "
             f"group_size=32, got bits={bits}, group_size={group_size}"
         )
-    if bits not in SUPPORTED_BITS:
+    if bits not in SUPPORTED_BITS and grid not in FREE_MIN_GRIDS:  # llama.cpp's bytes: any width it defines
         raise QuantizationError(f"bits={bits} is not supported; choose one of {SUPPORTED_BITS}")
     if group_size != -1 and group_size < 1:
         raise QuantizationError(f"group_size={group_size} is not supported; use -1 (per channel) or a positive size")
@@ -197,7 +198,7 @@ class _Groups:
         self.zeros = torch.zeros(n_groups, W0.shape[0], device=W0.device)
         self.offsets: Optional[torch.Tensor] = None  # free-minimum grids: value = scale · code − offset
         self.free_min: Optional[FreeMinGrid] = None
-        if grid in KQUANT_GRIDS:
+        if grid in FREE_MIN_GRIDS:
             self._init_free_min(W0, perm, original, importance)
         elif self.static:  # every grid from the original weights, groups contiguous in original order
             W_orig = original if original is not None else W0 if perm is None else W0[:, torch.argsort(perm)]
@@ -474,7 +475,7 @@ def rtn_quantize(
     g = g_idx.long()
     scale, zero = groups.scales[g].t(), groups.zeros[g].t()  # [out, in]
     if groups.free_min is not None:
-        codes = quantize_codes(W, groups.free_min)
+        codes = quantize_codes(W, groups.free_min, bits)
         offset = groups.offsets[g].t()
         return QuantResult(
             codes, groups.scales, groups.zeros, g_idx, scale * codes.float() - offset, 0.0, 0, None, groups.free_min

@@ -10,6 +10,7 @@ import difflib
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
+from qcompiler.algorithms.gguf_grids import GRID_FALLBACK
 from qcompiler.errors import RecipeError
 from qcompiler.pipeline.pass_base import Pass
 
@@ -190,15 +191,16 @@ def _describe(cls: type, kw: dict) -> str:
         else ""
     )
     extra += ", lm_head in 4 bits (RTN)" if p.lm_head else ""
-    if p.grid == "q4_k":
+    if p.grid in ("q4_k", "q5_k"):
         return (
-            f"{method} on llama.cpp's Q4_K grid (4-bit codes in sub-blocks of 32, 6-bit scales and minima per "
-            f"super-block of 256: 4.5 bits per weight, searched){extra}; eager and GGUF only"
+            f"{method} on llama.cpp's {p.grid.upper()} grid ({p.bits}-bit codes in sub-blocks of 32, 6-bit scales "
+            f"and minima per super-block of 256: {p.bits + 0.5} bits per weight, searched; a width not a multiple "
+            f"of 256 on {GRID_FALLBACK[p.grid].upper()}){extra}; eager and GGUF only"
         )
-    if p.grid == "q4_1":
+    if p.grid in ("q4_1", "q5_1"):
         return (
-            f"{method} on llama.cpp's Q4_1 grid (4-bit codes in blocks of 32, an fp16 scale and a free fp16 "
-            f"minimum each: 5.0 bits per weight, searched){extra}; eager and GGUF only"
+            f"{method} on llama.cpp's {p.grid.upper()} grid ({p.bits}-bit codes in blocks of 32, an fp16 scale and "
+            f"a free fp16 minimum each: {p.bits + 1}.0 bits per weight, searched){extra}; eager and GGUF only"
         )
     extra += ", searched (mse) grid" if p.grid == "mse" else ", min-max grid"
     return f"{method} W{p.bits}A16, {group}, {'symmetric' if p.sym else 'asymmetric'}{extra}"
@@ -240,13 +242,17 @@ _WEIGHT_ONLY = {
     "rtn-q8_0": ("RTN", dict(bits=8, group_size=32, sym=True)),
     "gptq-q8_0": ("GPTQ", dict(bits=8, group_size=32, sym=True)),
     # llama.cpp's grids with a free minimum per 32 weights, stored as their own bytes (qc.gguf_linear): run in
-    # eager and llama.cpp only. Q4_1 (fp16 scale and minimum, 5.0 bits per weight) on its own grid: longlm
+    # eager and llama.cpp only. Q4_1 / Q5_1 (fp16 scale and minimum, 5.0 / 6.0 bits per weight) on its own grid: longlm
     # perplexity +0.30 % vs +0.79 % for an integer zero point (asymmetric groups of 32, written as Q4_1 too).
-    # Q4_K (super-blocks of 256: 6-bit scales and minima per 32, 4.5 bits per weight).
+    # Q4_K / Q5_K (super-blocks of 256: 6-bit scales and minima per 32, 4.5 / 5.5 bits per weight).
     "rtn-q4_1": ("RTN", dict(bits=4, group_size=32, grid="q4_1")),
     "gptq-q4_1": ("GPTQ", dict(bits=4, group_size=32, grid="q4_1")),
+    "rtn-q5_1": ("RTN", dict(bits=5, group_size=32, grid="q5_1")),
+    "gptq-q5_1": ("GPTQ", dict(bits=5, group_size=32, grid="q5_1")),
     "rtn-q4_k": ("RTN", dict(bits=4, group_size=32, grid="q4_k")),
     "gptq-q4_k": ("GPTQ", dict(bits=4, group_size=32, grid="q4_k")),
+    "rtn-q5_k": ("RTN", dict(bits=5, group_size=32, grid="q5_k")),
+    "gptq-q5_k": ("GPTQ", dict(bits=5, group_size=32, grid="q5_k")),
     # the output head in 4 bits too (RTN), as onnxruntime-genai's int4 builder: faster decoding
     "rtn-w4g128-head": ("RTN", dict(bits=4, group_size=128, sym=False, lm_head=True)),
     "gptq-w4g128-head": ("GPTQ", dict(bits=4, group_size=128, sym=False, lm_head=True)),

@@ -14,8 +14,8 @@ import torch
 from torch.fx import GraphModule, Node
 
 from qcompiler.algorithms.finite import all_finite
-from qcompiler.algorithms.gguf_grids import FORMATS, dequantize, pack
-from qcompiler.algorithms.gptq import KQUANT_GRIDS, QuantResult, output_error, rtn_quantize
+from qcompiler.algorithms.gguf_grids import FORMATS, GRID_FALLBACK, dequantize, pack
+from qcompiler.algorithms.gptq import FREE_MIN_GRIDS, QuantResult, output_error, rtn_quantize
 from qcompiler.algorithms.packing import packed_length
 from qcompiler.calib.calibration import CalibrationEngine, LayerStats, RankWork
 from qcompiler.calib.host_memory import return_freed_memory
@@ -42,7 +42,7 @@ __all__ = [
     "rtn_layer_quant",
     "gptq_experts",
     "check_packable",
-    "check_grid_fits",
+    "layer_grid",
     "UnpackableLayer",
     "skip_reason",
     "store_dequantized",
@@ -325,6 +325,8 @@ class _BlockQuantizer:
                 f"{layer.path}: Hessian needed damping {figures['damp']:g} "
                 f"(raised {figures['damp_steps']}x from the default)"
             )
+        if figures.get("grid_fallback"):
+            self.record.notes.append(f"{layer.path}: {figures['grid_fallback']}")
         self.record.layers[layer.path] = figures
         error = f", relative output error {figures['rel_error']:.3g}" if "rel_error" in figures else ""
         self.ctx.log(f"  {layer.path}: {figures.get('bits', '?')}-bit{error}, {figures['seconds']:.2f}s")
@@ -618,15 +620,20 @@ def _calibrated_walk(walk: _BlockQuantizer, engine: CalibrationEngine, quantizer
         walk.block_done(first, first_expert)
 
 
-def check_grid_fits(layer: LinearLayer, W: torch.Tensor, grid: str) -> None:
-    """Raise UnpackableLayer, before any solve, when a llama.cpp grid cannot hold ``W``'s width
-    (its stored blocks: Q4_K's super-blocks are 256 input columns)."""
-    if grid in KQUANT_GRIDS and W.shape[1] % FORMATS[grid].super_block:
-        fmt = FORMATS[grid]
-        raise UnpackableLayer(
-            f"layer {layer.path}: in_features={W.shape[1]} is not a multiple of {fmt.super_block}, "
-            f"llama.cpp's {fmt.name} block"
-        )
+def layer_grid(layer: LinearLayer, W: torch.Tensor, grid: str) -> str:
+    """The grid ``layer`` is quantized on: ``grid``, or where a llama.cpp super-block grid cannot hold
+    ``W``'s width, its 32-column fallback (``GRID_FALLBACK``); UnpackableLayer, before any solve,
+    when neither holds it."""
+    if grid not in FREE_MIN_GRIDS or W.shape[1] % FORMATS[grid].super_block == 0:
+        return grid
+    fallback = GRID_FALLBACK.get(grid)
+    if fallback is not None and W.shape[1] % FORMATS[fallback].super_block == 0:
+        return fallback
+    fmt = FORMATS[grid]
+    raise UnpackableLayer(
+        f"layer {layer.path}: in_features={W.shape[1]} is not a multiple of {fmt.super_block}, "
+        f"llama.cpp's {fmt.name} block"
+    )
 
 
 def gptq_layer_quant(
@@ -637,7 +644,7 @@ def gptq_layer_quant(
     ``group_size`` is the recipe's, also when the width is not a multiple of it (the last group
     is shorter) or is one group: every layer of a recipe records the same setting."""
     if res.free_min is not None:
-        return _gguf_layer_quant(res, grid)
+        return _gguf_layer_quant(res, grid, layer_grid(layer, W, grid))
     check_packable(layer, W, bits)
     packed = pack_gptq(res.codes, res.scales, res.zeros, res.g_idx, bits, group_size)
     figures = {"bits": bits}
@@ -653,13 +660,19 @@ def gptq_layer_quant(
     )
 
 
-def _gguf_layer_quant(res: QuantResult, grid: str) -> LayerQuant:
+def _gguf_layer_quant(res: QuantResult, asked: str, grid: str) -> LayerQuant:
     """A free-minimum grid's result as llama.cpp's block bytes; the dequantized weight is read back
-    from them, so calibration of later blocks sees exactly what the op computes."""
+    from them, so calibration of later blocks sees exactly what the op computes. ``grid``: the one
+    used, ``asked``'s fallback where the width needed one (the report notes it)."""
     block_type = FORMATS[grid].name
     blocks = pack(grid, res.codes, res.free_min)
     n_in = res.codes.shape[1]
-    figures = {"bits": 4, "grid": block_type}
+    figures = {"bits": FORMATS[grid].bits, "grid": block_type}
+    if grid != asked:
+        fmt = FORMATS[asked]
+        figures["grid_fallback"] = (
+            f"{block_type} for {fmt.name} (in_features={n_in} is not a multiple of {fmt.super_block})"
+        )
     if res.damp:
         figures.update(damp=res.damp, damp_steps=res.damp_steps)
     rewrite = LayerRewrite("gguf_linear", {"block_type": block_type, "in_features": n_in})
@@ -700,9 +713,9 @@ def rtn_layer_quant(
     """Round-to-nearest on the GPTQ grid, stored like GPTQ: RTN's layers, and GPTQ's head and its
     experts that no calibration row reached. An "mse" grid weighs each column by ``diag(H)`` when
     there is an ``H`` (plain squared error without)."""
-    check_grid_fits(layer, W, grid)
     importance = None if H is None else torch.diagonal(H).float()
-    res = rtn_quantize(W, bits=bits, group_size=group_size, sym=sym, grid=grid, importance=importance)
+    used = layer_grid(layer, W, grid)
+    res = rtn_quantize(W, bits=bits, group_size=group_size, sym=sym, grid=used, importance=importance)
     return gptq_layer_quant(layer, W, res, bits, group_size, grid)
 
 
