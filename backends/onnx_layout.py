@@ -269,7 +269,7 @@ implement("onnx", "quant_experts_linear", _lower_experts, kind="lowering", label
 refuse(
     "onnx",
     "gguf_linear",
-    "llama.cpp's free-minimum blocks (Q4_K, Q5_K, Q4_1) have no ONNX Runtime layout yet; export with --format gguf, "
+    "llama.cpp's block bytes (K-quants, Q4_1, Q5_1) have no ONNX Runtime layout yet; export with --format gguf, "
     "or quantize with gptq-w4g128 for ONNX",
 )
 implement(

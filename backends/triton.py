@@ -71,7 +71,7 @@ implement("triton", "hadamard", load=_kernel("hadamard"), kind="kernel", label="
 refuse(
     "triton",
     "gguf_linear",
-    "no Triton kernel for llama.cpp's free-minimum blocks (Q4_K, Q5_K, Q4_1) yet: such a node runs its "
+    "no Triton kernel for llama.cpp's block bytes (K-quants, Q4_1, Q5_1) yet: such a node runs its "
     "plain-torch reference",
 )
 

@@ -38,9 +38,18 @@ from results_file import merged_rows, write_rows
 import qcompiler as qc
 from qcompiler import models
 
-# A K type on a width that is not a multiple of 256 falls back per tensor: llama-quantize to Q5_0 / Q5_1,
-# qcompiler to Q4_1 / Q5_1 (the bits-per-weight columns count what each file stores).
-TYPES = {"q4_0": "Q4_0", "q4_1": "Q4_1", "q8_0": "Q8_0", "q4_k": "Q4_K", "q5_k": "Q5_K"}
+# A K type on a width that is not a multiple of 256 falls back per tensor: llama-quantize Q4_K / Q5_K / Q6_K /
+# Q3_K to Q5_0 / Q5_1 / Q8_0 / Q4_0, qcompiler to Q4_1 / Q5_1 / Q8_0 / Q4_0 (the bits-per-weight columns count
+# what each file stores).
+TYPES = {
+    "q4_0": "Q4_0",
+    "q4_1": "Q4_1",
+    "q8_0": "Q8_0",
+    "q4_k": "Q4_K",
+    "q5_k": "Q5_K",
+    "q6_k": "Q6_K",
+    "q3_k": "Q3_K",
+}
 MODELS = {"tinylm": "tinylm", "longlm": "longlm", "llama-random-512": None}  # label: bundled name (None: random)
 
 

@@ -15,7 +15,7 @@ import torch
 
 from qcompiler.algorithms.gptq import check_spec, gptq_quantize, hessian_factor
 from qcompiler.errors import QuantizationError
-from qcompiler.pipeline.weight_only import gptq_experts, gptq_layer_quant, layer_grid, rtn_layer_quant
+from qcompiler.pipeline.weight_only import gptq_experts, gptq_layer_quant, grid_settings, layer_grid, rtn_layer_quant
 from qcompiler.pipeline.weight_quantizer import WeightQuantizer
 
 __all__ = ["GPTQ"]
@@ -51,7 +51,7 @@ class GPTQ(WeightQuantizer):
     block_size: int = 128  # lazy-batch width
     true_sequential: bool = False  # True: q/k/v, then o, then gate/up, then down, re-running inputs between
     # each group's range searched for the least 1/[H⁻¹]_jj-weighted error; "minmax": the paper's;
-    # "q4_k" / "q4_1": llama.cpp's grids with a free minimum, stored as its bytes (qc.gguf_linear)
+    # "q4_k", "q5_k", "q6_k", "q3_k", "q4_1", "q5_1": llama.cpp's block grids, stored as its bytes (qc.gguf_linear)
     grid: str = "mse"
     lm_head: bool = False  # also the output head, by RTN on the same grid (it has no block Hessian)
     ignore: tuple[str, ...] = ()  # module paths kept in full precision: globs, or 're:' + a regex
@@ -80,11 +80,12 @@ class GPTQ(WeightQuantizer):
     def quantize_layer(self, layer, W, H):
         """GPTQ on one layer, with the factor of its (shared) Hessian computed once."""
         grid = layer_grid(layer, W, self.grid)
+        bits, group_size = grid_settings(grid, self.bits, self.group_size)
         res = gptq_quantize(
             W,
             H,
-            bits=self.bits,
-            group_size=self.group_size,
+            bits=bits,
+            group_size=group_size,
             sym=self.sym,
             act_order=self.act_order,
             static_groups=self.static_groups,

@@ -23,7 +23,7 @@ class RTN(WeightQuantizer):
     group_size: int = 128
     sym: bool = False
     grid: str = "minmax"  # "mse": each group's range searched for the least error (Hessian-diagonal weighted);
-    # "q4_k" / "q4_1": llama.cpp's grids with a free minimum, stored as its bytes (qc.gguf_linear)
+    # "q4_k", "q5_k", "q6_k", "q3_k", "q4_1", "q5_1": llama.cpp's block grids, stored as its bytes (qc.gguf_linear)
     lm_head: bool = False  # also the output head (RTN), as onnxruntime-genai's int4 builder does
     ignore: tuple[str, ...] = ()  # module paths kept in full precision: globs, or 're:' + a regex
 

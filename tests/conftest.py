@@ -79,15 +79,26 @@ SLOW_VARIANTS = (
     "test_artifacts_and_interop.py::test_gptq_checkpoint_round_trip_is_bit_identical[gptq-w2g128-auto-False]",
     "test_artifacts_and_interop.py::test_gptq_checkpoint_round_trip_is_bit_identical[rtn-w3g128-v2-False]",
     # Q5_K is Q4_K's code with a fifth bit: its bytes (test_packed_bytes_are_llama_cpp_blocks) stay in the default run
+    # Q6_K is Q3_K's code with other widths: its bytes (test_packed_bytes_are_llama_cpp_blocks) stay too
     *(
-        f"test_gguf_grids.py::test_gptq_on_the_grid_is_the_straightforward_algorithm[{v}-q5_k]"
+        f"test_gguf_grids.py::test_gptq_on_the_grid_is_the_straightforward_algorithm[{v}-{kind}]"
         for v in ("False-False", "True-True", "False-True")
+        for kind in ("q5_k", "q6_k")
     ),
-    "test_gguf_grids.py::test_every_layer_is_on_the_grid_at_its_exact_bits[q5_k]",
-    "test_gguf_grids.py::test_gguf_file_holds_the_graphs_weights_bit_for_bit[q5_k]",
-    "test_gguf_grids.py::test_artifact_round_trip_and_other_formats_refuse_by_name[q5_k]",
-    "test_gguf_grids.py::test_artifact_round_trip_and_other_formats_refuse_by_name[q4_1]",
+    *(
+        f"test_gguf_grids.py::{test}[{kind}]"
+        for test in (
+            "test_every_layer_is_on_the_grid_at_its_exact_bits",
+            "test_gguf_file_holds_the_graphs_weights_bit_for_bit",
+        )
+        for kind in ("q5_k", "q6_k")
+    ),
+    *(
+        f"test_gguf_grids.py::test_artifact_round_trip_and_other_formats_refuse_by_name[{kind}]"
+        for kind in ("q5_k", "q6_k", "q3_k", "q4_1")
+    ),
     "test_llama_cpp_runs_our_gguf.py::test_llama_cpp_runs_k_quants_as_the_graph_does[gptq-q5_k]",
+    "test_llama_cpp_runs_our_gguf.py::test_llama_cpp_runs_k_quants_as_the_graph_does[gptq-q6_k]",
 )
 
 

@@ -1,22 +1,22 @@
-"""llama.cpp's block grids with a free minimum: ``Q4_K``, ``Q5_K``, ``Q4_1`` and ``Q5_1``.
+"""llama.cpp's block grids, fitted per sub-block: ``Q4_K``, ``Q5_K``, ``Q6_K``, ``Q3_K``, ``Q4_1``,
+``Q5_1`` (and ``Q8_0`` / ``Q4_0``, the fallbacks of Q6_K / Q3_K for widths that are not a multiple of 256).
 
-A weight is ``scale · q − offset`` with ``q`` in 0..15 (5-bit types: 0..31) and a (scale, offset)
-pair per sub-block of 32 input columns — unlike qcompiler's affine grid ``s·(q − z)``, whose
-integer zero point ``z`` puts the offset on the scale's own lattice. ``Q4_1`` stores both as fp16
-per block of 32 (5 bits per weight; its minimum may be positive), ``Q5_1`` likewise with 5-bit
-codes (6 bits per weight). ``Q4_K`` stores them as 6-bit integers ``sc``, ``m`` per sub-block
-times fp16 ``d``, ``dmin`` per super-block of 256 (4.5 bits per weight; the offset is never
-negative, so the grid reaches down to 0); ``Q5_K`` is Q4_K with 5-bit codes (5.5 bits per weight).
-Such layers keep llama.cpp's bytes (``qc.gguf_linear``).
+Every one is ``scale · q − offset`` per sub-block (``BlockGrid``). With a free minimum the offset
+is a value of its own — unlike qcompiler's affine grid ``s·(q − z)``, whose integer zero point ``z``
+puts it on the scale's lattice: ``Q4_1`` / ``Q5_1`` store scale and minimum as fp16 per block of
+32 (5 / 6 bits per weight), ``Q4_K`` / ``Q5_K`` as 6-bit integers ``sc``, ``m`` per 32 times fp16
+``d``, ``dmin`` per super-block of 256 (4.5 / 5.5 bits per weight; the offset is never negative).
+The symmetric types tie the offset to the scale, ``scale·(q − zero)``: ``Q6_K`` (6-bit codes,
+signed 8-bit ``sc`` per 16 times fp16 ``d`` per 256: 6.5625 bits per weight), ``Q3_K`` (3-bit
+codes, signed 6-bit ``sc`` per 16: 3.4375), ``Q8_0`` / ``Q4_0`` (fp16 ``d`` per 32). Layers on
+these grids keep llama.cpp's bytes (``qc.gguf_linear``; ``gguf_bytes`` packs and reads them).
 
-``fit_grid`` chooses the grid the way a calibrated quantizer should: per sub-block, the scale and
-offset minimizing the importance-weighted rounding error (clipped ranges, each refitted by weighted
-least squares on its codes, as llama.cpp's ``make_qkx`` does), then rounded to the format's storage
-(K types: the 6-bit pairs against ``d`` / ``dmin``, each pair then nudged by ±1 where that lowers
-its error). GPTQ rounds against exactly that grid (``sub_block_grid``), so the codes it chooses
-are the codes llama.cpp runs. ``pack`` / ``dequantize`` are llama.cpp's ``block_q4_K``,
-``block_q5_K``, ``block_q4_1``, ``block_q5_1`` and their dequantization in its float32 steps (tests
-compare them with the ``gguf`` package's reference dequantizers, bit for bit).
+``fit_grid`` chooses the grid the way a calibrated quantizer should: per sub-block, the scale (and
+offset) minimizing the importance-weighted rounding error (clipped ranges, each refitted by weighted
+least squares on its codes, as llama.cpp's ``make_qkx`` / ``make_qx_quants`` do), then rounded to
+the format's storage (K types: the integer ``sc`` (and ``m``) against ``d`` (``dmin``), each then
+nudged by ±1 where that lowers its error). GPTQ rounds against exactly that grid
+(``sub_block_grid``), so the codes it chooses are the codes llama.cpp runs.
 """
 
 from __future__ import annotations
@@ -29,15 +29,13 @@ __all__ = [
     "GridFormat",
     "FORMATS",
     "GRID_FALLBACK",
-    "FreeMinGrid",
+    "BlockGrid",
     "fit_grid",
     "sub_block_grid",
     "quantize_codes",
-    "pack",
-    "dequantize",
 ]
 
-SUB_BLOCK = 32
+SUB_BLOCK = 32  # the free-minimum types' sub-block
 _MAX6 = 63
 # Clipping factors of a sub-block's range: every 0.1 from 1 to 0.5, then ±0.025 and ±0.05 around the best
 # (on a 512 x 1024 test matrix: the error of the 21-step search of quant_grid.CLIP_SHRINKS at half its time)
@@ -45,7 +43,7 @@ _COARSE = tuple(1.0 - 0.1 * i for i in range(6))
 _FINE = (-0.05, -0.025, 0.025, 0.05)
 
 
-class FreeMinGrid(NamedTuple):
+class BlockGrid(NamedTuple):
     """A grid of a ``[rows, cols]`` matrix: sub-block ``j`` of super-block ``b`` has scale
     ``d[:, b]·sc[:, j]`` and offset ``dmin[:, b]·m[:, j]`` (Q4_1: one sub-block per block, sc = m = 1)."""
 
@@ -56,13 +54,16 @@ class FreeMinGrid(NamedTuple):
 
 
 class GridFormat(NamedTuple):
-    """One llama.cpp block type with a free minimum."""
+    """One llama.cpp block type."""
 
     name: str  # llama.cpp's: "Q4_K"
     super_block: int  # input columns per stored block
     block_bytes: int
     min_at_most_zero: bool  # the offset is stored unsigned (Q4_K): the grid reaches down to 0
     bits: int  # of each code
+    sub_block: int = 32  # input columns sharing one (scale, offset)
+    zero: Optional[int] = None  # symmetric types: value = scale·(q − zero), the offset tied to the scale
+    sc_range: tuple[int, int] = (0, 63)  # the integer sub-block scales against d (K types)
 
     @property
     def maxq(self) -> int:
@@ -75,14 +76,20 @@ FORMATS = {
     "q5_k": GridFormat("Q5_K", 256, 176, True, 5),  # as Q4_K, plus 32 bytes of the codes' fifth bits
     "q4_1": GridFormat("Q4_1", 32, 20, False, 4),  # fp16 d, fp16 m (= −offset), 16 bytes of nibbles
     "q5_1": GridFormat("Q5_1", 32, 24, False, 5),  # as Q4_1, plus a uint32 of the codes' fifth bits
+    # symmetric: value = d·sc·(q − zero), the signed sub-block scales sc against one fp16 d per 256
+    "q6_k": GridFormat("Q6_K", 256, 210, False, 6, 16, 32, (-128, 127)),  # 128 + 64 bytes of codes, 16 int8 sc, d
+    "q3_k": GridFormat("Q3_K", 256, 110, False, 3, 16, 4, (-32, 31)),  # 32 + 64 bytes of codes, 12 of 6-bit sc, d
+    # llama.cpp's own 32-column fallbacks of Q6_K / Q3_K: value = d·(q − zero), d fp16 per 32
+    "q8_0": GridFormat("Q8_0", 32, 34, False, 8, 32, 128, (1, 1)),
+    "q4_0": GridFormat("Q4_0", 32, 18, False, 4, 32, 8, (1, 1)),
 }
-_BY_NAME = {f.name: f for f in FORMATS.values()}
+BY_NAME = {f.name: f for f in FORMATS.values()}
 # A super-block grid's stand-in for a width it cannot hold: the 32-column type with the same code width
-# (llama-quantize falls back too, one step up for Q4_K: Q4_K -> Q5_0, Q5_K -> Q5_1).
-GRID_FALLBACK = {"q4_k": "q4_1", "q5_k": "q5_1"}
+# (llama-quantize falls back too: Q4_K -> Q5_0, Q5_K -> Q5_1, Q6_K -> Q8_0, Q3_K -> Q4_0).
+GRID_FALLBACK = {"q4_k": "q4_1", "q5_k": "q5_1", "q6_k": "q8_0", "q3_k": "q4_0"}
 
 
-def sub_block_grid(grid: FreeMinGrid) -> tuple[torch.Tensor, torch.Tensor]:
+def sub_block_grid(grid: BlockGrid) -> tuple[torch.Tensor, torch.Tensor]:
     """Per sub-block ``(scale, offset)`` ``[rows, sub-blocks]`` float32, as llama.cpp computes them:
     ``d·sc`` and ``dmin·m`` (exact in float32); a weight is ``scale·q − offset``."""
     per = grid.sc.shape[1] // grid.d.shape[1]
@@ -92,7 +99,7 @@ def sub_block_grid(grid: FreeMinGrid) -> tuple[torch.Tensor, torch.Tensor]:
 def _codes(w: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, maxq: int) -> torch.Tensor:
     """Nearest codes of ``w`` ``[..., 32]`` on ``scale·q − offset`` (``[..., 1]``), q in 0..maxq, as
     float; a zero scale gives 0 (dividing by +inf)."""
-    divisor = torch.where(scale > 0, scale, torch.full_like(scale, float("inf")))
+    divisor = torch.where(scale != 0, scale, torch.full_like(scale, float("inf")))
     return torch.add(w, offset).div_(divisor).round_().clamp_(0, maxq)
 
 
@@ -147,20 +154,75 @@ def _float_grid(w: torch.Tensor, imp: Optional[torch.Tensor], min_at_most_zero: 
     return best_s, best_o
 
 
-def fit_grid(kind: str, w: torch.Tensor, importance: Optional[torch.Tensor] = None) -> FreeMinGrid:
-    """The ``kind`` ("q4_k", "q5_k", "q4_1") grid for ``w`` ``[rows, cols]`` (cols a multiple of its block)
+def _symmetric_float_grid(w: torch.Tensor, imp: Optional[torch.Tensor], zero: int, maxq: int) -> torch.Tensor:
+    """Per sub-block the signed scale of ``scale·(q − zero)`` with the least weighted error: the
+    signed extreme at either end of the codes, each range clipped and refitted by least squares."""
+    extreme = w.gather(-1, w.abs().argmax(-1, keepdim=True))
+    weights = torch.ones_like(w) if imp is None else imp
+    best_s = -extreme / zero  # the extreme at code 0 (the longer side): llama.cpp's rule
+    best_err = _error(w, best_s, zero * best_s, imp, maxq)
+    best_p = torch.ones_like(best_err)
+    for base in (-extreme / zero, extreme / (maxq - zero)):
+        for step in (0, 1):
+            factors = (
+                [torch.full_like(best_p, p) for p in _COARSE]
+                if step == 0
+                else [(best_p + d).clamp(max=1.0) for d in _FINE]
+            )
+            for p in factors:
+                s = base * p
+                c = _codes(w, s, zero * s, maxq) - zero
+                den = (weights * c * c).sum(-1, keepdim=True)
+                refit = torch.where(den > 0, (weights * c * w).sum(-1, keepdim=True) / den.clamp(min=1e-30), s)
+                for scale in (s, refit):
+                    err = _error(w, scale, zero * scale, imp, maxq)
+                    better = err < best_err
+                    best_s, best_p = torch.where(better, scale, best_s), torch.where(better, p, best_p)
+                    best_err = torch.where(better, err, best_err)
+    return best_s
+
+
+def _fit_symmetric(fmt: GridFormat, sub: torch.Tensor, imp: Optional[torch.Tensor]) -> BlockGrid:
+    """A symmetric type's grid: float scales, then (K types) signed integers ``sc`` against one fp16
+    ``d`` per super-block that maps the largest scale to the range's end, each ``sc`` then nudged by
+    ±1 where that lowers its error. The offset is ``zero·scale`` exactly (dmin = d, m = zero·sc)."""
+    rows, n_sb, per, _ = sub.shape
+    s = _symmetric_float_grid(sub, imp, fmt.zero, fmt.maxq)  # [rows, n_sb, per, 1]
+    lo, hi = fmt.sc_range
+    if per == 1:  # Q8_0, Q4_0: d itself per block
+        d = s.half().float()
+        sc = torch.ones_like(d)
+    else:
+        d = (s.gather(2, s.abs().argmax(2, keepdim=True)) / lo).half().float()
+        safe = torch.where(d != 0, d, torch.ones_like(d))
+        sc = torch.where(d != 0, torch.round(s / safe).clamp(lo, hi), torch.zeros_like(s))
+        best_err = _error(sub, d * sc, fmt.zero * d * sc, imp, fmt.maxq)
+        for step in (-1, 1):
+            c_sc = (sc + step).clamp(lo, hi)
+            err = _error(sub, d * c_sc, fmt.zero * d * c_sc, imp, fmt.maxq)
+            better = err < best_err
+            sc, best_err = torch.where(better, c_sc, sc), torch.where(better, err, best_err)
+    sc = sc.reshape(rows, n_sb * per).to(torch.int32)
+    d = d.reshape(rows, n_sb)
+    return BlockGrid(d, d.clone(), sc, fmt.zero * sc)
+
+
+def fit_grid(kind: str, w: torch.Tensor, importance: Optional[torch.Tensor] = None) -> BlockGrid:
+    """The ``kind`` (a ``FORMATS`` key) grid for ``w`` ``[rows, cols]`` (cols a multiple of its block)
     minimizing the rounding error weighted by ``importance`` (``[cols]`` or ``[rows, cols]``, ≥ 0)."""
     fmt = FORMATS[kind]
     rows, cols = w.shape
     if cols % fmt.super_block:
         raise ValueError(f"{fmt.name} needs a multiple of {fmt.super_block} input columns, got {cols}")
-    n_sb, per = cols // fmt.super_block, fmt.super_block // SUB_BLOCK
-    sub = w.float().reshape(rows, n_sb, per, SUB_BLOCK)
-    imp = None if importance is None else importance.float().expand(rows, cols).reshape(rows, n_sb, per, SUB_BLOCK)
+    n_sb, per, width = cols // fmt.super_block, fmt.super_block // fmt.sub_block, fmt.sub_block
+    sub = w.float().reshape(rows, n_sb, per, width)
+    imp = None if importance is None else importance.float().expand(rows, cols).reshape(rows, n_sb, per, width)
+    if fmt.zero is not None:
+        return _fit_symmetric(fmt, sub, imp)
     s, o = _float_grid(sub, imp, fmt.min_at_most_zero, fmt.maxq)  # [rows, n_sb, per, 1]
     if fmt.super_block == SUB_BLOCK:  # Q4_1, Q5_1: stored as fp16 themselves
         ones = torch.ones(rows, n_sb, dtype=torch.int32, device=w.device)
-        return FreeMinGrid(s.half().float().reshape(rows, n_sb), o.half().float().reshape(rows, n_sb), ones, ones)
+        return BlockGrid(s.half().float().reshape(rows, n_sb), o.half().float().reshape(rows, n_sb), ones, ones)
     d = (s.amax(2, keepdim=True) / _MAX6).half().float()
     dmin = (o.amax(2, keepdim=True) / _MAX6).half().float()
     sc, m = _ratio(s, d), _ratio(o, dmin)
@@ -174,7 +236,7 @@ def fit_grid(kind: str, w: torch.Tensor, importance: Optional[torch.Tensor] = No
             better = err < best_err
             best_sc, best_m = torch.where(better, c_sc, best_sc), torch.where(better, c_m, best_m)
             best_err = torch.where(better, err, best_err)
-    return FreeMinGrid(
+    return BlockGrid(
         d.reshape(rows, n_sb),
         dmin.reshape(rows, n_sb),
         best_sc.reshape(rows, n_sb * per).to(torch.int32),
@@ -188,75 +250,9 @@ def _ratio(x: torch.Tensor, unit: torch.Tensor) -> torch.Tensor:
     return torch.where(unit > 0, torch.round(x / safe).clamp(0, _MAX6), torch.zeros_like(x))
 
 
-def quantize_codes(w: torch.Tensor, grid: FreeMinGrid, bits: int = 4) -> torch.Tensor:
+def quantize_codes(w: torch.Tensor, grid: BlockGrid, bits: int = 4) -> torch.Tensor:
     """Nearest codes ``[rows, cols]`` (int32, 0..2^bits − 1) of ``w`` on ``grid``."""
     rows, cols = w.shape
     scale, offset = sub_block_grid(grid)
-    sub = w.float().reshape(rows, cols // SUB_BLOCK, SUB_BLOCK)
+    sub = w.float().reshape(rows, scale.shape[1], cols // scale.shape[1])
     return _codes(sub, scale.unsqueeze(-1), offset.unsqueeze(-1), 2**bits - 1).reshape(rows, cols).to(torch.int32)
-
-
-def _half_bytes(x: torch.Tensor) -> torch.Tensor:
-    return x.to(torch.float16).contiguous().view(torch.uint8).view(*x.shape, 2)
-
-
-def pack(kind: str, codes: torch.Tensor, grid: FreeMinGrid) -> torch.Tensor:
-    """llama.cpp's block bytes of ``kind``, ``uint8 [rows, blocks · block bytes]``, of codes ``[rows, cols]``."""
-    fmt = FORMATS[kind]
-    rows, cols = codes.shape
-    n_sb = cols // fmt.super_block
-    if fmt.super_block == SUB_BLOCK:  # d, m = −offset, then byte j: weight j (low nibble) and weight j + 16 (high)
-        c = codes.to(torch.uint8).view(rows, n_sb, 2, 16)
-        qs = (c[:, :, 0] & 0x0F) | ((c[:, :, 1] & 0x0F) << 4)
-        parts = [_half_bytes(grid.d), _half_bytes(-grid.dmin)]
-        if fmt.bits == 5:  # Q5_1: a little-endian uint32 whose bit j is bit 4 of weight j
-            high = (codes.view(rows, n_sb, 4, 8).to(torch.uint8) >> 4) << torch.arange(8, dtype=torch.uint8)
-            parts.append(high.sum(-1, dtype=torch.uint8))
-        return torch.cat([*parts, qs], dim=-1).reshape(rows, -1)
-    sc, m = grid.sc.to(torch.uint8).view(rows, n_sb, 8), grid.m.to(torch.uint8).view(rows, n_sb, 8)
-    # bytes 0-3: sc[0:4] with sc[4:8]'s high 2 bits on top; 4-7: m[0:4] with m[4:8]'s; 8-11: the low nibbles
-    scales = torch.cat(
-        [
-            sc[..., :4] | ((sc[..., 4:] >> 4) << 6),
-            m[..., :4] | ((m[..., 4:] >> 4) << 6),
-            (sc[..., 4:] & 0x0F) | ((m[..., 4:] & 0x0F) << 4),
-        ],
-        dim=-1,
-    )
-    # each 64 weights: byte l holds weight l (low nibble) and weight l + 32 (high nibble)
-    c = codes.to(torch.uint8).view(rows, n_sb, 4, 2, SUB_BLOCK)
-    qs = ((c[:, :, :, 0] & 0x0F) | ((c[:, :, :, 1] & 0x0F) << 4)).reshape(rows, n_sb, 128)
-    parts = [_half_bytes(grid.d), _half_bytes(grid.dmin), scales]
-    if fmt.bits == 5:  # Q5_K: byte l of qh holds bit 4 of weight l of sub-block j as its bit j
-        high = (codes.to(torch.uint8).view(rows, n_sb, 8, SUB_BLOCK) >> 4) << torch.arange(8, dtype=torch.uint8)[
-            :, None
-        ]
-        parts.append(high.sum(2, dtype=torch.uint8))
-    return torch.cat([*parts, qs], dim=-1).reshape(rows, -1)
-
-
-def dequantize(block_type: str, blocks: torch.Tensor, cols: int) -> torch.Tensor:
-    """The float32 weight ``[rows, cols]`` that llama.cpp bytes of ``block_type`` (``FORMATS``' names) stand for."""
-    fmt = _BY_NAME[block_type]
-    rows, n_sb = blocks.shape[0], cols // fmt.super_block
-    b = blocks.reshape(rows, n_sb, fmt.block_bytes)
-    d = b[..., 0:2].contiguous().view(torch.float16).float()  # [rows, n_sb, 1]
-    second = b[..., 2:4].contiguous().view(torch.float16).float()
-    if fmt.super_block == SUB_BLOCK:  # Q4_1, Q5_1: d · q + m
-        qs = b[..., -16:].reshape(rows, n_sb, 1, 16)
-        q = torch.cat([qs & 0x0F, qs >> 4], dim=2).reshape(rows, n_sb, 32)
-        if fmt.bits == 5:  # bit j of the uint32 (bytes 4-7) is bit 4 of weight j
-            qh = b[..., 4:8].reshape(rows, n_sb, 4, 1)
-            q = q | ((((qh >> torch.arange(8, dtype=torch.uint8)) & 1) << 4).reshape(rows, n_sb, 32))
-        return (d * q.float() + second).reshape(rows, cols)
-    low, mins, nibbles = b[..., 4:8], b[..., 8:12], b[..., 12:16]
-    sc = torch.cat([low & 0x3F, (nibbles & 0x0F) | ((low >> 6) << 4)], dim=-1)
-    m = torch.cat([mins & 0x3F, (nibbles >> 4) | ((mins >> 6) << 4)], dim=-1)
-    scale, offset = (d * sc.float()).unsqueeze(-1), (second * m.float()).unsqueeze(-1)  # [rows, n_sb, 8, 1]
-    qs = b[..., -128:].reshape(rows, n_sb, 4, 1, SUB_BLOCK)
-    q = torch.cat([qs & 0x0F, qs >> 4], dim=3).reshape(rows, n_sb, 8, SUB_BLOCK)
-    if fmt.bits == 5:  # the fifth bits: bit j of qh byte l belongs to weight l of sub-block j
-        qh = b[..., 16:48].reshape(rows, n_sb, 1, SUB_BLOCK)
-        q = q | (((qh >> torch.arange(8, dtype=torch.uint8)[:, None]) & 1) << 4)
-    q = q.float()
-    return (scale * q - offset).reshape(rows, cols)

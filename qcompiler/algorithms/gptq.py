@@ -15,7 +15,7 @@ from typing import Callable, NamedTuple, Optional
 import torch
 
 from qcompiler.algorithms.finite import all_finite
-from qcompiler.algorithms.gguf_grids import FORMATS, FreeMinGrid, fit_grid, quantize_codes, sub_block_grid
+from qcompiler.algorithms.gguf_grids import FORMATS, BlockGrid, fit_grid, quantize_codes, sub_block_grid
 from qcompiler.algorithms.packing import SUPPORTED_BITS
 from qcompiler.algorithms.quant_grid import GRID_KINDS, Grid, dequantize_codes, fit, quantize
 from qcompiler.errors import QuantizationError
@@ -34,12 +34,12 @@ __all__ = [
     "output_error",
     "quadratic_form",
     "lazy_sweep",
-    "FREE_MIN_GRIDS",
+    "GGUF_GRIDS",
 ]
 
-# llama.cpp's grids with a free minimum (``qcompiler.algorithms.gguf_grids``): codes on sub-blocks of 32, each
-# with its own scale and offset (Q4_K, Q5_K: 6-bit, per super-block of 256; Q4_1: fp16); qc.gguf_linear.
-FREE_MIN_GRIDS = tuple(FORMATS)
+# llama.cpp's block grids (``qcompiler.algorithms.gguf_grids``): codes on sub-blocks of 32 (Q6_K, Q3_K: 16), each
+# with its own scale·q − offset (K types: integer scales per super-block of 256; Q4_1: fp16); qc.gguf_linear.
+GGUF_GRIDS = tuple(FORMATS)
 
 
 class QuantResult(NamedTuple):
@@ -54,20 +54,20 @@ class QuantResult(NamedTuple):
     damp_steps: int  # how many times damping was raised (0: the default sufficed)
     # GPTQ only: (‖E‖², λ) with E the sweep's scaled errors: tr(ΔW (H + λI) ΔWᵀ) = ‖E‖² (output_error)
     damped_error: Optional[tuple[float, float]] = None
-    free_min: Optional[FreeMinGrid] = None  # a free-minimum grid (codes from 0, zeros 0): its stored scales
+    gguf_grid: Optional[BlockGrid] = None  # a llama.cpp grid (codes from 0, zeros 0): its stored scales
 
 
 def check_spec(bits: int, group_size: int, grid: str = "minmax") -> None:
     """Refuse bit widths, group sizes and grid kinds the packed layout and kernels cannot hold."""
-    if grid not in GRID_KINDS + FREE_MIN_GRIDS:
-        raise QuantizationError(f"grid={grid!r} is not a grid kind; choose one of {GRID_KINDS + FREE_MIN_GRIDS}")
-    if grid in FREE_MIN_GRIDS and (bits, group_size) != (FORMATS[grid].bits, 32):
-        need = FORMATS[grid].bits
+    if grid not in GRID_KINDS + GGUF_GRIDS:
+        raise QuantizationError(f"grid={grid!r} is not a grid kind; choose one of {GRID_KINDS + GGUF_GRIDS}")
+    if grid in GGUF_GRIDS and (bits, group_size) != (FORMATS[grid].bits, FORMATS[grid].sub_block):
+        need, width = FORMATS[grid].bits, FORMATS[grid].sub_block
         raise QuantizationError(
-            f"grid={grid!r} is llama.cpp's {need}-bit codes in sub-blocks of 32: it needs bits={need} and "
-            f"group_size=32, got bits={bits}, group_size={group_size}"
+            f"grid={grid!r} is llama.cpp's {need}-bit codes in sub-blocks of {width}: it needs bits={need} and "
+            f"group_size={width}, got bits={bits}, group_size={group_size}"
         )
-    if bits not in SUPPORTED_BITS and grid not in FREE_MIN_GRIDS:  # llama.cpp's bytes: any width it defines
+    if bits not in SUPPORTED_BITS and grid not in GGUF_GRIDS:  # llama.cpp's bytes: any width it defines
         raise QuantizationError(f"bits={bits} is not supported; choose one of {SUPPORTED_BITS}")
     if group_size != -1 and group_size < 1:
         raise QuantizationError(f"group_size={group_size} is not supported; use -1 (per channel) or a positive size")
@@ -196,10 +196,10 @@ class _Groups:
         n_groups = int(self.g_idx.max().item()) + 1
         self.scales = torch.zeros(n_groups, W0.shape[0], device=W0.device)
         self.zeros = torch.zeros(n_groups, W0.shape[0], device=W0.device)
-        self.offsets: Optional[torch.Tensor] = None  # free-minimum grids: value = scale · code − offset
-        self.free_min: Optional[FreeMinGrid] = None
-        if grid in FREE_MIN_GRIDS:
-            self._init_free_min(W0, perm, original, importance)
+        self.offsets: Optional[torch.Tensor] = None  # llama.cpp grids: value = scale · code − offset
+        self.gguf_grid: Optional[BlockGrid] = None
+        if grid in GGUF_GRIDS:
+            self._init_gguf(W0, perm, original, importance)
         elif self.static:  # every grid from the original weights, groups contiguous in original order
             W_orig = original if original is not None else W0 if perm is None else W0[:, torch.argsort(perm)]
             imp = importance if importance is None or perm is None else importance[torch.argsort(perm)]
@@ -220,14 +220,14 @@ class _Groups:
                 rest = None if imp is None else imp[whole * group_size :]
                 self._store(whole, fit(W_orig[:, whole * group_size :], bits, sym, grid, rest))
         self._rows: list = [None] * n_groups
-        if self.static and self.free_min is None:
+        if self.static and self.gguf_grid is None:
             self._rows = list(zip(self.scales.unbind(0), (-self.zeros).unbind(0), (self.maxq - self.zeros).unbind(0)))
 
     def _store(self, g: int, grid: Grid) -> None:
         self.scales[g], self.zeros[g] = grid.scale[:, 0], grid.zero[:, 0]
 
-    def _init_free_min(self, W0: torch.Tensor, perm, original, importance) -> None:
-        """A free-minimum grid: fitted whole from the original weights (static), or per stored block
+    def _init_gguf(self, W0: torch.Tensor, perm, original, importance) -> None:
+        """A llama.cpp grid: fitted whole from the original weights (static), or per stored block
         when the sweep reaches it (natural column order only: its sub-blocks are contiguous)."""
         rows, n_in = W0.shape
         self.block = FORMATS[self.kind].super_block
@@ -238,18 +238,18 @@ class _Groups:
         self.offsets = torch.zeros_like(self.scales)
         floats = self.scales.new_zeros(rows, n_in // self.block)
         ints = torch.zeros(rows, n_in // self.group_size, dtype=torch.int32, device=W0.device)
-        self.free_min = FreeMinGrid(floats, floats.clone(), ints, ints.clone())
+        self.gguf_grid = BlockGrid(floats, floats.clone(), ints, ints.clone())
         if self.static:
             W_orig = original if original is not None else W0 if perm is None else W0[:, torch.argsort(perm)]
             imp = importance if importance is None or perm is None else importance[torch.argsort(perm)]
-            self._store_free_min(0, fit_grid(self.kind, W_orig, imp))
+            self._store_gguf(0, fit_grid(self.kind, W_orig, imp))
 
-    def _store_free_min(self, col: int, grid: FreeMinGrid) -> None:
+    def _store_gguf(self, col: int, grid: BlockGrid) -> None:
         """Put ``grid`` (of the stored blocks from input column ``col`` on) into place."""
         sb, g = col // self.block, col // self.group_size
-        for name, part in zip(FreeMinGrid._fields, grid):
+        for name, part in zip(BlockGrid._fields, grid):
             start = sb if name in ("d", "dmin") else g
-            getattr(self.free_min, name)[:, start : start + part.shape[1]] = part
+            getattr(self.gguf_grid, name)[:, start : start + part.shape[1]] = part
         scale, offset = sub_block_grid(grid)
         self.scales[g : g + scale.shape[1]], self.offsets[g : g + scale.shape[1]] = scale.t(), offset.t()
 
@@ -257,10 +257,10 @@ class _Groups:
         """``upcoming``: current weights of the processed columns ``j, j+1, …`` (at least one group)."""
         g = self.col_group[j]
         starts_group = j == 0 or self.col_group[j - 1] != g
-        if self.free_min is not None:
+        if self.gguf_grid is not None:
             if not self.static and j % self.block == 0:  # natural order: column j is input column j
                 imp = None if self.importance is None else self.importance[j : j + self.block]
-                self._store_free_min(j, fit_grid(self.kind, upcoming[:, : self.block], imp))
+                self._store_gguf(j, fit_grid(self.kind, upcoming[:, : self.block], imp))
             return Grid(self.scales[g].unsqueeze(1), self.offsets[g].unsqueeze(1))
         if not self.static and starts_group:
             width = upcoming.shape[1] if self.group_size == -1 else min(self.group_size, upcoming.shape[1])
@@ -280,15 +280,15 @@ class _Groups:
             rows = self._rows[g] = (scale, -zero, self.maxq - zero)
         return rows
 
-    def free_min_rows(self, j: int, upcoming: Callable[[], torch.Tensor]) -> tuple[torch.Tensor, ...]:
-        """Column ``j``'s free-minimum grid as the sweep uses it: rows ``scale``, ``offset`` and the divisor
-        (the scale, or +inf where it is 0, so that such a sub-block's codes are 0)."""
+    def gguf_rows(self, j: int, upcoming: Callable[[], torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        """Column ``j``'s llama.cpp grid as the sweep uses it: rows ``scale`` (symmetric types': of either
+        sign), ``offset`` and the divisor (the scale, or +inf where it is 0, so that such codes are 0)."""
         g = self.col_group[j]
         rows = self._rows[g]
         if rows is None:
             grid = self.grid_for(j, upcoming())
             scale, offset = grid.scale[:, 0], grid.zero[:, 0]
-            rows = self._rows[g] = (scale, offset, torch.where(scale > 0, scale, torch.full_like(scale, float("inf"))))
+            rows = self._rows[g] = (scale, offset, torch.where(scale != 0, scale, torch.full_like(scale, float("inf"))))
         return rows
 
 
@@ -303,7 +303,7 @@ def _finish(Q: torch.Tensor, codes: torch.Tensor, perm, groups: _Groups, damp: f
         inv = torch.argsort(perm)
         Q, codes = Q[:, inv], codes[:, inv]
     g_idx = groups.g_idx.to(Q.device)
-    return QuantResult(codes, groups.scales, groups.zeros, g_idx, Q, damp, steps, None, groups.free_min)
+    return QuantResult(codes, groups.scales, groups.zeros, g_idx, Q, damp, steps, None, groups.gguf_grid)
 
 
 def lazy_sweep(W: torch.Tensor, U: torch.Tensor, block_size: int, step) -> None:
@@ -364,10 +364,10 @@ def gptq_quantize(
     n_out, n_in = W.shape
     groups = _Groups(WT.t(), bits, group_size, sym, static_groups, perm, W, grid, _column_cost(U, grid))
     del W
-    if group_size != -1 and not groups.static:  # blocks hold whole groups (free-minimum grids: whole stored blocks)
-        unit = groups.block if groups.free_min is not None else group_size
+    if group_size != -1 and not groups.static:  # blocks hold whole groups (llama.cpp grids: whole stored blocks)
+        unit = groups.block if groups.gguf_grid is not None else group_size
         block_size = max(unit, block_size // unit * unit)
-    free_min = groups.free_min is not None
+    gguf_grid = groups.gguf_grid is not None
     QT = torch.empty_like(WT)  # dequantized weight, transposed
     codesT = torch.empty_like(WT)  # integer codes as floats until the end
     diag = torch.diagonal(U).tolist()  # one sync per layer, not one per column
@@ -379,8 +379,8 @@ def gptq_quantize(
         for i in range(i2 - i1):
             j = i1 + i
             upcoming = lambda: W1[i:].t() if group_size != -1 else WT[j:].t()  # noqa: E731
-            if free_min:  # value = scale · code − offset, the offset a free value (not an integer zero)
-                scale, offset, divisor = groups.free_min_rows(j, upcoming)
+            if gguf_grid:  # value = scale · code − offset, the offset a free value (not an integer zero)
+                scale, offset, divisor = groups.gguf_rows(j, upcoming)
                 q = torch.add(W1[i], offset, out=codesT[j]).div_(divisor).round_().clamp_(0, groups.maxq)
                 torch.mul(q, scale, out=QT[j]).sub_(offset)
             else:
@@ -413,7 +413,7 @@ def gptq_quantize(
         f.damp,
         f.damp_steps,
         (error_sq.item(), f.lam),
-        groups.free_min,
+        groups.gguf_grid,
     )
 
 
@@ -439,10 +439,10 @@ def gptq_quantize_reference(
     codes = torch.zeros(n_out, n_in, dtype=torch.int32, device=W.device)
     for j in range(n_in):
         grid = groups.grid_for(j, W[:, j:])
-        if groups.free_min is not None:  # scale · code − offset (the Grid's zero holds the offset)
+        if groups.gguf_grid is not None:  # scale · code − offset (the Grid's zero holds the offset)
             scale, offset = grid.scale[:, 0], grid.zero[:, 0]
-            safe = torch.where(scale > 0, scale, torch.ones_like(scale))
-            q = torch.where(scale > 0, torch.round((W[:, j] + offset) / safe).clamp(0, 2**bits - 1), 0)
+            safe = torch.where(scale != 0, scale, torch.ones_like(scale))
+            q = torch.where(scale != 0, torch.round((W[:, j] + offset) / safe).clamp(0, 2**bits - 1), 0)
             codes[:, j] = q.to(torch.int32)
             Q[:, j] = q * scale - offset
         else:
@@ -474,11 +474,11 @@ def rtn_quantize(
     g_idx = groups.g_idx.to(W.device)
     g = g_idx.long()
     scale, zero = groups.scales[g].t(), groups.zeros[g].t()  # [out, in]
-    if groups.free_min is not None:
-        codes = quantize_codes(W, groups.free_min, bits)
+    if groups.gguf_grid is not None:
+        codes = quantize_codes(W, groups.gguf_grid, bits)
         offset = groups.offsets[g].t()
         return QuantResult(
-            codes, groups.scales, groups.zeros, g_idx, scale * codes.float() - offset, 0.0, 0, None, groups.free_min
+            codes, groups.scales, groups.zeros, g_idx, scale * codes.float() - offset, 0.0, 0, None, groups.gguf_grid
         )
     codes = torch.clamp(torch.round(W / scale) + zero, 0, 2**bits - 1).to(torch.int32)
     return QuantResult(codes, groups.scales, groups.zeros, g_idx, scale * (codes.float() - zero), 0.0, 0)

@@ -34,7 +34,7 @@ __all__ = [
 ]
 
 GGUF_BLOCKS_ONLY = (
-    "its weights are llama.cpp's blocks with a free minimum per 32 weights (Q4_K, Q5_K, Q4_1), "
+    "its weights are llama.cpp's block bytes (K-quants, Q4_1, Q5_1: qc.gguf_linear), "
     "which only GGUF holds; export it with --format gguf, or quantize with gptq-w4g128 for other runtimes"
 )
 ONLINE_ROTATION = (

@@ -51,9 +51,10 @@ def _gguf_bytes_layer(gm, a, path: str) -> QuantLayer:
     return QuantLayer(path, a.node, {"blocks": a.tensor(gm, "blocks")}, 4, 32, a.block_type)
 
 
-implement("gguf", "gguf_linear", _gguf_bytes_layer, kind="writer", label="its block bytes (Q4_K, Q5_K, Q4_1)")
+implement("gguf", "gguf_linear", _gguf_bytes_layer, kind="writer", label="its block bytes")
 _NOT_GGUF = (
-    "GGUF holds weight-only block quantization (recipes gptq-q4_0, gptq-q4_1, gptq-q8_0, gptq-q4_k, gptq-q5_k); "
+    "GGUF holds weight-only block quantization (recipes gptq-q4_0, gptq-q4_1, gptq-q8_0, gptq-q4_k, gptq-q5_k, "
+    "gptq-q6_k, gptq-q3_k, ...); "
     "export this recipe to ONNX"
 )
 for _op in ("int8_linear", "spqr_dense_linear", "sparse_outlier_linear", "spqr_experts_linear"):
@@ -75,10 +76,15 @@ _FILE_TYPES = {
     "Q8_0": gguf.LlamaFileType.MOSTLY_Q8_0,
     "Q4_0": gguf.LlamaFileType.MOSTLY_Q4_0,
     "Q4_1": gguf.LlamaFileType.MOSTLY_Q4_1,
+    "Q5_1": gguf.LlamaFileType.MOSTLY_Q5_1,
     "Q4_K": gguf.LlamaFileType.MOSTLY_Q4_K_M,
     "Q5_K": gguf.LlamaFileType.MOSTLY_Q5_K_M,
+    "Q6_K": gguf.LlamaFileType.MOSTLY_Q6_K,
+    "Q3_K": gguf.LlamaFileType.MOSTLY_Q3_K_M,
 }
-_RECIPES = ", ".join(dict.fromkeys([b.recipe for b in BLOCK_TYPES.values()] + ["gptq-q4_k", "gptq-q5_k"]))
+_RECIPES = ", ".join(
+    dict.fromkeys([b.recipe for b in BLOCK_TYPES.values()] + ["gptq-q4_k", "gptq-q5_k", "gptq-q6_k", "gptq-q3_k"])
+)
 RECIPE_KEY = "qcompiler.recipe"
 
 

@@ -18,8 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from qcompiler.algorithms.gguf_bytes import dequantize as dequantize_blocks
 from qcompiler.algorithms.gguf_grids import FORMATS
-from qcompiler.algorithms.gguf_grids import dequantize as dequantize_blocks
 from qcompiler.algorithms.hadamard import rotate_last_dim
 from qcompiler.algorithms.int8 import quantize_per_token
 from qcompiler.algorithms.packing import pack_cols, pack_rows, unpack_cols, unpack_rows

@@ -10,7 +10,7 @@ import difflib
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-from qcompiler.algorithms.gguf_grids import GRID_FALLBACK
+from qcompiler.algorithms.gguf_grids import FORMATS, GRID_FALLBACK
 from qcompiler.errors import RecipeError
 from qcompiler.pipeline.pass_base import Pass
 
@@ -191,16 +191,20 @@ def _describe(cls: type, kw: dict) -> str:
         else ""
     )
     extra += ", lm_head in 4 bits (RTN)" if p.lm_head else ""
-    if p.grid in ("q4_k", "q5_k"):
+    if p.grid in FORMATS:
+        fmt = FORMATS[p.grid]
+        if fmt.zero is not None:
+            kind = f"signed {'8' if fmt.sc_range[0] == -128 else '6'}-bit scales per super-block of 256"
+        elif fmt.super_block > fmt.sub_block:
+            kind = "6-bit scales and minima per super-block of 256"
+        else:
+            kind = "an fp16 scale and a free fp16 minimum each"
+        fallback = GRID_FALLBACK.get(p.grid)
+        fallback = f"; a width not a multiple of 256 on {fallback.upper()}" if fallback else ""
+        bpw = fmt.block_bytes * 8 / fmt.super_block
         return (
-            f"{method} on llama.cpp's {p.grid.upper()} grid ({p.bits}-bit codes in sub-blocks of 32, 6-bit scales "
-            f"and minima per super-block of 256: {p.bits + 0.5} bits per weight, searched; a width not a multiple "
-            f"of 256 on {GRID_FALLBACK[p.grid].upper()}){extra}; eager and GGUF only"
-        )
-    if p.grid in ("q4_1", "q5_1"):
-        return (
-            f"{method} on llama.cpp's {p.grid.upper()} grid ({p.bits}-bit codes in blocks of 32, an fp16 scale and "
-            f"a free fp16 minimum each: {p.bits + 1}.0 bits per weight, searched){extra}; eager and GGUF only"
+            f"{method} on llama.cpp's {fmt.name} grid ({fmt.bits}-bit codes in sub-blocks of {fmt.sub_block}, {kind}: "
+            f"{bpw:g} bits per weight, searched{fallback}){extra}; eager and GGUF only"
         )
     extra += ", searched (mse) grid" if p.grid == "mse" else ", min-max grid"
     return f"{method} W{p.bits}A16, {group}, {'symmetric' if p.sym else 'asymmetric'}{extra}"
@@ -253,6 +257,11 @@ _WEIGHT_ONLY = {
     "gptq-q4_k": ("GPTQ", dict(bits=4, group_size=32, grid="q4_k")),
     "rtn-q5_k": ("RTN", dict(bits=5, group_size=32, grid="q5_k")),
     "gptq-q5_k": ("GPTQ", dict(bits=5, group_size=32, grid="q5_k")),
+    # Q6_K / Q3_K: symmetric, 6- / 3-bit codes per 16 with signed integer scales (6.5625 / 3.4375 bits per weight)
+    "rtn-q6_k": ("RTN", dict(bits=6, group_size=16, grid="q6_k")),
+    "gptq-q6_k": ("GPTQ", dict(bits=6, group_size=16, grid="q6_k")),
+    "rtn-q3_k": ("RTN", dict(bits=3, group_size=16, grid="q3_k")),
+    "gptq-q3_k": ("GPTQ", dict(bits=3, group_size=16, grid="q3_k")),
     # the output head in 4 bits too (RTN), as onnxruntime-genai's int4 builder: faster decoding
     "rtn-w4g128-head": ("RTN", dict(bits=4, group_size=128, sym=False, lm_head=True)),
     "gptq-w4g128-head": ("GPTQ", dict(bits=4, group_size=128, sym=False, lm_head=True)),

@@ -14,8 +14,9 @@ import torch
 from torch.fx import GraphModule, Node
 
 from qcompiler.algorithms.finite import all_finite
-from qcompiler.algorithms.gguf_grids import FORMATS, GRID_FALLBACK, dequantize, pack
-from qcompiler.algorithms.gptq import FREE_MIN_GRIDS, QuantResult, output_error, rtn_quantize
+from qcompiler.algorithms.gguf_bytes import dequantize, pack
+from qcompiler.algorithms.gguf_grids import FORMATS, GRID_FALLBACK
+from qcompiler.algorithms.gptq import GGUF_GRIDS, QuantResult, output_error, rtn_quantize
 from qcompiler.algorithms.packing import packed_length
 from qcompiler.calib.calibration import CalibrationEngine, LayerStats, RankWork
 from qcompiler.calib.host_memory import return_freed_memory
@@ -43,6 +44,7 @@ __all__ = [
     "gptq_experts",
     "check_packable",
     "layer_grid",
+    "grid_settings",
     "UnpackableLayer",
     "skip_reason",
     "store_dequantized",
@@ -620,11 +622,17 @@ def _calibrated_walk(walk: _BlockQuantizer, engine: CalibrationEngine, quantizer
         walk.block_done(first, first_expert)
 
 
+def grid_settings(grid: str, bits: int, group_size: int) -> tuple[int, int]:
+    """``(bits, group_size)`` a layer on ``grid`` is solved with: a llama.cpp grid's own (a fallback's
+    may differ from the recipe's: Q3_K's 3 bits per 16 columns fall back to Q4_0's 4 per 32)."""
+    return (FORMATS[grid].bits, FORMATS[grid].sub_block) if grid in FORMATS else (bits, group_size)
+
+
 def layer_grid(layer: LinearLayer, W: torch.Tensor, grid: str) -> str:
     """The grid ``layer`` is quantized on: ``grid``, or where a llama.cpp super-block grid cannot hold
     ``W``'s width, its 32-column fallback (``GRID_FALLBACK``); UnpackableLayer, before any solve,
     when neither holds it."""
-    if grid not in FREE_MIN_GRIDS or W.shape[1] % FORMATS[grid].super_block == 0:
+    if grid not in GGUF_GRIDS or W.shape[1] % FORMATS[grid].super_block == 0:
         return grid
     fallback = GRID_FALLBACK.get(grid)
     if fallback is not None and W.shape[1] % FORMATS[fallback].super_block == 0:
@@ -640,10 +648,10 @@ def gptq_layer_quant(
     layer: LinearLayer, W: torch.Tensor, res: QuantResult, bits: int, group_size: int, grid: str = "minmax"
 ) -> LayerQuant:
     """A GPTQ/RTN result as a layer rewrite to ``qc.quant_linear`` (GPTQ checkpoint layout), or to
-    ``qc.gguf_linear`` (llama.cpp's bytes) for a free-minimum grid (Q4_K, Q4_1).
+    ``qc.gguf_linear`` (llama.cpp's bytes) for a llama.cpp grid (``gguf_grids.FORMATS``).
     ``group_size`` is the recipe's, also when the width is not a multiple of it (the last group
     is shorter) or is one group: every layer of a recipe records the same setting."""
-    if res.free_min is not None:
+    if res.gguf_grid is not None:
         return _gguf_layer_quant(res, grid, layer_grid(layer, W, grid))
     check_packable(layer, W, bits)
     packed = pack_gptq(res.codes, res.scales, res.zeros, res.g_idx, bits, group_size)
@@ -661,11 +669,11 @@ def gptq_layer_quant(
 
 
 def _gguf_layer_quant(res: QuantResult, asked: str, grid: str) -> LayerQuant:
-    """A free-minimum grid's result as llama.cpp's block bytes; the dequantized weight is read back
+    """A llama.cpp grid's result as its block bytes; the dequantized weight is read back
     from them, so calibration of later blocks sees exactly what the op computes. ``grid``: the one
     used, ``asked``'s fallback where the width needed one (the report notes it)."""
     block_type = FORMATS[grid].name
-    blocks = pack(grid, res.codes, res.free_min)
+    blocks = pack(grid, res.codes, res.gguf_grid)
     n_in = res.codes.shape[1]
     figures = {"bits": FORMATS[grid].bits, "grid": block_type}
     if grid != asked:
@@ -715,7 +723,8 @@ def rtn_layer_quant(
     there is an ``H`` (plain squared error without)."""
     importance = None if H is None else torch.diagonal(H).float()
     used = layer_grid(layer, W, grid)
-    res = rtn_quantize(W, bits=bits, group_size=group_size, sym=sym, grid=used, importance=importance)
+    bits_used, group_used = grid_settings(used, bits, group_size)
+    res = rtn_quantize(W, bits=bits_used, group_size=group_used, sym=sym, grid=used, importance=importance)
     return gptq_layer_quant(layer, W, res, bits, group_size, grid)
 
 
