@@ -49,7 +49,12 @@ TYPES = {
     "q5_k": "Q5_K",
     "q6_k": "Q6_K",
     "q3_k": "Q3_K",
+    # llama.cpp's own mix (Q4_K, with Q6_K for half the V and down projections by a fixed rule; no --pure) vs
+    # qcompiler's auto-gguf:B at the bits per weight of llama.cpp's file (each tensor's type from measured
+    # sensitivities)
+    "q4_k_m": "Q4_K_M",
 }
+MIXES = {"q4_k_m"}
 MODELS = {"tinylm": "tinylm", "longlm": "longlm", "llama-random-512": None}  # label: bundled name (None: random)
 
 
@@ -150,11 +155,11 @@ def bench_model(label, loaded, work: Path, bin_dir: Path, calib: int, n_windows:
         for imatrix in (False, True):
             out = work / f"llamacpp-{kind}{'-imatrix' if imatrix else ''}.gguf"
             extra = ["--imatrix", work / "imatrix.gguf"] if imatrix else []
+            extra += [] if kind in MIXES else ["--pure"]
             _tool(
                 bin_dir,
                 "llama-quantize",
                 *extra,
-                "--pure",
                 "--token-embedding-type",
                 "f16",
                 "--output-tensor-type",
@@ -165,6 +170,15 @@ def bench_model(label, loaded, work: Path, bin_dir: Path, calib: int, n_windows:
                 2,
             )
             files[f"llama.cpp {name}" + (" + imatrix" if imatrix else "")] = (name, out)
+        if kind in MIXES:  # the same bits per weight as llama.cpp's mix, chosen per tensor
+            bpw = _bits_per_weight(out)[0]
+            recipe = f"auto-gguf:{bpw:.4f}"
+            cm = qc.compile(
+                loaded.model, loaded.example_inputs(), recipe=recipe, calibration=windows_cal, backend="eager"
+            )
+            cm.export_gguf(work / "auto-gguf.gguf", **quiet)
+            files[f"qcompiler {recipe}"] = (name, work / "auto-gguf.gguf")
+            continue
         for method in ("rtn", "gptq"):
             recipe = f"{method}-{kind}"
             cm = qc.compile(

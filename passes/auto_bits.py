@@ -22,17 +22,18 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from qcompiler.algorithms.allocation import allocate
+from qcompiler.algorithms.gguf_grids import FORMATS
 from qcompiler.calib.sensitivity import measure_sensitivities
 from qcompiler.errors import QuantizationError
 from qcompiler.ir.graph import block_of, find_linears, is_router, source_of
 from qcompiler.ir.tensors import get_raw_tensor
-from qcompiler.passes.mixed_precision import MixedPrecision, candidate_quantizer, parse_candidate
+from qcompiler.passes.mixed_precision import MixedPrecision, candidate_grid, candidate_quantizer, parse_candidate
 from qcompiler.passes.signround import SignRound
 from qcompiler.pipeline.layer_filter import ignore_reason
 from qcompiler.pipeline.weight_only import quantize_block_linears
 from qcompiler.pipeline.weight_quantizer import WeightQuantizer
 
-__all__ = ["AutoBits", "DEFAULT_CANDIDATES", "MAX_BUDGET"]
+__all__ = ["AutoBits", "DEFAULT_CANDIDATES", "GGUF_CANDIDATES", "MAX_BUDGET"]
 
 # Measured on MiniLM at 4.16 bits: adding the g64 and SpQR candidates to the GPTQ ones took 1 − cosine
 # from 0.0134 to 0.0118 (docs/methods/auto.md); at 3.25 bits it changed nothing.
@@ -50,6 +51,9 @@ DEFAULT_CANDIDATES = (
     "spqr-w4g16",
 )
 SIGNROUND_CANDIDATES = tuple(n for n in DEFAULT_CANDIDATES if n.startswith("gptq-"))
+# auto-gguf:B — llama.cpp's types only, so the mix is one GGUF file that llama.cpp runs (its own Q4_K_M
+# mixes Q4_K and Q6_K by a fixed rule; here each tensor's type is chosen from measured sensitivities)
+GGUF_CANDIDATES = ("gptq-q3_k", "gptq-q4_k", "gptq-q5_k", "gptq-q6_k", "gptq-q8_0")
 FINISHERS = ("gptq", "signround")
 MAX_BUDGET = 16.0  # bits per parameter: above it a quantized layer is larger than its fp16 weight
 
@@ -78,7 +82,9 @@ class AutoBits(WeightQuantizer):
         if self.finish == "signround" and tuple(self.candidates) == DEFAULT_CANDIDATES:
             object.__setattr__(self, "candidates", SIGNROUND_CANDIDATES)
         object.__setattr__(self, "candidates", tuple(self.candidates))
-        if self.finish == "signround" and (odd := [n for n in self.candidates if not n.startswith("gptq-")]):
+        if self.finish == "signround" and (
+            odd := [n for n in self.candidates if not n.startswith("gptq-") or candidate_grid(n)]
+        ):
             raise QuantizationError(f"auto: finish='signround' takes gptq- candidates only, not {', '.join(odd)}")
         if not isinstance(self.budget, (int, float)) or not 0 < self.budget <= MAX_BUDGET:
             raise QuantizationError(f"auto: budget {self.budget!r} bits per parameter is outside (0, {MAX_BUDGET:g}]")
@@ -175,6 +181,10 @@ def _least_bits(name: str, n_out: int, n_in: int) -> float:
     """Stored bits of a layer under candidate ``name``: exact for RTN/GPTQ (codes, fp16 scales and
     packed zeros per group), a lower bound (the codes) for SpQR."""
     method, bits, group = parse_candidate(name)
+    grid = candidate_grid(name)
+    if grid is not None:  # llama.cpp's bytes (a width its super-block cannot hold falls back to more bits)
+        fmt = FORMATS[grid]
+        return fmt.block_bytes * 8 / fmt.super_block * n_out * n_in
     if method == "spqr":
         return bits * n_out * n_in
     groups = -(-n_in // group)  # the last group may be shorter

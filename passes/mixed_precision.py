@@ -2,9 +2,11 @@
 
 A plan is data — ``(("model.layers.0.self_attn.q_proj", "gptq-w4g128"), ...)`` — so it can be written
 by hand in a recipe file, or chosen under a bit budget by ``AutoBits`` (passes/auto_bits.py). Every
-candidate name is ``METHOD-wBITSgGROUP`` with METHOD ``rtn``, ``gptq`` or ``spqr``; the result is one
-graph whose ``qc.quant_linear`` nodes carry their own bits and group size (SpQR layers: its dense +
-sparse ops), which every backend runs node by node.
+candidate name is ``METHOD-wBITSgGROUP`` with METHOD ``rtn``, ``gptq`` or ``spqr``, or ``METHOD-TYPE``
+with METHOD ``rtn`` or ``gptq`` and TYPE a llama.cpp block type (``gptq-q4_k``, ``gptq-q6_k``, ...: the
+layer keeps llama.cpp's bytes, so such a mix runs in eager and llama.cpp, as llama.cpp's own ``_M``
+mixes do); the result is one graph whose ``qc.quant_linear`` nodes carry their own bits and group
+size (SpQR layers: its dense + sparse ops), which every backend runs node by node.
 """
 
 from __future__ import annotations
@@ -12,8 +14,9 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import ClassVar
+from typing import ClassVar, Optional
 
+from qcompiler.algorithms.gguf_grids import FORMATS
 from qcompiler.errors import QuantizationError
 from qcompiler.passes.gptq import GPTQ
 from qcompiler.passes.rtn import RTN
@@ -21,14 +24,28 @@ from qcompiler.passes.spqr import SpQR
 from qcompiler.pipeline.weight_only import stored_bits
 from qcompiler.pipeline.weight_quantizer import WeightQuantizer
 
-__all__ = ["MixedPrecision", "candidate_quantizer", "parse_candidate", "CANDIDATE_FORMAT"]
+__all__ = ["MixedPrecision", "candidate_quantizer", "parse_candidate", "candidate_grid", "CANDIDATE_FORMAT"]
 
-CANDIDATE_FORMAT = "METHOD-wBITSgGROUP (METHOD rtn, gptq or spqr; e.g. gptq-w4g128, rtn-w8g128, spqr-w3g16)"
+CANDIDATE_FORMAT = (
+    "METHOD-wBITSgGROUP (METHOD rtn, gptq or spqr; e.g. gptq-w4g128, rtn-w8g128, spqr-w3g16) or METHOD-TYPE "
+    f"(METHOD rtn or gptq, TYPE a llama.cpp block type: {', '.join(FORMATS)})"
+)
 _CANDIDATE = re.compile(r"^(rtn|gptq|spqr)-w(\d+)g(\d+)$")
+_GGUF_CANDIDATE = re.compile(r"^(rtn|gptq)-(q\d_[a-z0-9]+)$")
+
+
+def candidate_grid(name: str) -> Optional[str]:
+    """The llama.cpp block type a candidate such as ``gptq-q4_k`` quantizes on (None for the others)."""
+    match = _GGUF_CANDIDATE.match(name)
+    return match.group(2) if match is not None and match.group(2) in FORMATS else None
 
 
 def parse_candidate(name: str) -> tuple[str, int, int]:
-    """``(method, bits, group size)`` of a candidate name such as ``gptq-w4g128``."""
+    """``(method, bits, group size)`` of a candidate name such as ``gptq-w4g128`` (``gptq-q4_k``: its
+    type's code width and sub-block)."""
+    grid = candidate_grid(name)
+    if grid is not None:
+        return name.split("-", 1)[0], FORMATS[grid].bits, FORMATS[grid].sub_block
     match = _CANDIDATE.match(name)
     if match is None:
         raise QuantizationError(f"candidate {name!r} is not {CANDIDATE_FORMAT}")
@@ -40,10 +57,11 @@ def candidate_quantizer(name: str) -> WeightQuantizer:
     """The weight quantizer a candidate name stands for, with the project's measured best settings
     (GPTQ: act-order with static groups and the error-minimizing grid, docs/methods/gptq.md)."""
     method, bits, group = parse_candidate(name)
+    grid = candidate_grid(name)
     if method == "rtn":
-        return RTN(bits=bits, group_size=group, grid="mse")
+        return RTN(bits=bits, group_size=group, grid=grid or "mse")
     if method == "gptq":
-        return GPTQ(bits=bits, group_size=group)
+        return GPTQ(bits=bits, group_size=group, grid=grid or "mse")
     return SpQR(bits=bits, group_size=group)
 
 

@@ -20,7 +20,7 @@ import torch
 from qcompiler.algorithms.gptq import check_spec
 from qcompiler.algorithms.signround import Rounding, rounding_result, tune_rounding
 from qcompiler.errors import QuantizationError
-from qcompiler.passes.mixed_precision import parse_candidate
+from qcompiler.passes.mixed_precision import candidate_grid, parse_candidate
 from qcompiler.pipeline.weight_only import (
     UnpackableLayer,
     check_packable,
@@ -74,7 +74,7 @@ class SignRound(WeightQuantizer):
         specs = {}
         for path, name in self.plan:
             method, bits, group = parse_candidate(name)
-            if method not in ("gptq", "rtn"):
+            if method not in ("gptq", "rtn") or candidate_grid(name) is not None:
                 raise QuantizationError(f"SignRound: plan entry {path}: {name!r} is not a gptq-/rtn- candidate")
             check_spec(bits, group, self.start)
             specs[path] = (bits, group)

@@ -36,6 +36,7 @@ def register_recipe(name: str, description: str, factory: Callable[[], Sequence[
 
 AUTO_PREFIX = "auto:"  # auto:B — the AutoBits pass at a budget of B bits per parameter
 AUTO_SIGNROUND_PREFIX = "auto-signround:"  # auto-signround:B — auto:B's allocation, quantized by SignRound
+AUTO_GGUF_PREFIX = "auto-gguf:"  # auto-gguf:B — auto:B over llama.cpp's block types only (one GGUF file)
 ROTATE_PREFIX = "rotate-"  # rotate-auto:B — the Rotate pass, then auto:B (rotate-auto-signround:B likewise)
 
 
@@ -44,7 +45,7 @@ def get_recipe(name: str) -> Recipe:
     ``auto:B`` is automatic mixed precision at ``B`` bits per parameter (passes/auto_bits.py);
     ``rotate-auto:B`` the same after the Rotate pass (passes/rotate.py)."""
     _register_builtins()
-    if name.startswith((AUTO_PREFIX, AUTO_SIGNROUND_PREFIX)):
+    if name.startswith((AUTO_PREFIX, AUTO_SIGNROUND_PREFIX, AUTO_GGUF_PREFIX)):
         return _auto_recipe(name)
     if name.startswith((ROTATE_PREFIX + AUTO_PREFIX, ROTATE_PREFIX + AUTO_SIGNROUND_PREFIX)):
         from qcompiler import passes as P
@@ -62,12 +63,22 @@ def get_recipe(name: str) -> Recipe:
 def _auto_recipe(name: str) -> Recipe:
     from qcompiler import passes as P
 
-    signround = name.startswith(AUTO_SIGNROUND_PREFIX)
-    text = name[len(AUTO_SIGNROUND_PREFIX if signround else AUTO_PREFIX) :]
+    signround, gguf = name.startswith(AUTO_SIGNROUND_PREFIX), name.startswith(AUTO_GGUF_PREFIX)
+    text = name.split(":", 1)[1]
     try:
         budget = float(text)
     except ValueError:
         raise RecipeError(f"recipe {name!r}: {text!r} is not a number of bits per parameter (e.g. auto:3.25)") from None
+    if gguf:
+        from qcompiler.passes.auto_bits import GGUF_CANDIDATES
+
+        return Recipe(
+            name,
+            (P.AutoBits(budget=budget, candidates=GGUF_CANDIDATES),),
+            f"automatic mixed precision on llama.cpp's block types: per layer GPTQ on Q3_K/Q4_K/Q5_K/Q6_K/Q8_0, "
+            f"chosen from each layer's measured effect on the output to fit {budget:g} bits per parameter; "
+            "eager and GGUF only",
+        )
     if signround:
         return Recipe(
             name,
