@@ -260,3 +260,27 @@ def test_a_width_a_k_quant_cannot_hold_falls_back_with_a_note(recipe, fallback, 
             in notes
         )
     assert bits_per_parameter(cm.graph_module) == pytest.approx(bits, abs=1e-12)
+
+
+def test_auto_gguf_mixes_llama_cpp_types_within_the_budget(tmp_path):
+    """auto-gguf:B chooses a llama.cpp type per tensor within B bits per parameter (counted from the
+    stored bytes), and the GGUF file holds each layer's bytes under its own type."""
+    recipe = qc.get_recipe("auto-gguf:4.8")
+    assert [type(p).__name__ for p in recipe.passes] == ["AutoBits"] and recipe.passes[0].budget == 4.8
+    assert {c.split("-")[1] for c in recipe.passes[0].candidates} == {"q3_k", "q4_k", "q5_k", "q6_k", "q8_0"}
+    model = _llama256()
+    calib = [{"input_ids": torch.randint(3, 128, (4, 64), generator=torch.Generator().manual_seed(1))}]
+    ids = torch.randint(3, 128, (1, 12), generator=torch.Generator().manual_seed(2))
+    auto = qc.passes.AutoBits(budget=4.8, candidates=("gptq-q3_k", "gptq-q4_k", "gptq-q6_k"), samples=2)
+    cm = qc.compile(model, {"input_ids": ids}, recipe=[auto], calibration=calib, backend="eager", progress=False)
+    layers = _layers(cm)
+    assert {a.spec.name for a in layers.values()} == {"gguf_linear"}
+    assert len({a.block_type for a in layers.values()}) >= 2
+    assert 4.0 < bits_per_parameter(cm.graph_module) <= 4.8
+    tensors = {
+        t.name: t for t in gguf.GGUFReader(str(cm.export_gguf(tmp_path / "m.gguf", progress=lambda s: None))).tensors
+    }
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, model.config.num_hidden_layers)
+    for path, a in layers.items():
+        entry = tensors[names.get_name(path + ".weight", try_suffixes=(".weight",))]
+        assert entry.tensor_type == gguf.GGMLQuantizationType[a.block_type], path
