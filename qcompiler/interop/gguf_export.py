@@ -4,8 +4,10 @@
 Tensor names and metadata are llama.cpp's (the ``gguf`` package's name map, as its own converter
 uses); quantized layers are written code for code as ``Q8_0`` / ``Q4_0`` / ``Q4_1`` blocks when
 their grid is that block type (``gguf_blocks``: recipes ``gptq-q4_0``, ``gptq-q4_1``, ``gptq-q8_0``),
-other layers only with an explicit ``requantize`` type, which re-rounds them by llama.cpp's own
-round-to-nearest and says so. FP matrices are stored as F16, norms and biases as F32.
+``qc.gguf_linear`` layers as the llama.cpp bytes they hold (K-quants, Q4_1, Q5_1: recipes ``gptq-q4_k``,
+...), other layers only with an explicit ``requantize`` type, which re-rounds them and says so (Q4_0 /
+Q4_1 / Q8_0 by llama.cpp's own round-to-nearest; K types, which the ``gguf`` package cannot quantize,
+by qcompiler's fitted grid without calibration). FP matrices are stored as F16, norms and biases as F32.
 LLaMA-family graphs get llama.cpp's row order for the query and key projections (its rotary
 embedding rotates adjacent pairs, Hugging Face's rotates halves), which permutes whole rows and so
 leaves the blocks' codes untouched.
@@ -21,6 +23,8 @@ import gguf
 import numpy as np
 import torch
 
+from qcompiler.algorithms.gguf_bytes import pack
+from qcompiler.algorithms.gguf_grids import FORMATS, GRID_FALLBACK, fit_grid, quantize_codes
 from qcompiler.algorithms.packing import unpack_cols, unpack_rows
 from qcompiler.interop.checkpoint import (
     ONLINE_ROTATION,
@@ -132,16 +136,24 @@ def _quant_tensor(layer, requantize: Optional[str]) -> tuple[np.ndarray, gguf.GG
             f"layer {layer.path} is {why}: quantize with recipe {_RECIPES} (GGUF's own grids), "
             f"or pass requantize='q4_0' / --requantize q4_0 to re-round it with llama.cpp's round-to-nearest"
         )
-    qtype = gguf.GGMLQuantizationType[BLOCK_TYPES[requantize].name]
-    w = dequantize_gptq(*(t[n] for n in GPTQ_TENSORS), bits).numpy()
-    return gguf.quants.quantize(w, qtype), qtype, "re-rounded"
+    w = dequantize_gptq(*(t[n] for n in GPTQ_TENSORS), bits)
+    if requantize in BLOCK_TYPES:
+        qtype = gguf.GGMLQuantizationType[BLOCK_TYPES[requantize].name]
+        return gguf.quants.quantize(w.numpy(), qtype), qtype, "re-rounded"
+    kind = requantize if n_in % FORMATS[requantize].super_block == 0 else GRID_FALLBACK[requantize]
+    grid = fit_grid(kind, w)
+    data = pack(kind, quantize_codes(w, grid, FORMATS[kind].bits), grid)
+    return data.numpy(), gguf.GGMLQuantizationType[FORMATS[kind].name], "re-rounded"
+
+
+REQUANTIZE_TYPES = (*BLOCK_TYPES, *GRID_FALLBACK)  # llama.cpp's RTN for the first, qcompiler's fitted grid for K types
 
 
 def _check_requantize(requantize: Optional[str]) -> None:
-    if requantize is not None and requantize not in BLOCK_TYPES:
+    if requantize is not None and requantize not in REQUANTIZE_TYPES:
         raise ExportError(
             f"requantize={requantize!r} is not a GGUF block type qcompiler writes; choose one of "
-            f"{', '.join(BLOCK_TYPES)}"
+            f"{', '.join(REQUANTIZE_TYPES)}"
         )
 
 
@@ -233,9 +245,9 @@ def export_gguf(cm, path, *, requantize: Optional[str] = None, protect=(), progr
     summary = ", ".join(f"{n} {name} ({how})" for (name, how), n in counts.items()) or "no quantized layers (F16)"
     progress(f"GGUF ({gguf.MODEL_ARCH_NAMES[arch]}): {summary}; tokenizer {tokenizer}")
     if any(how == "re-rounded" for _, how in counts):
+        how = "llama.cpp's round-to-nearest" if requantize in BLOCK_TYPES else "qcompiler's fitted grid, uncalibrated"
         progress(
-            f"re-quantized to {requantize.upper()} by llama.cpp's round-to-nearest: those layers' "
-            "codes are not the ones the recipe chose"
+            f"re-quantized to {requantize.upper()} by {how}: those layers' codes are not the ones the recipe chose"
         )
     with atomic_file(path) as tmp:
         writer.write_header_to_file(tmp)
