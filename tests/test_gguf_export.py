@@ -166,6 +166,17 @@ def test_unsupported_architecture_is_one_line(tmp_path):
     assert not list(tmp_path.iterdir())
 
 
+def test_gemma2_that_llama_cpp_would_compute_differently_is_refused(tmp_path):
+    """llama.cpp scales Gemma-2's queries by 1/sqrt(head_dim) (below 46 layers): a config whose
+    query_pre_attn_scalar differs is refused by name, nothing written."""
+    cm = qc.compile(causal_lm("gemma2"), {"input_ids": prompt()}, recipe="rtn-q4_0", backend="eager")
+    with pytest.raises(
+        ExportError, match=r"gemma2: query_pre_attn_scalar=256, but llama.cpp scales queries by 1/sqrt\(16\)"
+    ):
+        cm.export_gguf(tmp_path / "g.gguf")
+    assert not list(tmp_path.iterdir())
+
+
 def test_an_existing_file_is_replaced_only_when_it_is_our_gguf(llama_q4, tmp_path):
     _, cm, ours = llama_q4
     other = tmp_path / "notes.gguf"

@@ -59,10 +59,18 @@ def _logits(llm, ids: list[int]) -> np.ndarray:
         ("phi3", "gptq-q4_1"),  # fused qkv_proj / gate_up_proj as llama.cpp's attn_qkv / ffn_up
         pytest.param("llama", "none", marks=pytest.mark.slow),
         pytest.param("llama", "gptq-q5_1", marks=pytest.mark.slow),  # Q5_1: Q4_1's grid with a fifth bit
+        # soft-capping, 1 + w norms, post-norms, the head read from the embeddings, and a sliding window of 8
+        # (alternate layers) inside the 24 tokens
+        ("gemma2", "gptq-q4_0"),
+        pytest.param("gemma2", "none", marks=pytest.mark.slow),
     ],
 )
 def test_llama_cpp_logits_match_the_graph(arch, recipe, tmp_path):
     model = causal_lm(arch)
+    if arch == "gemma2":  # llama.cpp scales queries by 1/sqrt(head_dim): a config that does (as Gemma-2 2B/9B)
+        model.config.query_pre_attn_scalar = model.config.head_dim
+        model.config.sliding_window = 8
+        model = type(model)(model.config).eval()
     calib = calibration() if recipe.startswith("gptq") else None
     cm = qc.compile(model, {"input_ids": prompt()}, recipe=recipe, calibration=calib, backend="eager")
     cm.export_gguf(tmp_path / "m.gguf", progress=lambda s: None)

@@ -75,6 +75,8 @@ GGUF_ARCHITECTURES = {
     # fused qkv_proj / gate_up_proj are llama.cpp's attn_qkv / ffn_up as they are (gate first, as
     # its SwiGLU splits them); its rotary embedding is NEOX-style there: rows stay in HF order
     "phi3": (gguf.MODEL_ARCH.PHI3, False),
+    # norms stored as 1 + weight (HF's Gemma2RMSNorm scales by 1 + w), the head read from the embeddings
+    "gemma2": (gguf.MODEL_ARCH.GEMMA2, False),
 }
 _FILE_TYPES = {
     "Q8_0": gguf.LlamaFileType.MOSTLY_Q8_0,
@@ -109,6 +111,29 @@ def _rope_theta(config: dict, model_type: str) -> float:
     if kind != "default":
         raise ExportError(f"{model_type}: rope scaling {kind!r} is not written to GGUF yet")
     return float(rope.get("rope_theta", config.get("rope_theta", 10000.0)))
+
+
+def _gemma2_metadata(writer, config: dict, n_layers: int, hidden: int, heads: int, head_dim: int) -> None:
+    """Gemma-2's soft-capping and sliding-window keys, refusing what llama.cpp's gemma2 model would
+    compute differently (it always soft-caps, alternates sliding and full layers starting with
+    sliding, and scales queries by 1/sqrt(head_dim) — by 1/sqrt(hidden/heads) at 46 layers, its 27B)."""
+    caps = (config.get("attn_logit_softcapping"), config.get("final_logit_softcapping"))
+    if None in caps:
+        raise ExportError("gemma2: llama.cpp always soft-caps attention and final logits; this config turns one off")
+    scalar = config.get("query_pre_attn_scalar") or head_dim
+    theirs = hidden // heads if n_layers == 46 else head_dim
+    if int(scalar) != theirs:
+        raise ExportError(
+            f"gemma2: query_pre_attn_scalar={scalar}, but llama.cpp scales queries by 1/sqrt({theirs}) "
+            f"for a {n_layers}-layer model"
+        )
+    kinds = config.get("layer_types") or []
+    alternating = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n_layers)]
+    if kinds and list(kinds) != alternating:
+        raise ExportError("gemma2: llama.cpp alternates sliding and full attention from layer 0; layer_types differ")
+    writer.add_attn_logit_softcapping(float(caps[0]))
+    writer.add_final_logit_softcapping(float(caps[1]))
+    writer.add_sliding_window(int(config.get("sliding_window") or 4096))
 
 
 def _rotary_rows(n_rows: int, heads: int) -> torch.Tensor:
@@ -216,6 +241,12 @@ def export_gguf(cm, path, *, requantize: Optional[str] = None, protect=(), progr
             f"note: llama.cpp runs Phi-3 with full attention (its phi3 model disables the sliding window): "
             f"outputs match the graph's within the first {window} tokens of a sequence"
         )
+    if model_type == "gemma2":
+        _gemma2_metadata(writer, config, n_layers, hidden, heads, head_dim)
+        if any(layer.path == "lm_head" for layer in layers):
+            raise ExportError(
+                "gemma2: llama.cpp reads the output head from the token embeddings; quantize without lm_head"
+            )
     writer.add_rope_freq_base(_rope_theta(config, model_type))
     writer.add_layer_norm_rms_eps(float(config.get("rms_norm_eps", 1e-6)))
     vocab_size = int(config["vocab_size"])
@@ -230,8 +261,17 @@ def export_gguf(cm, path, *, requantize: Optional[str] = None, protect=(), progr
             data = data[order.numpy()]
         writer.add_tensor(gguf_name(layer.path + ".weight"), data, raw_dtype=qtype)
         counts[qtype.name, how] += 1
-    for hf_name, value in fp_tensors(gm, consumed).items():
+    fp = fp_tensors(gm, consumed)
+    for hf_name, value in fp.items():
         value = value.float()
+        if model_type == "gemma2" and hf_name == "lm_head.weight":  # llama.cpp's gemma2 has no head of its own
+            if not torch.equal(value, fp["model.embed_tokens.weight"].float()):
+                raise ExportError(
+                    "gemma2: llama.cpp reads the output head from the token embeddings; this head differs"
+                )
+            continue
+        if model_type == "gemma2" and hf_name.endswith("norm.weight"):
+            value = value + 1  # Gemma2RMSNorm scales by 1 + w; llama.cpp by the stored w
         order = rows(hf_name)
         if order is not None:
             value = value[order]
