@@ -226,7 +226,8 @@ def test_symmetric_grid_is_llama_cpp_q4_0_rule():
 @pytest.mark.parametrize(
     "files,message",
     [
-        ({"tokenizer.model": b"spm"}, r"tokenizer \(tokenizer.model\) is not embedded in GGUF files yet"),
+        ({"tokenizer.model": b"spm"}, r"tokenizer.model is not a SentencePiece model"),
+        ({"vocab.txt": b"[PAD]"}, r"tokenizer \(vocab.txt\) is not embedded in GGUF files yet"),
         ({"tokenizer.json": b"{"}, "tokenizer.json is not valid JSON"),
         (
             {"tokenizer.json": b'{"model": {"type": "WordPiece"}, "decoder": {"type": "WordPiece"}}'},

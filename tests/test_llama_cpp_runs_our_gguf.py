@@ -225,3 +225,91 @@ def test_bpe_tokenizer_json_tokenizes_in_llama_cpp_as_in_transformers(pre, tmp_p
     assert llm.tokenize(text.encode(), add_bos=False, special=False) == want
     assert llm.detokenize(want).decode() == text
     assert llm.token_eos() == 1
+
+
+def _spm_model_proto(normalization: str = "identity") -> bytes:
+    """A SentencePiece BPE model trained here with LLaMA-2's settings (byte fallback, split digits,
+    identity normalization, a dummy prefix)."""
+    import io
+
+    import sentencepiece
+
+    from qcompiler.data import stdlib_text
+
+    out = io.BytesIO()
+    sentencepiece.SentencePieceTrainer.train(
+        sentence_iterator=iter(stdlib_text("train")[:300_000].splitlines()),
+        model_writer=out,
+        vocab_size=500,
+        model_type="bpe",
+        byte_fallback=True,
+        normalization_rule_name=normalization,
+        add_dummy_prefix=True,
+        remove_extra_whitespaces=False,
+        split_digits=True,
+        allow_whitespace_only_pieces=True,
+        unk_id=0,
+        bos_id=1,
+        eos_id=2,
+        pad_id=-1,
+        minloglevel=2,
+    )
+    return out.getvalue()
+
+
+def test_sentencepiece_tokenizer_model_tokenizes_in_llama_cpp_as_in_sentencepiece(tmp_path):
+    """A SentencePiece tokenizer.model (as LLaMA-2, Mistral and Gemma ship) is embedded as llama.cpp's
+    llama tokenizer: llama.cpp's ids of held-out text (code, digits, runs of spaces, tabs, non-ASCII
+    through byte fallback) are SentencePiece's own, and detokenizing gives the text back (after the
+    dummy-prefix space llama.cpp keeps on a first token)."""
+    import json
+
+    import sentencepiece
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from qcompiler.data import stdlib_text
+
+    proto = _spm_model_proto()
+    sp = sentencepiece.SentencePieceProcessor(model_proto=proto)
+    folder = tmp_path / "model"
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=sp.vocab_size(),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    LlamaForCausalLM(config).save_pretrained(folder)
+    (folder / "tokenizer.model").write_bytes(proto)
+    (folder / "tokenizer_config.json").write_text(
+        json.dumps({"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "add_bos_token": False})
+    )
+    m = models.load(folder)
+    cm = qc.compile(m.model, {"input_ids": prompt()}, recipe="rtn-q8_0", backend="eager")
+    said = []
+    cm.export_gguf(tmp_path / "m.gguf", progress=said.append)
+    assert "tokenizer SentencePiece BPE, 500 pieces" in said[0]
+    llm = _llama(tmp_path / "m.gguf")
+    text = stdlib_text("heldout")[:3000] + "\nIt's 12345 dogs' café — naïve 9876543  two  spaces\n\ttab"
+    want = sp.encode(text)
+    assert llm.tokenize(text.encode(), add_bos=False, special=False) == want
+    assert llm.detokenize(want).decode() == " " + text
+    assert (llm.token_bos(), llm.token_eos()) == (1, 2)
+
+
+def test_a_sentencepiece_model_that_normalizes_text_is_refused():
+    """llama.cpp does not normalize text: a tokenizer.model with NFKC normalization would tokenize
+    differently there without any error, so it is refused by name."""
+    import gguf
+
+    from qcompiler.interop.checkpoint import ExportError
+    from qcompiler.interop.gguf_tokenizer import embed_tokenizer
+
+    writer = gguf.GGUFWriter(None, "llama")
+    with pytest.raises(ExportError, match=r"tokenizer.model normalizes text \('nmt_nfkc'\), which llama.cpp does not"):
+        embed_tokenizer(writer, {"tokenizer.model": _spm_model_proto("nmt_nfkc")}, {"vocab_size": 500})

@@ -5,10 +5,14 @@ with the vocabulary, the merges and a *named* pre-tokenizer (the regex that spli
 merging). The name is chosen from the exact regex the ``tokenizer.json`` declares — LLaMA-3's
 (``llama-bpe``), Qwen2's (``qwen2``), GPT-2's built-in one (``gpt-2``) — never guessed from the model
 type: an unknown regex is refused, because a wrong one tokenizes differently without any error.
-The bundled LM's byte tokenizer becomes a byte-level vocabulary whose id is the byte. A model
+A SentencePiece ``tokenizer.model`` (LLaMA-2, Mistral, Gemma) becomes llama.cpp's ``llama`` model with
+its pieces, scores and token types, as llama.cpp's own converter writes them; llama.cpp does no text
+normalization, so a model whose normalizer is not ``identity`` is refused. The bundled LM's byte
+tokenizer becomes a byte-level vocabulary whose id is the byte. A model
 without tokenizer files gets ``none`` (llama.cpp runs it on token ids). Special-token ids, the
 add-BOS flag and the chat template come from the stored files through the ``gguf`` package's own
-reader (``SpecialVocab``). The files are data: parsed as JSON, nothing in them is run.
+reader (``SpecialVocab``). The files are data: parsed as JSON or as SentencePiece's protobuf, nothing in
+them is run.
 """
 
 from __future__ import annotations
@@ -85,6 +89,66 @@ def _bpe(writer: gguf.GGUFWriter, tj: dict, vocab_size: int) -> str:
     return f"byte-level BPE, {len(tokens)} tokens, {len(merges)} merges, pre-tokenizer {pre}"
 
 
+def _is_byte_level_bpe(tj: dict) -> bool:
+    model = tj.get("model") or {}
+    return model.get("type") == "BPE" and not model.get("byte_fallback")
+
+
+def _sentencepiece(writer: gguf.GGUFWriter, files: dict[str, bytes], vocab_size: int) -> str:
+    """A SentencePiece model as llama.cpp's ``llama`` tokenizer: every piece with its score and kind,
+    added tokens from tokenizer_config.json, ids beyond the model's pieces as unused placeholders."""
+    import sentencepiece
+    from sentencepiece import sentencepiece_model_pb2
+
+    proto = sentencepiece_model_pb2.ModelProto()
+    try:
+        proto.ParseFromString(files["tokenizer.model"])
+        sp = sentencepiece.SentencePieceProcessor(model_proto=files["tokenizer.model"])
+    except Exception as e:  # noqa: BLE001 (protobuf and sentencepiece raise their own kinds)
+        raise ExportError(f"tokenizer.model is not a SentencePiece model: {str(e)[:120]}") from None
+    normalizer = proto.normalizer_spec
+    if normalizer.name not in ("identity", "") or normalizer.precompiled_charsmap:
+        raise ExportError(
+            f"tokenizer.model normalizes text ({normalizer.name!r}), which llama.cpp does not: "
+            "GGUF export embeds SentencePiece models with the identity normalizer (LLaMA-2, Mistral, Gemma)"
+        )
+    if sp.vocab_size() > vocab_size:
+        raise ExportError(f"tokenizer.model has {sp.vocab_size()} pieces, beyond the model's {vocab_size} embeddings")
+    names = [f"[PAD{i}]" for i in range(vocab_size)]
+    scores = [-10000.0] * vocab_size
+    kinds = [gguf.TokenType.UNUSED] * vocab_size
+    for i in range(sp.vocab_size()):
+        names[i], scores[i] = sp.id_to_piece(i), sp.get_score(i)
+        kinds[i] = (
+            gguf.TokenType.UNKNOWN
+            if sp.is_unknown(i)
+            else gguf.TokenType.CONTROL
+            if sp.is_control(i)
+            else gguf.TokenType.UNUSED
+            if sp.is_unused(i)
+            else gguf.TokenType.BYTE
+            if sp.is_byte(i)
+            else gguf.TokenType.NORMAL
+        )
+    try:
+        added = json.loads(files.get("tokenizer_config.json", b"{}")).get("added_tokens_decoder") or {}
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ExportError(f"tokenizer_config.json is not valid JSON: {e}") from None
+    for key, token in added.items():
+        i = int(key)
+        if i < vocab_size and isinstance(token, dict) and isinstance(token.get("content"), str):
+            names[i], scores[i] = token["content"], -1000.0
+            kinds[i] = gguf.TokenType.CONTROL if token.get("special") else gguf.TokenType.USER_DEFINED
+    writer.add_tokenizer_model("llama")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(names)
+    writer.add_token_scores(scores)
+    writer.add_token_types(kinds)
+    writer.add_add_space_prefix(bool(normalizer.add_dummy_prefix))
+    kind = {1: "unigram", 2: "BPE"}.get(proto.trainer_spec.model_type, "other")
+    return f"SentencePiece {kind}, {sp.vocab_size()} pieces"
+
+
 def _bytes(writer: gguf.GGUFWriter) -> str:
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("default")
@@ -100,12 +164,17 @@ def embed_tokenizer(writer: gguf.GGUFWriter, files: dict[str, bytes], config: di
     one-line description. An unsupported tokenizer is an ExportError naming it."""
     vocab_size = int(config["vocab_size"])
     present = sorted(n for n in files if n in _TOKENIZER_FILES)
+    tj = None
     if "tokenizer.json" in files:
         try:
             tj = json.loads(files["tokenizer.json"])
         except (ValueError, UnicodeDecodeError) as e:
             raise ExportError(f"tokenizer.json is not valid JSON: {e}") from None
-        described = _bpe(writer, tj, vocab_size)
+    if tj is not None or "tokenizer.model" in files:
+        # the tokenizer.json transformers derives from a tokenizer.model is byte-fallback BPE or Unigram:
+        # the SentencePiece model itself is what llama.cpp reads then
+        spm = "tokenizer.model" in files and (tj is None or not _is_byte_level_bpe(tj))
+        described = _sentencepiece(writer, files, vocab_size) if spm else _bpe(writer, tj, vocab_size)
         with tempfile.TemporaryDirectory() as tmp:  # special ids, add-BOS, chat template: gguf's own reader
             for name in ("tokenizer_config.json", "special_tokens_map.json", "generation_config.json"):
                 if name in files:
@@ -116,7 +185,7 @@ def embed_tokenizer(writer: gguf.GGUFWriter, files: dict[str, bytes], config: di
     if present:
         raise ExportError(
             f"the model's tokenizer ({', '.join(present)}) is not embedded in GGUF files yet; "
-            "byte-level BPE tokenizer.json files are"
+            "byte-level BPE tokenizer.json files and SentencePiece tokenizer.model files are"
         )
     if vocab_size == ByteTokenizer.vocab_size:
         return _bytes(writer)
