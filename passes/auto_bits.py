@@ -53,7 +53,7 @@ DEFAULT_CANDIDATES = (
 SIGNROUND_CANDIDATES = tuple(n for n in DEFAULT_CANDIDATES if n.startswith("gptq-"))
 # auto-gguf:B — llama.cpp's types only, so the mix is one GGUF file that llama.cpp runs (its own Q4_K_M
 # mixes Q4_K and Q6_K by a fixed rule; here each tensor's type is chosen from measured sensitivities)
-GGUF_CANDIDATES = ("gptq-q3_k", "gptq-q4_k", "gptq-q5_k", "gptq-q6_k", "gptq-q8_0")
+GGUF_CANDIDATES = ("gptq-q2_k", "gptq-q3_k", "gptq-q4_k", "gptq-q5_k", "gptq-q6_k", "gptq-q8_0")
 FINISHERS = ("gptq", "signround")
 MAX_BUDGET = 16.0  # bits per parameter: above it a quantized layer is larger than its fp16 weight
 

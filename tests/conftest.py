@@ -91,14 +91,15 @@ SLOW_VARIANTS = (
             "test_every_layer_is_on_the_grid_at_its_exact_bits",
             "test_gguf_file_holds_the_graphs_weights_bit_for_bit",
         )
-        for kind in ("q5_k", "q6_k")
+        for kind in ("q5_k", "q6_k", "q2_k")
     ),
     *(
         f"test_gguf_grids.py::test_artifact_round_trip_and_other_formats_refuse_by_name[{kind}]"
-        for kind in ("q5_k", "q6_k", "q3_k", "q4_1")
+        for kind in ("q5_k", "q6_k", "q3_k", "q2_k", "q4_1")
     ),
     "test_llama_cpp_runs_our_gguf.py::test_llama_cpp_runs_k_quants_as_the_graph_does[gptq-q5_k]",
     "test_llama_cpp_runs_our_gguf.py::test_llama_cpp_runs_k_quants_as_the_graph_does[gptq-q6_k]",
+    "test_llama_cpp_runs_our_gguf.py::test_llama_cpp_runs_k_quants_as_the_graph_does[gptq-q2_k]",
 )
 
 

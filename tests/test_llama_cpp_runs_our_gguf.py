@@ -34,6 +34,7 @@ BOUND = {
     "gptq-q5_k": 0.025,
     "gptq-q6_k": 0.025,
     "gptq-q3_k": 0.025,
+    "gptq-q2_k": 0.025,
     "gptq-q5_1": 0.025,
 }
 
@@ -117,9 +118,9 @@ def test_bundled_lm_through_the_cli_generates_what_qcompiler_generates(tinylm_q4
     assert llm.detokenize(want.tolist()) == bytes(want.tolist())
 
 
-@pytest.mark.parametrize("recipe", ["gptq-q4_k", "gptq-q5_k", "gptq-q6_k", "gptq-q3_k"])
+@pytest.mark.parametrize("recipe", ["gptq-q4_k", "gptq-q5_k", "gptq-q6_k", "gptq-q3_k", "gptq-q2_k"])
 def test_llama_cpp_runs_k_quants_as_the_graph_does(recipe, tmp_path):
-    """gptq-q4_k / -q5_k / -q6_k / -q3_k (llama.cpp's own super-block bytes, stored as they are) on the bundled
+    """gptq-q4_k / -q5_k / -q6_k / -q3_k / -q2_k (llama.cpp's own super-block bytes, stored as they are) on the bundled
     LM, whose widths are multiples of 256: llama.cpp's logits within the bound of the graph's, and its
     argmax is the graph's at every position of a code snippet except near-ties within that bound."""
     m = models.load("tinylm")

@@ -1,7 +1,7 @@
 """llama.cpp's block bytes of the ``gguf_grids`` types: ``pack`` writes ``block_q4_K``, ``block_q5_K``,
-``block_q6_K``, ``block_q3_K``, ``block_q4_1``, ``block_q5_1``, ``block_q8_0``, ``block_q4_0`` from codes
-and a grid; ``dequantize`` reads them back in llama.cpp's float32 steps (tests compare both with the
-``gguf`` package's reference dequantizers, bit for bit).
+``block_q6_K``, ``block_q3_K``, ``block_q2_K``, ``block_q4_1``, ``block_q5_1``, ``block_q8_0``,
+``block_q4_0`` from codes and a grid; ``dequantize`` reads them back in llama.cpp's float32 steps
+(tests compare both with the ``gguf`` package's reference dequantizers, bit for bit).
 
 The symmetric types are read as ``d·sc·q − d·(zero·sc)``: every product there is exact in float32
 (fp16 ``d`` has 11 significant bits, ``sc`` at most 8, ``q`` at most 8 with ``sc = 1``), so the value
@@ -48,6 +48,10 @@ def pack(kind: str, codes: torch.Tensor, grid: BlockGrid) -> torch.Tensor:
         if fmt.bits == 5:  # Q5_1: a little-endian uint32 whose bit j is bit 4 of weight j
             parts.append(_bit_planes((c.view(rows, n_sb, 4, 8) >> 4).transpose(-1, -2), 8))
         return torch.cat([*parts, qs], dim=-1).reshape(rows, -1)
+    if fmt.name == "Q2_K":  # 16 bytes sc | m << 4, then weight p of half h at bits 2j of qs[32h + p % 32], j = p // 32
+        scales = grid.sc.to(torch.uint8).view(rows, n_sb, 16) | (grid.m.to(torch.uint8).view(rows, n_sb, 16) << 4)
+        qs = _bit_planes(c.view(rows, n_sb, 2, 4, 32), 4, 2).reshape(rows, n_sb, 64)
+        return torch.cat([scales, qs, _half_bytes(grid.d), _half_bytes(grid.dmin)], dim=-1).reshape(rows, -1)
     sc, m = grid.sc.to(torch.uint8).view(rows, n_sb, 8), grid.m.to(torch.uint8).view(rows, n_sb, 8)
     # bytes 0-3: sc[0:4] with sc[4:8]'s high 2 bits on top; 4-7: m[0:4] with m[4:8]'s; 8-11: the low nibbles
     scales = torch.cat(
@@ -132,6 +136,12 @@ def dequantize(block_type: str, blocks: torch.Tensor, cols: int) -> torch.Tensor
         scale, offset = sub_block_grid(grid)
         q = q.reshape(rows, scale.shape[1], -1).float()
         return (scale.unsqueeze(-1) * q - offset.unsqueeze(-1)).reshape(rows, cols)
+    if fmt.name == "Q2_K":  # d·sc·q − dmin·m per 16
+        d, dmin = (b[..., i : i + 2].contiguous().view(torch.float16).float() for i in (80, 82))
+        scale = (d * (b[..., :16] & 0x0F).float()).unsqueeze(-1)  # [rows, n_sb, 16, 1]
+        offset = (dmin * (b[..., :16] >> 4).float()).unsqueeze(-1)
+        q = _planes_of(b[..., 16:80].reshape(rows, n_sb, 2, 32), 4, 2, 3).reshape(rows, n_sb, 16, 16)
+        return (scale * q.float() - offset).reshape(rows, cols)
     d = b[..., 0:2].contiguous().view(torch.float16).float()  # [rows, n_sb, 1]
     second = b[..., 2:4].contiguous().view(torch.float16).float()
     if fmt.super_block == SUB_BLOCK:  # Q4_1, Q5_1: d · q + m

@@ -1,11 +1,12 @@
-"""llama.cpp's block grids, fitted per sub-block: ``Q4_K``, ``Q5_K``, ``Q6_K``, ``Q3_K``, ``Q4_1``,
+"""llama.cpp's block grids, fitted per sub-block: ``Q4_K``, ``Q5_K``, ``Q6_K``, ``Q3_K``, ``Q2_K``, ``Q4_1``,
 ``Q5_1`` (and ``Q8_0`` / ``Q4_0``, the fallbacks of Q6_K / Q3_K for widths that are not a multiple of 256).
 
 Every one is ``scale · q − offset`` per sub-block (``BlockGrid``). With a free minimum the offset
 is a value of its own — unlike qcompiler's affine grid ``s·(q − z)``, whose integer zero point ``z``
 puts it on the scale's lattice: ``Q4_1`` / ``Q5_1`` store scale and minimum as fp16 per block of
 32 (5 / 6 bits per weight), ``Q4_K`` / ``Q5_K`` as 6-bit integers ``sc``, ``m`` per 32 times fp16
-``d``, ``dmin`` per super-block of 256 (4.5 / 5.5 bits per weight; the offset is never negative).
+``d``, ``dmin`` per super-block of 256 (4.5 / 5.5 bits per weight; the offset is never negative),
+``Q2_K`` 2-bit codes with 4-bit ``sc``, ``m`` per 16 (2.625).
 The symmetric types tie the offset to the scale, ``scale·(q − zero)``: ``Q6_K`` (6-bit codes,
 signed 8-bit ``sc`` per 16 times fp16 ``d`` per 256: 6.5625 bits per weight), ``Q3_K`` (3-bit
 codes, signed 6-bit ``sc`` per 16: 3.4375), ``Q8_0`` / ``Q4_0`` (fp16 ``d`` per 32). Layers on
@@ -36,7 +37,6 @@ __all__ = [
 ]
 
 SUB_BLOCK = 32  # the free-minimum types' sub-block
-_MAX6 = 63
 # Clipping factors of a sub-block's range: every 0.1 from 1 to 0.5, then ±0.025 and ±0.05 around the best
 # (on a 512 x 1024 test matrix: the error of the 21-step search of quant_grid.CLIP_SHRINKS at half its time)
 _COARSE = tuple(1.0 - 0.1 * i for i in range(6))
@@ -74,6 +74,7 @@ class GridFormat(NamedTuple):
 FORMATS = {
     "q4_k": GridFormat("Q4_K", 256, 144, True, 4),  # fp16 d, fp16 dmin, 12 bytes of 6-bit sc/m, 128 of nibbles
     "q5_k": GridFormat("Q5_K", 256, 176, True, 5),  # as Q4_K, plus 32 bytes of the codes' fifth bits
+    "q2_k": GridFormat("Q2_K", 256, 84, True, 2, 16, None, (0, 15)),  # 16 bytes of 4-bit sc|m, 64 of codes, d, dmin
     "q4_1": GridFormat("Q4_1", 32, 20, False, 4),  # fp16 d, fp16 m (= −offset), 16 bytes of nibbles
     "q5_1": GridFormat("Q5_1", 32, 24, False, 5),  # as Q4_1, plus a uint32 of the codes' fifth bits
     # symmetric: value = d·sc·(q − zero), the signed sub-block scales sc against one fp16 d per 256
@@ -85,8 +86,8 @@ FORMATS = {
 }
 BY_NAME = {f.name: f for f in FORMATS.values()}
 # A super-block grid's stand-in for a width it cannot hold: the 32-column type with the same code width
-# (llama-quantize falls back too: Q4_K -> Q5_0, Q5_K -> Q5_1, Q6_K -> Q8_0, Q3_K -> Q4_0).
-GRID_FALLBACK = {"q4_k": "q4_1", "q5_k": "q5_1", "q6_k": "q8_0", "q3_k": "q4_0"}
+# (llama-quantize falls back too: Q4_K -> Q5_0, Q5_K -> Q5_1, Q6_K -> Q8_0, Q3_K and Q2_K -> Q4_0).
+GRID_FALLBACK = {"q4_k": "q4_1", "q5_k": "q5_1", "q6_k": "q8_0", "q3_k": "q4_0", "q2_k": "q4_0"}
 
 
 def sub_block_grid(grid: BlockGrid) -> tuple[torch.Tensor, torch.Tensor]:
@@ -223,15 +224,16 @@ def fit_grid(kind: str, w: torch.Tensor, importance: Optional[torch.Tensor] = No
     if fmt.super_block == SUB_BLOCK:  # Q4_1, Q5_1: stored as fp16 themselves
         ones = torch.ones(rows, n_sb, dtype=torch.int32, device=w.device)
         return BlockGrid(s.half().float().reshape(rows, n_sb), o.half().float().reshape(rows, n_sb), ones, ones)
-    d = (s.amax(2, keepdim=True) / _MAX6).half().float()
-    dmin = (o.amax(2, keepdim=True) / _MAX6).half().float()
-    sc, m = _ratio(s, d), _ratio(o, dmin)
+    top = fmt.sc_range[1]  # the integer scales' and minima's largest value (6 bits; Q2_K: 4)
+    d = (s.amax(2, keepdim=True) / top).half().float()
+    dmin = (o.amax(2, keepdim=True) / top).half().float()
+    sc, m = _ratio(s, d, top), _ratio(o, dmin, top)
     best_err, best_sc, best_m = _error(sub, d * sc, dmin * m, imp, fmt.maxq), sc, m
     for dsc in (-1, 0, 1):  # the rounded pair is not always the best pair: try its neighbours
         for dm in (-1, 0, 1):
             if dsc == dm == 0:
                 continue
-            c_sc, c_m = (sc + dsc).clamp(0, _MAX6), (m + dm).clamp(0, _MAX6)
+            c_sc, c_m = (sc + dsc).clamp(0, top), (m + dm).clamp(0, top)
             err = _error(sub, d * c_sc, dmin * c_m, imp, fmt.maxq)
             better = err < best_err
             best_sc, best_m = torch.where(better, c_sc, best_sc), torch.where(better, c_m, best_m)
@@ -244,10 +246,10 @@ def fit_grid(kind: str, w: torch.Tensor, importance: Optional[torch.Tensor] = No
     )
 
 
-def _ratio(x: torch.Tensor, unit: torch.Tensor) -> torch.Tensor:
-    """``round(x / unit)`` in 0..63 (0 where ``unit`` is 0), as float."""
+def _ratio(x: torch.Tensor, unit: torch.Tensor, top: int) -> torch.Tensor:
+    """``round(x / unit)`` in 0..top (0 where ``unit`` is 0), as float."""
     safe = torch.where(unit > 0, unit, torch.ones_like(unit))
-    return torch.where(unit > 0, torch.round(x / safe).clamp(0, _MAX6), torch.zeros_like(x))
+    return torch.where(unit > 0, torch.round(x / safe).clamp(0, top), torch.zeros_like(x))
 
 
 def quantize_codes(w: torch.Tensor, grid: BlockGrid, bits: int = 4) -> torch.Tensor:

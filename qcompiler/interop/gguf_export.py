@@ -87,9 +87,12 @@ _FILE_TYPES = {
     "Q5_K": gguf.LlamaFileType.MOSTLY_Q5_K_M,
     "Q6_K": gguf.LlamaFileType.MOSTLY_Q6_K,
     "Q3_K": gguf.LlamaFileType.MOSTLY_Q3_K_M,
+    "Q2_K": gguf.LlamaFileType.MOSTLY_Q2_K,
 }
 _RECIPES = ", ".join(
-    dict.fromkeys([b.recipe for b in BLOCK_TYPES.values()] + ["gptq-q4_k", "gptq-q5_k", "gptq-q6_k", "gptq-q3_k"])
+    dict.fromkeys(
+        [b.recipe for b in BLOCK_TYPES.values()] + ["gptq-q4_k", "gptq-q5_k", "gptq-q6_k", "gptq-q3_k", "gptq-q2_k"]
+    )
 )
 RECIPE_KEY = "qcompiler.recipe"
 

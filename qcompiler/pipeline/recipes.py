@@ -75,7 +75,7 @@ def _auto_recipe(name: str) -> Recipe:
         return Recipe(
             name,
             (P.AutoBits(budget=budget, candidates=GGUF_CANDIDATES),),
-            f"automatic mixed precision on llama.cpp's block types: per layer GPTQ on Q3_K/Q4_K/Q5_K/Q6_K/Q8_0, "
+            f"automatic mixed precision on llama.cpp's block types: per layer GPTQ on Q2_K/Q3_K/Q4_K/Q5_K/Q6_K/Q8_0, "
             f"chosen from each layer's measured effect on the output to fit {budget:g} bits per parameter; "
             "eager and GGUF only",
         )
@@ -207,7 +207,7 @@ def _describe(cls: type, kw: dict) -> str:
         if fmt.zero is not None:
             kind = f"signed {'8' if fmt.sc_range[0] == -128 else '6'}-bit scales per super-block of 256"
         elif fmt.super_block > fmt.sub_block:
-            kind = "6-bit scales and minima per super-block of 256"
+            kind = f"{fmt.sc_range[1].bit_length()}-bit scales and minima per super-block of 256"
         else:
             kind = "an fp16 scale and a free fp16 minimum each"
         fallback = GRID_FALLBACK.get(p.grid)
@@ -273,6 +273,9 @@ _WEIGHT_ONLY = {
     "gptq-q6_k": ("GPTQ", dict(bits=6, group_size=16, grid="q6_k")),
     "rtn-q3_k": ("RTN", dict(bits=3, group_size=16, grid="q3_k")),
     "gptq-q3_k": ("GPTQ", dict(bits=3, group_size=16, grid="q3_k")),
+    # Q2_K: 2-bit codes per 16 with 4-bit scales and minima (2.625 bits per weight)
+    "rtn-q2_k": ("RTN", dict(bits=2, group_size=16, grid="q2_k")),
+    "gptq-q2_k": ("GPTQ", dict(bits=2, group_size=16, grid="q2_k")),
     # the output head in 4 bits too (RTN), as onnxruntime-genai's int4 builder: faster decoding
     "rtn-w4g128-head": ("RTN", dict(bits=4, group_size=128, sym=False, lm_head=True)),
     "gptq-w4g128-head": ("GPTQ", dict(bits=4, group_size=128, sym=False, lm_head=True)),
