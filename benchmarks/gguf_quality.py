@@ -39,7 +39,7 @@ import qcompiler as qc
 from qcompiler import models
 
 # A K type on a width that is not a multiple of 256 falls back per tensor: llama-quantize Q4_K / Q5_K / Q6_K /
-# Q3_K to Q5_0 / Q5_1 / Q8_0 / Q4_0, qcompiler to Q4_1 / Q5_1 / Q8_0 / Q4_0 (the bits-per-weight columns count
+# Q3_K, Q2_K to Q5_0 / Q5_1 / Q8_0 / Q4_0, qcompiler to Q4_1 / Q5_1 / Q8_0 / Q4_0 (the bits-per-weight columns count
 # what each file stores).
 TYPES = {
     "q4_0": "Q4_0",
@@ -49,6 +49,7 @@ TYPES = {
     "q5_k": "Q5_K",
     "q6_k": "Q6_K",
     "q3_k": "Q3_K",
+    "q2_k": "Q2_K",
     # llama.cpp's own mix (Q4_K, with Q6_K for half the V and down projections by a fixed rule; no --pure) vs
     # qcompiler's auto-gguf:B at the bits per weight of llama.cpp's file (each tensor's type from measured
     # sensitivities)
