@@ -395,7 +395,7 @@ def export(
     requantize: Optional[str] = typer.Option(
         None,
         help="gguf: re-round layers not on a GGUF grid to this block type (q4_0 | q4_1 | q8_0 by llama.cpp's RTN; "
-        "q4_k | q5_k | q6_k | q3_k by qcompiler's fitted grid)",
+        "q4_k | q5_k | q6_k | q3_k | q2_k by qcompiler's fitted grid)",
     ),
     overwrite: bool = typer.Option(False, help="replace --out when it holds another kind of qcompiler output"),
 ):

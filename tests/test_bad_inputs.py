@@ -332,7 +332,7 @@ CLI_ROWS = [
     ),
     (
         "export gguf: unknown --requantize",
-        ["export", "{art}", "--format", "gguf", "--out", "{root}/m.gguf", "--requantize", "q2_k"],
+        ["export", "{art}", "--format", "gguf", "--out", "{root}/m.gguf", "--requantize", "q5_0"],
         2,
         "is not a GGUF block type",
     ),

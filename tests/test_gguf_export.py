@@ -155,8 +155,8 @@ def test_other_grids_are_refused_unless_requantized(tmp_path):
         back = torch.from_numpy(gguf.quants.dequantize(entry.data, entry.tensor_type).copy())
         step = w.view(w.shape[0], -1, 32).abs().amax(-1, keepdim=True) / 8
         assert bool(((back - w).view_as(step.expand(-1, -1, 32)).abs() <= step * 1.01 + 1e-6).all())
-    with pytest.raises(ExportError, match="requantize='q2_k' is not a GGUF block type"):
-        cm.export_gguf(tmp_path / "b.gguf", requantize="q2_k")
+    with pytest.raises(ExportError, match="requantize='q5_0' is not a GGUF block type"):
+        cm.export_gguf(tmp_path / "b.gguf", requantize="q5_0")
 
 
 def test_unsupported_architecture_is_one_line(tmp_path):
