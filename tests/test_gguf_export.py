@@ -16,7 +16,7 @@ from qcompiler.interop.checkpoint import ExportError
 from qcompiler.interop.gguf_blocks import BLOCK_TYPES, pack_blocks
 from qcompiler.interop.gguf_export import _rotary_rows
 from qcompiler.ir.op_registry import args_of, quantized_layer_path, spec_of
-from qcompiler.ir.ops import GPTQ_TENSORS, dequantize_gptq
+from qcompiler.ir.ops import GPTQ_TENSORS, SPQR_DENSE_TENSORS, dequantize_gptq
 from qcompiler.store.atomic import OutputPathError
 
 
@@ -276,3 +276,44 @@ def test_phi3_keeps_its_fused_layers_and_says_llama_cpp_ignores_the_sliding_wind
         "blk.0.ffn_up.weight": layer.mlp.gate_up_proj.weight.shape[0],
     }
     assert int(reader.fields["phi3.attention.sliding_window"].parts[-1][0]) == 8
+
+
+def test_spqr_exports_only_re_rounded_with_its_outliers_folded_in(tmp_path):
+    """No GGUF type holds SpQR's grid: the export is refused naming the layer, and with a requantize
+    type each weight is the layer's effective weight — its dense branch plus its outliers, read off
+    the graph's own ops on an identity input — re-rounded (Q8_0: within 1 % relative)."""
+    model = causal_lm("llama")
+    cm = qc.compile(model, {"input_ids": prompt()}, recipe="spqr-w3g16", calibration=calibration(), backend="eager")
+    with pytest.raises(ExportError, match=r"layer model\.layers\.0\.self_attn\.q_proj is SpQR \(3-bit groups of 16"):
+        cm.export_gguf(tmp_path / "s.gguf", progress=lambda s: None)
+    assert not (tmp_path / "s.gguf").exists()
+    said = []
+    cm.export_gguf(tmp_path / "s.gguf", requantize="q8_0", progress=said.append)
+    assert "14 Q8_0 (re-rounded)" in said[0]
+    tensors = {t.name: t for t in gguf.GGUFReader(str(tmp_path / "s.gguf")).tensors}
+    cfg = model.config
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, cfg.num_hidden_layers)
+    head_dim = cfg.hidden_size // cfg.num_attention_heads
+    gm, outliers = cm.graph_module, 0
+    for node in gm.graph.nodes:
+        if spec_of(node) is None or spec_of(node).name != "spqr_dense_linear":
+            continue
+        a = args_of(node)
+        (add,) = node.users
+        sparse = args_of(next(n for n in add.all_input_nodes if n is not node))
+        outliers += int(sparse.tensor(gm, "values").numel())
+        eye = torch.eye(a.tensor(gm, "perm").numel())
+        settings = {k: int(getattr(a, k)) for k in ("bits", "group_size", "stat_bits", "stat_group_size")}
+        dense_out = torch.ops.qc.spqr_dense_linear(eye, *a.tensors(gm, *SPQR_DENSE_TENSORS), None, **settings)
+        sparse_out = torch.ops.qc.sparse_outlier_linear(
+            eye, *sparse.tensors(gm, "row_ptr", "col_idx", "values"), add.meta["val"].shape[-1]
+        )
+        want = (dense_out + sparse_out).t()
+        path_ = quantized_layer_path(a)
+        entry = tensors[names.get_name(path_ + ".weight", try_suffixes=(".weight",))]
+        back = torch.from_numpy(gguf.quants.dequantize(entry.data, entry.tensor_type).copy())
+        heads = {"q_proj": cfg.num_attention_heads, "k_proj": cfg.num_key_value_heads}.get(path_.rsplit(".", 1)[1])
+        if heads:
+            back = back[torch.argsort(_rotary_rows(heads * head_dim, heads))]
+        assert float((back - want).norm() / want.norm()) <= 0.01, path_
+    assert outliers > 0  # the fold is exercised

@@ -38,8 +38,14 @@ from qcompiler.interop.checkpoint import (
 )
 from qcompiler.interop.gguf_blocks import BLOCK_TYPES, layer_fits, pack_blocks
 from qcompiler.interop.gguf_tokenizer import embed_tokenizer
-from qcompiler.ir.op_registry import args_of, implement, refuse, register_target
-from qcompiler.ir.ops import GPTQ_TENSORS, dequantize_gptq
+from qcompiler.ir.op_registry import args_of, implement, refuse, register_target, spec_of
+from qcompiler.ir.ops import (
+    GPTQ_TENSORS,
+    SPQR_DENSE_TENSORS,
+    dequantize_gptq,
+    dequantize_spqr_dense,
+    sparse_outlier_linear,
+)
 from qcompiler.store.atomic import atomic_file, check_output_file
 from qcompiler.store.model_files import model_files
 from qcompiler.version import __version__
@@ -55,13 +61,31 @@ def _gguf_bytes_layer(gm, a, path: str) -> QuantLayer:
     return QuantLayer(path, a.node, {"blocks": a.tensor(gm, "blocks")}, 4, 32, a.block_type)
 
 
-implement("gguf", "gguf_linear", _gguf_bytes_layer, kind="writer", label="its block bytes")
+def _spqr_layer(gm, a, path: str) -> QuantLayer:
+    """A SpQR layer as one float weight: its dense branch with the fp16 outliers of its sparse partner
+    (the other input of the add after it) folded in. No GGUF type holds SpQR's grid, so only a
+    ``requantize`` type writes it."""
+    w = dequantize_spqr_dense(
+        *a.tensors(gm, *SPQR_DENSE_TENSORS), int(a.bits), int(a.group_size), int(a.stat_bits), int(a.stat_group_size)
+    )
+    partners = [n for user in a.node.users for n in user.all_input_nodes if n is not a.node and spec_of(n) is not None]
+    for node in partners:  # x @ Sᵀ on the identity is Sᵀ: the outliers as a dense matrix
+        s = args_of(node)
+        eye = torch.eye(w.shape[1], dtype=torch.float32)
+        w = w + sparse_outlier_linear(eye, *s.tensors(gm, "row_ptr", "col_idx", "values"), w.shape[0]).t()
+    return QuantLayer(path, a.node, {"weight": w}, int(a.bits), int(a.group_size))
+
+
+implement("gguf", "spqr_dense_linear", _spqr_layer, kind="writer", label="re-rounded, outliers folded in")
+implement(
+    "gguf", "sparse_outlier_linear", lambda gm, a, path: None, kind="writer", label="folded into its dense branch"
+)
 _NOT_GGUF = (
     "GGUF holds weight-only block quantization (recipes gptq-q4_0, gptq-q4_1, gptq-q8_0, gptq-q4_k, gptq-q5_k, "
     "gptq-q6_k, gptq-q3_k, ...); "
     "export this recipe to ONNX"
 )
-for _op in ("int8_linear", "spqr_dense_linear", "sparse_outlier_linear", "spqr_experts_linear"):
+for _op in ("int8_linear", "spqr_experts_linear"):
     refuse("gguf", _op, _NOT_GGUF)
 refuse("gguf", "quant_experts_linear", "GGUF files of mixture-of-experts models are not written yet")
 refuse("gguf", "hadamard", ONLINE_ROTATION.replace("checkpoint clients (transformers, vLLM, GPTQModel)", "llama.cpp"))
@@ -148,6 +172,14 @@ def _quant_tensor(layer, requantize: Optional[str]) -> tuple[np.ndarray, gguf.GG
     """A quantized layer's GGUF data, type, and how it got there."""
     if layer.block_type is not None:  # qc.gguf_linear: llama.cpp's bytes already
         return layer.tensors["blocks"].numpy(), gguf.GGMLQuantizationType[layer.block_type], "exact"
+    if "weight" in layer.tensors:  # SpQR, outliers folded in
+        if requantize is None:
+            raise ExportError(
+                f"layer {layer.path} is SpQR ({layer.bits}-bit groups of {layer.group_size} plus fp16 outliers), "
+                "which no GGUF type holds: pass requantize='q4_k' / --requantize q4_k to re-round its weight "
+                "with the outliers folded in"
+            )
+        return (*_rerounded(layer.tensors["weight"], requantize), "re-rounded")
     t, bits = layer.tensors, layer.bits
     n_in, n_out = t["g_idx"].numel(), t["scales"].shape[1]
     zeros = unpack_cols(t["qzeros"], bits, n_out)
@@ -165,13 +197,19 @@ def _quant_tensor(layer, requantize: Optional[str]) -> tuple[np.ndarray, gguf.GG
             f"or pass requantize='q4_0' / --requantize q4_0 to re-round it with llama.cpp's round-to-nearest"
         )
     w = dequantize_gptq(*(t[n] for n in GPTQ_TENSORS), bits)
+    return (*_rerounded(w, requantize), "re-rounded")
+
+
+def _rerounded(w: torch.Tensor, requantize: str) -> tuple[np.ndarray, gguf.GGMLQuantizationType]:
+    """``w`` re-rounded to ``requantize``: llama.cpp's own round-to-nearest (the ``gguf`` package's) for
+    Q4_0 / Q4_1 / Q8_0, qcompiler's fitted grid for K types (their 32-column fallback where needed)."""
     if requantize in BLOCK_TYPES:
         qtype = gguf.GGMLQuantizationType[BLOCK_TYPES[requantize].name]
-        return gguf.quants.quantize(w.numpy(), qtype), qtype, "re-rounded"
-    kind = requantize if n_in % FORMATS[requantize].super_block == 0 else GRID_FALLBACK[requantize]
+        return gguf.quants.quantize(w.float().numpy(), qtype), qtype
+    kind = requantize if w.shape[1] % FORMATS[requantize].super_block == 0 else GRID_FALLBACK[requantize]
     grid = fit_grid(kind, w)
     data = pack(kind, quantize_codes(w, grid, FORMATS[kind].bits), grid)
-    return data.numpy(), gguf.GGMLQuantizationType[FORMATS[kind].name], "re-rounded"
+    return data.numpy(), gguf.GGMLQuantizationType[FORMATS[kind].name]
 
 
 REQUANTIZE_TYPES = (*BLOCK_TYPES, *GRID_FALLBACK)  # llama.cpp's RTN for the first, qcompiler's fitted grid for K types
@@ -199,8 +237,15 @@ def export_gguf(cm, path, *, requantize: Optional[str] = None, protect=(), progr
         )
     path = check_output_file(Path(path), "GGUF", ours=is_qcompiler_gguf, protect=(*protect, *source_folder(gm)))
     arch, pairs_rotary = GGUF_ARCHITECTURES[model_type]
-    layers = [write(gm, a, path) for a, path, write in layer_writers(gm, "gguf", "GGUF", require_any=False)]
-    consumed = {getattr(args_of(layer.node), name).target for layer in layers for name in layer.tensors}
+    written = [write(gm, a, path) for a, path, write in layer_writers(gm, "gguf", "GGUF", require_any=False)]
+    layers = [layer for layer in written if layer is not None]  # SpQR's outliers: folded into their dense branch
+    consumed = {  # every stored tensor a quantized op reads, but its bias (written as the layer's F32 bias)
+        value.target
+        for node in gm.graph.nodes
+        if spec_of(node) is not None
+        for name, value in args_of(node).as_dict().items()
+        if name != "bias" and isinstance(value, torch.fx.Node) and value.op == "get_attr"
+    }
     heads = int(config["num_attention_heads"])
     kv_heads = int(config.get("num_key_value_heads") or heads)
     hidden, n_layers = int(config["hidden_size"]), int(config["num_hidden_layers"])
