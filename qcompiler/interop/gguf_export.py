@@ -61,6 +61,9 @@ def _gguf_bytes_layer(gm, a, path: str) -> QuantLayer:
     return QuantLayer(path, a.node, {"blocks": a.tensor(gm, "blocks")}, 4, 32, a.block_type)
 
 
+implement("gguf", "gguf_linear", _gguf_bytes_layer, kind="writer", label="its block bytes")
+
+
 def _spqr_layer(gm, a, path: str) -> QuantLayer:
     """A SpQR layer as one float weight: its dense branch with the fp16 outliers of its sparse partner
     (the other input of the add after it) folded in. No GGUF type holds SpQR's grid, so only a
