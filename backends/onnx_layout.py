@@ -9,6 +9,9 @@ here, on a copy of the graph, as ops with their own torch references (tested aga
   zero-point path is ~10x slower). Act-order columns are permuted once here and the input is
   gathered (``perm``). 3-bit codes are widened to 4 bits (ORT has no 3-bit kernel): same values,
   4/3 of the code bytes.
+- ``qc.gguf_linear`` (llama.cpp's block bytes) → ``qc.matmul_nbits`` the same way: an integer zero
+  point per sub-block plus a per-block correction for the rest of its free minimum; 5- and 6-bit
+  codes as 8-bit.
 - ``qc.quant_experts_linear`` → ``qc.experts_matmul_nbits`` (each expert's matrix re-packed the
   same way, stacked); a full-precision grouped matmul over 3-D expert weights → ``qc.experts_matmul``.
 - ``qc.sparse_outlier_linear`` → ``qc.gathered_outlier_linear``: only the columns that hold
@@ -28,6 +31,8 @@ import torch
 from torch import Tensor
 from torch.fx import GraphModule
 
+from qcompiler.algorithms.gguf_bytes import unpack
+from qcompiler.algorithms.gguf_grids import BY_NAME, sub_block_grid
 from qcompiler.algorithms.packing import unpack_rows
 from qcompiler.backends import onnx_hadamard  # noqa: F401  (registers the qc.hadamard lowering)
 from qcompiler.backends.onnx_nbits import gptq_to_nbits, to_matmul_nbits_layout
@@ -42,7 +47,6 @@ from qcompiler.ir.op_registry import (
     implement,
     implementation,
     quantized_layer_path,
-    refuse,
     register,
     register_target,
     spec_of,
@@ -131,6 +135,27 @@ def _lower_spqr_dense(gm: GraphModule, a: OpArgs, path: str, notes: list[str]):
         notes,
         spqr_to_nbits(*a.tensors(gm, *SPQR_DENSE_TENSORS), a.bits, a.group_size, a.stat_bits, a.stat_group_size),
     )
+
+
+def gguf_to_nbits(blocks: Tensor, block_type: str, in_features: int) -> tuple:
+    """llama.cpp block bytes in MatMulNBits' layout (``gptq_to_nbits``'s tuple, plus ``group_corr``): the
+    codes with an integer zero point per sub-block, and what is left of the offset as a per-block
+    constant, ``scale·q − offset = scale·(q − z) + (scale·z − offset)`` (zero for the symmetric types).
+    5- and 6-bit codes travel as 8-bit, 3-bit as 4-bit (the widths MatMulNBits runs)."""
+    codes, grid = unpack(block_type, blocks, in_features)  # [N, K]
+    scale, offset = sub_block_grid(grid)  # [N, sub-blocks]
+    fmt = BY_NAME[block_type]
+    out_bits = {3: 4, 5: 8, 6: 8}.get(fmt.bits, fmt.bits)
+    safe = torch.where(scale != 0, scale, torch.ones_like(scale))
+    z = torch.where(scale != 0, (offset / safe).round().clamp(0, 2**out_bits - 1), torch.zeros_like(scale))
+    tensors = to_matmul_nbits_layout(codes, scale, z, out_bits, fmt.sub_block, False)
+    tensors["group_corr"] = (scale * z - offset).t().contiguous()  # [sub-blocks, N]
+    return tensors, None, in_features, codes.shape[0], out_bits, fmt.sub_block
+
+
+def _lower_gguf(gm: GraphModule, a: OpArgs, path: str, notes: list[str]):
+    """``qc.gguf_linear`` (llama.cpp's bytes) -> ``qc.matmul_nbits`` with a per-block correction."""
+    return _nbits_node(gm, a, path, notes, gguf_to_nbits(a.tensor(gm, "blocks"), a.block_type, int(a.in_features)))
 
 
 def _nbits_node(gm: GraphModule, a: OpArgs, path: str, notes: list[str], lowered):
@@ -266,12 +291,7 @@ implement("onnx", "quant_linear", _lower_gptq, kind="lowering", label="MatMulNBi
 implement("onnx", "spqr_dense_linear", _lower_spqr_dense, kind="lowering", label="MatMulNBits + block correction")
 implement("onnx", "sparse_outlier_linear", _lower_outliers, kind="lowering", label="Gather + MatMul")
 implement("onnx", "quant_experts_linear", _lower_experts, kind="lowering", label="MatMulNBits per expert")
-refuse(
-    "onnx",
-    "gguf_linear",
-    "llama.cpp's block bytes (K-quants, Q4_1, Q5_1) have no ONNX Runtime layout yet; export with --format gguf, "
-    "or quantize with gptq-w4g128 for ONNX",
-)
+implement("onnx", "gguf_linear", _lower_gguf, kind="lowering", label="MatMulNBits + block correction")
 implement(
     "onnx", "spqr_experts_linear", _lower_spqr_experts, kind="lowering", label="MatMulNBits + Gather/MatMul per expert"
 )

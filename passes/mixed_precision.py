@@ -4,7 +4,7 @@ A plan is data — ``(("model.layers.0.self_attn.q_proj", "gptq-w4g128"), ...)``
 by hand in a recipe file, or chosen under a bit budget by ``AutoBits`` (passes/auto_bits.py). Every
 candidate name is ``METHOD-wBITSgGROUP`` with METHOD ``rtn``, ``gptq`` or ``spqr``, or ``METHOD-TYPE``
 with METHOD ``rtn`` or ``gptq`` and TYPE a llama.cpp block type (``gptq-q4_k``, ``gptq-q6_k``, ...: the
-layer keeps llama.cpp's bytes, so such a mix runs in eager and llama.cpp, as llama.cpp's own ``_M``
+layer keeps llama.cpp's bytes, so such a mix runs in eager, ONNX Runtime and llama.cpp, as llama.cpp's own ``_M``
 mixes do); the result is one graph whose ``qc.quant_linear`` nodes carry their own bits and group
 size (SpQR layers: its dense + sparse ops), which every backend runs node by node.
 """

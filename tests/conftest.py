@@ -94,7 +94,7 @@ SLOW_VARIANTS = (
         for kind in ("q5_k", "q6_k", "q2_k")
     ),
     *(
-        f"test_gguf_grids.py::test_artifact_round_trip_and_other_formats_refuse_by_name[{kind}]"
+        f"test_gguf_grids.py::test_artifact_round_trip_onnx_runtime_and_refusals_by_name[{kind}]"
         for kind in ("q5_k", "q6_k", "q3_k", "q2_k", "q4_1")
     ),
     "test_llama_cpp_runs_our_gguf.py::test_llama_cpp_runs_k_quants_as_the_graph_does[gptq-q5_k]",

@@ -229,18 +229,26 @@ def test_gguf_file_holds_the_graphs_weights_bit_for_bit(compiled):
         assert torch.equal(back, dequantize_gguf(a.tensor(cm.graph_module, "blocks"), block_type, a.in_features))
 
 
-def test_artifact_round_trip_and_other_formats_refuse_by_name(compiled):
+def test_artifact_round_trip_onnx_runtime_and_refusals_by_name(compiled):
+    """The artifact reloads bit-identically; ONNX Runtime runs it (MatMulNBits with an integer zero
+    point per sub-block and a per-block correction for the rest of the offset) within 1e-5 of the
+    eager logits at accuracy_level 0 (measured 5e-7 to 7e-7 for every type); GPTQ and
+    compressed-tensors exports refuse it naming the layer."""
     _, cm, ids, tmp, _ = compiled
     cm.save(tmp / "art")
     back = qc.load(tmp / "art")
+    ort = qc.load(tmp / "art", backend="onnxruntime", backend_options={"accuracy_level": 0})
     with torch.no_grad():
-        assert torch.equal(cm(input_ids=ids).logits, back(input_ids=ids).logits)
+        want = cm(input_ids=ids).logits
+        assert torch.equal(want, back(input_ids=ids).logits)
+        assert float((ort(input_ids=ids).logits - want).abs().max()) <= 1e-5 * float(want.abs().max())
     for export in (export_gptq, export_compressed_tensors):
-        with pytest.raises(ExportError, match=r"layer model.layers.0.self_attn.q_proj is qc.gguf_linear: .*only GGUF"):
+        with pytest.raises(
+            ExportError,
+            match=r"layer model.layers.0.self_attn.q_proj is qc.gguf_linear: .*no GPTQ or compressed-tensors checkpoint holds",
+        ):
             export(cm, tmp / "out")
-    with pytest.raises(qc.BackendError, match="llama.cpp's block bytes .* no ONNX Runtime layout"):
-        cm.export_onnx(tmp / "m.onnx")
-    assert not (tmp / "out").exists() and not (tmp / "m.onnx").exists()
+    assert not (tmp / "out").exists()
 
 
 @pytest.mark.parametrize("recipe,fallback,bits", [("rtn-q4_k", "Q4_1", 4.6), ("rtn-q3_k", "Q4_0", 3.65)])

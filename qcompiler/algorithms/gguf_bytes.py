@@ -14,7 +14,7 @@ import torch
 
 from qcompiler.algorithms.gguf_grids import BY_NAME, FORMATS, SUB_BLOCK, BlockGrid, GridFormat, sub_block_grid
 
-__all__ = ["pack", "dequantize"]
+__all__ = ["pack", "unpack", "dequantize"]
 
 
 def _half_bytes(x: torch.Tensor) -> torch.Tensor:
@@ -126,36 +126,54 @@ def _unpack_symmetric(fmt: GridFormat, b: torch.Tensor, rows: int, n_sb: int) ->
     return q, BlockGrid(d, d, sc, fmt.zero * sc)
 
 
-def dequantize(block_type: str, blocks: torch.Tensor, cols: int) -> torch.Tensor:
-    """The float32 weight ``[rows, cols]`` that llama.cpp bytes of ``block_type`` (``FORMATS``' names) stand for."""
-    fmt = BY_NAME[block_type]
-    rows, n_sb = blocks.shape[0], cols // fmt.super_block
-    b = blocks.reshape(rows, n_sb, fmt.block_bytes)
-    if fmt.zero is not None:
-        q, grid = _unpack_symmetric(fmt, b, rows, n_sb)
-        scale, offset = sub_block_grid(grid)
-        q = q.reshape(rows, scale.shape[1], -1).float()
-        return (scale.unsqueeze(-1) * q - offset.unsqueeze(-1)).reshape(rows, cols)
-    if fmt.name == "Q2_K":  # d·sc·q − dmin·m per 16
+def _unpack_free_min(fmt: GridFormat, b: torch.Tensor, rows: int, n_sb: int) -> tuple[torch.Tensor, BlockGrid]:
+    """Codes ``[rows, n_sb, super_block]`` and the grid of free-minimum blocks ``b`` ``[rows, n_sb, bytes]``
+    (Q4_1 / Q5_1 store the minimum ``m = −offset``: the grid's offset is ``−m``, sc = m = 1)."""
+    if fmt.name == "Q2_K":  # 16 bytes sc | m << 4, 64 of codes, d, dmin
         d, dmin = (b[..., i : i + 2].contiguous().view(torch.float16).float() for i in (80, 82))
-        scale = (d * (b[..., :16] & 0x0F).float()).unsqueeze(-1)  # [rows, n_sb, 16, 1]
-        offset = (dmin * (b[..., :16] >> 4).float()).unsqueeze(-1)
-        q = _planes_of(b[..., 16:80].reshape(rows, n_sb, 2, 32), 4, 2, 3).reshape(rows, n_sb, 16, 16)
-        return (scale * q.float() - offset).reshape(rows, cols)
-    d = b[..., 0:2].contiguous().view(torch.float16).float()  # [rows, n_sb, 1]
-    second = b[..., 2:4].contiguous().view(torch.float16).float()
-    if fmt.super_block == SUB_BLOCK:  # Q4_1, Q5_1: d · q + m
+        sc, m = (b[..., :16] & 0x0F).to(torch.int32), (b[..., :16] >> 4).to(torch.int32)
+        q = _planes_of(b[..., 16:80].reshape(rows, n_sb, 2, 32), 4, 2, 3).reshape(rows, n_sb, 256)
+    elif fmt.super_block == SUB_BLOCK:  # Q4_1, Q5_1: d, m, (Q5_1: the fifth bits), nibbles
+        d, dmin = (
+            b[..., 0:2].contiguous().view(torch.float16).float(),
+            -b[..., 2:4].contiguous().view(torch.float16).float(),
+        )
         qs = b[..., -16:].reshape(rows, n_sb, 1, 16)
         q = torch.cat([qs & 0x0F, qs >> 4], dim=2).reshape(rows, n_sb, 32)
         if fmt.bits == 5:  # bit j of the uint32 (bytes 4-7) is bit 4 of weight j
             q = q | (_planes_of(b[..., 4:8], 8).transpose(-1, -2).reshape(rows, n_sb, 32) << 4)
-        return (d * q.float() + second).reshape(rows, cols)
-    low, mins, nibbles = b[..., 4:8], b[..., 8:12], b[..., 12:16]
-    sc = torch.cat([low & 0x3F, (nibbles & 0x0F) | ((low >> 6) << 4)], dim=-1)
-    m = torch.cat([mins & 0x3F, (nibbles >> 4) | ((mins >> 6) << 4)], dim=-1)
-    scale, offset = (d * sc.float()).unsqueeze(-1), (second * m.float()).unsqueeze(-1)  # [rows, n_sb, 8, 1]
-    qs = b[..., -128:].reshape(rows, n_sb, 4, 1, SUB_BLOCK)
-    q = torch.cat([qs & 0x0F, qs >> 4], dim=3).reshape(rows, n_sb, 8, SUB_BLOCK)
-    if fmt.bits == 5:  # the fifth bits: bit j of qh byte l belongs to weight l of sub-block j
-        q = q | (_planes_of(b[..., 16:48], 8) << 4)
-    return (scale * q.float() - offset).reshape(rows, cols)
+        sc = m = torch.ones(rows, n_sb, 1, dtype=torch.int32)
+    else:  # Q4_K, Q5_K
+        d, dmin = (
+            b[..., 0:2].contiguous().view(torch.float16).float(),
+            b[..., 2:4].contiguous().view(torch.float16).float(),
+        )
+        low, mins, nibbles = b[..., 4:8], b[..., 8:12], b[..., 12:16]
+        sc = torch.cat([low & 0x3F, (nibbles & 0x0F) | ((low >> 6) << 4)], dim=-1).to(torch.int32)
+        m = torch.cat([mins & 0x3F, (nibbles >> 4) | ((mins >> 6) << 4)], dim=-1).to(torch.int32)
+        qs = b[..., -128:].reshape(rows, n_sb, 4, 1, SUB_BLOCK)
+        q = torch.cat([qs & 0x0F, qs >> 4], dim=3).reshape(rows, n_sb, 8, SUB_BLOCK)
+        if fmt.bits == 5:  # the fifth bits: bit j of qh byte l belongs to weight l of sub-block j
+            q = q | (_planes_of(b[..., 16:48], 8) << 4)
+        q = q.reshape(rows, n_sb, 256)
+    return q, BlockGrid(d.reshape(rows, n_sb), dmin.reshape(rows, n_sb), sc.reshape(rows, -1), m.reshape(rows, -1))
+
+
+def unpack(block_type: str, blocks: torch.Tensor, cols: int) -> tuple[torch.Tensor, BlockGrid]:
+    """Codes ``[rows, cols]`` (int32) and the grid that llama.cpp bytes of ``block_type`` hold."""
+    fmt = BY_NAME[block_type]
+    rows, n_sb = blocks.shape[0], cols // fmt.super_block
+    b = blocks.reshape(rows, n_sb, fmt.block_bytes)
+    q, grid = (_unpack_symmetric if fmt.zero is not None else _unpack_free_min)(fmt, b, rows, n_sb)
+    return q.reshape(rows, cols).to(torch.int32), grid
+
+
+def dequantize(block_type: str, blocks: torch.Tensor, cols: int) -> torch.Tensor:
+    """The float32 weight ``[rows, cols]`` that llama.cpp bytes of ``block_type`` (``FORMATS``' names) stand
+    for: ``scale·q − offset`` per sub-block, as llama.cpp computes it (``d·sc`` and ``dmin·m`` are exact
+    in float32, and Q4_1's ``d·q + m`` is ``d·q − (−m)``)."""
+    q, grid = unpack(block_type, blocks, cols)
+    scale, offset = sub_block_grid(grid)
+    rows = q.shape[0]
+    q = q.reshape(rows, scale.shape[1], -1).float()
+    return (scale.unsqueeze(-1) * q - offset.unsqueeze(-1)).reshape(rows, cols)

@@ -35,7 +35,8 @@ __all__ = [
 
 GGUF_BLOCKS_ONLY = (
     "its weights are llama.cpp's block bytes (K-quants, Q4_1, Q5_1: qc.gguf_linear), "
-    "which only GGUF holds; export it with --format gguf, or quantize with gptq-w4g128 for other runtimes"
+    "which no GPTQ or compressed-tensors checkpoint holds; export it with --format gguf or onnx, or quantize "
+    "with gptq-w4g128 for checkpoint clients"
 )
 ONLINE_ROTATION = (
     "an online Hadamard rotation (Rotate's online step), which checkpoint clients (transformers, vLLM, "

@@ -77,7 +77,7 @@ def _auto_recipe(name: str) -> Recipe:
             (P.AutoBits(budget=budget, candidates=GGUF_CANDIDATES),),
             f"automatic mixed precision on llama.cpp's block types: per layer GPTQ on Q2_K/Q3_K/Q4_K/Q5_K/Q6_K/Q8_0, "
             f"chosen from each layer's measured effect on the output to fit {budget:g} bits per parameter; "
-            "eager and GGUF only",
+            "eager, ONNX Runtime and GGUF",
         )
     if signround:
         return Recipe(
@@ -215,7 +215,7 @@ def _describe(cls: type, kw: dict) -> str:
         bpw = fmt.block_bytes * 8 / fmt.super_block
         return (
             f"{method} on llama.cpp's {fmt.name} grid ({fmt.bits}-bit codes in sub-blocks of {fmt.sub_block}, {kind}: "
-            f"{bpw:g} bits per weight, searched{fallback}){extra}; eager and GGUF only"
+            f"{bpw:g} bits per weight, searched{fallback}){extra}; eager, ONNX Runtime and GGUF"
         )
     extra += ", searched (mse) grid" if p.grid == "mse" else ", min-max grid"
     return f"{method} W{p.bits}A16, {group}, {'symmetric' if p.sym else 'asymmetric'}{extra}"
@@ -256,9 +256,9 @@ _WEIGHT_ONLY = {
     "gptq-q4_0": ("GPTQ", dict(bits=4, group_size=32, sym=True)),
     "rtn-q8_0": ("RTN", dict(bits=8, group_size=32, sym=True)),
     "gptq-q8_0": ("GPTQ", dict(bits=8, group_size=32, sym=True)),
-    # llama.cpp's grids with a free minimum per 32 weights, stored as their own bytes (qc.gguf_linear): run in
-    # eager and llama.cpp only. Q4_1 / Q5_1 (fp16 scale and minimum, 5.0 / 6.0 bits per weight) on its own grid: longlm
-    # perplexity +0.30 % vs +0.79 % for an integer zero point (asymmetric groups of 32, written as Q4_1 too).
+    # llama.cpp's grids, stored as their own bytes (qc.gguf_linear): run in eager, ONNX Runtime (MatMulNBits)
+    # and llama.cpp. Q4_1 / Q5_1 (fp16 scale and minimum per 32, 5.0 / 6.0 bits per weight) on their own grid:
+    # longlm perplexity +0.30 % vs +0.79 % for an integer zero point (asymmetric groups of 32, written as Q4_1 too).
     # Q4_K / Q5_K (super-blocks of 256: 6-bit scales and minima per 32, 4.5 / 5.5 bits per weight).
     "rtn-q4_1": ("RTN", dict(bits=4, group_size=32, grid="q4_1")),
     "gptq-q4_1": ("GPTQ", dict(bits=4, group_size=32, grid="q4_1")),
