@@ -91,3 +91,30 @@ def prompt(batch: int = 1, length: int = 6, seed: int = 0) -> torch.Tensor:
 
 def calibration(seed: int = 1) -> list[dict]:
     return [{"input_ids": torch.randint(3, 128, (4, 32), generator=torch.Generator().manual_seed(seed))}]
+
+
+# Sizes every real client runs: vLLM's CPU attention needs head_dim >= 32; a 256-token vocabulary
+# gets the byte tokenizer files the clients insist on loading.
+_CLIENT_SIZES = dict(
+    vocab_size=256,
+    hidden_size=128,
+    n_embd=128,
+    intermediate_size=256,
+    ffn_dim=256,
+    word_embed_proj_dim=128,
+    moe_intermediate_size=128,
+    shared_expert_intermediate_size=128,
+    head_dim=32,
+)
+
+
+def client_sized_lm(name: str, *, tied: bool = False) -> torch.nn.Module:
+    """``name``'s random-weight LM at sizes the real clients run (4 heads of 32, width 128, vocabulary
+    256); ``tied``: the head shares the embedding table (GPT-2, OPT and Gemma-2 always do)."""
+    cfg = config(name)
+    for key, value in _CLIENT_SIZES.items():
+        if key in cfg.to_dict() or key == "head_dim":
+            setattr(cfg, key, value)
+    cfg.tie_word_embeddings = tied or name in ("gpt2", "opt", "gemma2")
+    torch.manual_seed(0)
+    return T.AutoModelForCausalLM.from_config(cfg).eval()

@@ -107,6 +107,7 @@ SLOW_VARIANTS = (
 # xdist's work stealing then balances the short tests at the end instead of one worker waiting
 # on a 30 s test the other started last.
 LONGEST_FILES = (
+    "test_client_conformance.py",  # slow run: ~10 min, one test
     "test_cli.py",
     "test_onnx_backend.py",
     "test_causal_lm.py",

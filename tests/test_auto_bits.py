@@ -230,7 +230,7 @@ def test_a_mixed_graph_exports_gptq_with_per_module_overrides_and_imports_bit_id
     export_compressed_tensors(cm, tmp_path / "ct", progress=lambda _: None)
     groups = json.loads((tmp_path / "ct" / "config.json").read_text())["quantization_config"]["config_groups"]
     widths = sorted((g["weights"]["num_bits"], g["weights"]["group_size"], len(g["targets"])) for g in groups.values())
-    assert widths == [(2, None, 1), (4, 32, 12), (8, 32, 1)]  # one group of 64 spans the row: channel strategy
+    assert widths == [(2, 64, 1), (4, 32, 12), (8, 32, 1)]  # one group of 64 spans the row, written as a group
 
 
 @pytest.mark.parametrize("name", ["gptq-w3g32", "rtn-w2g64", "gptq-w8g128", "spqr-w3g16"])

@@ -21,13 +21,24 @@ from qcompiler.interop.checkpoint import (
     GGUF_BLOCKS_ONLY,
     ONLINE_ROTATION,
     ExportError,
+    QuantLayer,
     fp_tensors,
+    gptq_layer,
     layer_writers,
     model_config_of,
     write_checkpoint,
 )
+from qcompiler.interop.moe_checkpoint import block_path, expert_layers, moe_checkpoint_names
 from qcompiler.ir.graph import find_linears
-from qcompiler.ir.op_registry import OpArgs, implement, refuse, register_target
+from qcompiler.ir.op_registry import (
+    OpArgs,
+    args_of,
+    implement,
+    quantized_layer_path,
+    refuse,
+    register_target,
+    spec_of,
+)
 from qcompiler.ir.ops import GPTQ_TENSORS
 
 __all__ = ["export_compressed_tensors"]
@@ -42,12 +53,19 @@ def _weights_scheme(bits, group_size, sym):
     return scheme
 
 
-def _gptq_layer(gm, a: OpArgs, path: str) -> tuple[dict, dict]:
-    qweight, qzeros, scales, g_idx = a.tensors(gm, *GPTQ_TENSORS)
-    bits, group_size = int(a.bits), int(a.group_size)
+def _pack_quantized(layer: QuantLayer, channel: bool) -> tuple[dict, dict]:
+    """``channel``: one group spans each row, written as compressed-tensors' channel strategy."""
+    qweight, qzeros, scales, g_idx = (layer.tensors[f] for f in GPTQ_TENSORS)
+    bits, group_size, path = layer.bits, layer.group_size, layer.path
     n_in, n_out = g_idx.numel(), scales.shape[1]
-    if group_size >= n_in:  # one group spans the row: exactly compressed-tensors' channel strategy
+    if channel:
         group_size = -1
+    elif group_size > n_in:
+        raise ExportError(
+            f"layer {path}: group_size={group_size} is wider than its {n_in} inputs while the other "
+            f"projections of its experts have several groups; vLLM and transformers fuse a MoE block's "
+            f"projections and need one scheme for them: quantize with groups of at most {n_in}"
+        )
     if group_size != -1:
         if n_in % group_size:
             raise ExportError(
@@ -75,7 +93,35 @@ def _gptq_layer(gm, a: OpArgs, path: str) -> tuple[dict, dict]:
     }
 
 
-def _int8_layer(gm, a: OpArgs, path: str) -> tuple[dict, dict]:
+def _gptq_layers(gm, a: OpArgs, path: str) -> list[tuple[str, dict, dict]]:
+    """One ``(checkpoint path, tensors, scheme)`` per module: experts one per expert (``moe_checkpoint``)."""
+    layer = gptq_layer(gm, a, path)
+    model_type = model_config_of(gm).get("model_type")
+    if layer.tensors["qweight"].dim() != 3:
+        one = QuantLayer(block_path(path, model_type), a.node, layer.tensors, layer.bits, layer.group_size)
+        # a group wider than the row is the channel strategy; one exactly as wide stays a group, as
+        # the experts' are (transformers then finds one scheme for a MoE model's layers)
+        return [(one.path, *_pack_quantized(one, layer.group_size > layer.tensors["g_idx"].numel()))]
+    channel = _experts_per_channel(gm, path)
+    return [(part.path, *_pack_quantized(part, channel)) for part in expert_layers(layer, model_type)]
+
+
+def _experts_per_channel(gm, path: str) -> bool:
+    """Whether a MoE block's experts are written per channel: vLLM and transformers fuse gate, up
+    and down and read one scheme for all, so it is per channel only when one group spans the rows
+    of every expert parameter of the block (``path``'s siblings)."""
+    block = path.rpartition(".")[0]
+    spans = []
+    for node in gm.graph.nodes:
+        spec = spec_of(node)
+        if spec is not None and spec.name == "quant_experts_linear":
+            a = args_of(node)
+            if quantized_layer_path(a).rpartition(".")[0] == block:
+                spans.append(int(a.group_size) >= a.tensor(gm, "g_idx").shape[-1])
+    return all(spans)
+
+
+def _int8_layer(gm, a: OpArgs, path: str) -> list[tuple[str, dict, dict]]:
     weight, weight_scale = a.tensors(gm, "weight", "weight_scale")
     if a.smooth_inv is not None:
         raise ExportError(
@@ -89,25 +135,23 @@ def _int8_layer(gm, a: OpArgs, path: str) -> tuple[dict, dict]:
     else:
         acts.update(strategy="tensor", dynamic=False)
         tensors["input_scale"] = a.tensor(gm, "act_scale").float().reshape(1)
-    return tensors, {
+    scheme = {
         "format": "int-quantized",
         "weights": _weights_scheme(8, -1, True) | {"strategy": "channel"},
         "input_activations": acts,
     }
+    return [(block_path(path, model_config_of(gm).get("model_type")), tensors, scheme)]
 
 
 register_target("compressed-tensors", "exporter: compressed-tensors checkpoint folders (transformers, vLLM)")
-implement("compressed-tensors", "quant_linear", _gptq_layer, kind="writer", label="pack-quantized")
+implement("compressed-tensors", "quant_linear", _gptq_layers, kind="writer", label="pack-quantized")
+implement(
+    "compressed-tensors", "quant_experts_linear", _gptq_layers, kind="writer", label="pack-quantized, one per expert"
+)
 implement("compressed-tensors", "int8_linear", _int8_layer, kind="writer", label="int-quantized")
 _NO_FORM = (
     "compressed-tensors cannot express it (supported: GPTQ/RTN weight-only and W8A8 layers); export this "
     "recipe to ONNX or save it with cm.save"
-)
-refuse(
-    "compressed-tensors",
-    "quant_experts_linear",
-    "mixture-of-experts checkpoints in compressed-tensors are not "
-    "written yet; export this recipe to ONNX or save it with cm.save",
 )
 refuse("compressed-tensors", "spqr_dense_linear", _NO_FORM)
 refuse("compressed-tensors", "sparse_outlier_linear", _NO_FORM)
@@ -139,12 +183,12 @@ def export_compressed_tensors(
                 "and vLLM's compressed-tensors loaders quantize nn.Linear only and would leave it random: "
                 "export --format gptq or onnx-genai"
             )
-        layer_tensors, scheme = write(gm, a, path)
-        tensors.update({f"{path}.{k}": v for k, v in layer_tensors.items()})
+        for module, layer_tensors, scheme in write(gm, a, path):
+            tensors.update({f"{module}.{k}": v for k, v in layer_tensors.items()})
+            key = repr(sorted(scheme.items(), key=str))
+            groups.setdefault(key, (scheme, []))[1].append(module)
         consumed.update(n.target for n in a.stored() if not n.target.endswith(".bias"))
-        key = repr(sorted(scheme.items(), key=str))
-        groups.setdefault(key, (scheme, []))[1].append(path)
-    tensors.update(fp_tensors(gm, consumed))
+    tensors.update(moe_checkpoint_names(fp_tensors(gm, consumed), gm, config.get("model_type")))
     formats = {scheme["format"] for scheme, _ in groups.values()}
     config_groups = {
         f"group_{i}": {"targets": sorted(paths), **{k: v for k, v in scheme.items()}}
@@ -155,7 +199,7 @@ def export_compressed_tensors(
         "format": formats.pop() if len(formats) == 1 else "mixed-precision",
         "quantization_status": "compressed",
         "config_groups": config_groups,
-        "ignore": sorted(layer.path for layer in find_linears(gm)),
+        "ignore": sorted(block_path(layer.path, config.get("model_type")) for layer in find_linears(gm)),
         "kv_cache_scheme": None,
     }
     progress(

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from qcompiler.algorithms.gptq import groups_in_column_order
-from qcompiler.algorithms.packing import pack_cols, unpack_cols
+from qcompiler.algorithms.packing import unpack_cols
 from qcompiler.interop.checkpoint import (
     DEFAULT_SHARD_BYTES,
     GGUF_BLOCKS_ONLY,
@@ -38,6 +38,7 @@ from qcompiler.interop.checkpoint import (
     write_checkpoint,
 )
 from qcompiler.interop.gptq_format import SPLIT_PROJECTIONS, zeros_from_v1, zeros_to_v1
+from qcompiler.interop.moe_checkpoint import UNFUSED_NAMES, expert_layers, moe_checkpoint_names, split_outputs
 from qcompiler.ir.op_registry import args_of, implement, refuse, register_target
 from qcompiler.ir.ops import GPTQ_TENSORS
 
@@ -49,12 +50,7 @@ _ONLY_GPTQ = (
     "the GPTQ format holds only weight-only GPTQ/RTN layers (qc.quant_linear); export this recipe to "
     "ONNX or save it with cm.save"
 )
-refuse(
-    "gptq",
-    "quant_experts_linear",
-    "GPTQ checkpoints of mixture-of-experts models are not written yet; "
-    "export this recipe to ONNX or save it with cm.save",
-)
+implement("gptq", "quant_experts_linear", gptq_layer, kind="writer", label="one GPTQ layer per expert")
 refuse("gptq", "int8_linear", _ONLY_GPTQ)
 refuse("gptq", "spqr_dense_linear", _ONLY_GPTQ)
 refuse("gptq", "sparse_outlier_linear", _ONLY_GPTQ)
@@ -63,30 +59,16 @@ refuse("gptq", "hadamard", ONLINE_ROTATION)
 refuse("gptq", "gguf_linear", GGUF_BLOCKS_ONLY)
 
 
-def _split_for_loaders(layer: QuantLayer, model_type) -> list[QuantLayer]:
-    """``layer``, or its halves along the output features when the loaders want them apart
+def _for_loaders(layer: QuantLayer, model_type) -> list[QuantLayer]:
+    """``layer`` as the loaders want it: experts one per expert under GPTQModel's names
+    (``moe_checkpoint.UNFUSED_NAMES``), a fused projection in halves where they read it apart
     (``SPLIT_PROJECTIONS``: GPTQModel's Phi-3 reports "Missing required quantized weights ...
-    gate_proj.qweight" for a fused gate_up_proj). The
-    codes, scales and zero points are cut column-wise (zero points unpacked and packed again), so
-    each half computes exactly its rows of the fused layer."""
+    gate_proj.qweight" for a fused gate_up_proj), anything else under its checkpoint name."""
+    if layer.tensors["qweight"].dim() == 3:
+        return expert_layers(layer, model_type, UNFUSED_NAMES)
     base, _, name = layer.path.rpartition(".")
     parts = SPLIT_PROJECTIONS.get(model_type, {}).get(name)
-    if parts is None:
-        return [layer]
-    t, n = layer.tensors, layer.tensors["scales"].shape[1]
-    half = n // len(parts)
-    zeros = unpack_cols(t["qzeros"], layer.bits, n)
-    out = []
-    for i, part in enumerate(parts):
-        cols = slice(i * half, (i + 1) * half)
-        tensors = {
-            "qweight": t["qweight"][:, cols].contiguous(),
-            "qzeros": pack_cols(zeros[:, cols], layer.bits),
-            "scales": t["scales"][:, cols].contiguous(),
-            "g_idx": t["g_idx"],
-        }
-        out.append(QuantLayer(f"{base}.{part}", layer.node, tensors, layer.bits, layer.group_size))
-    return out
+    return split_outputs(layer, [f"{base}.{part}" for part in parts or (name,)])
 
 
 def export_gptq(
@@ -107,7 +89,7 @@ def export_gptq(
     gm = cm.graph_module if hasattr(cm, "graph_module") else cm
     config = model_config_of(gm)
     layers = [write(gm, a, path) for a, path, write in layer_writers(gm, "gptq", "GPTQ")]
-    layers = [part for layer in layers for part in _split_for_loaders(layer, config.get("model_type"))]
+    layers = [part for layer in layers for part in _for_loaders(layer, config.get("model_type"))]
     if not layers:
         raise ExportError("the graph has no GPTQ/RTN layer (qc.quant_linear) to write")
     # One base setting (the one holding the most weights); the others as GPTQModel's per-module overrides.
@@ -131,7 +113,8 @@ def export_gptq(
             f"cannot hold; use zero_format='v2' (GPTQModel) or a symmetric recipe"
         )
     v1 = zero_format == "v1" or (zero_format == "auto" and not zero_layers)
-    tensors = fp_tensors(gm, {getattr(args_of(layer.node), name).target for layer in layers for name in GPTQ_TENSORS})
+    consumed = {getattr(args_of(layer.node), name).target for layer in layers for name in GPTQ_TENSORS}
+    tensors = moe_checkpoint_names(fp_tensors(gm, consumed), gm, config.get("model_type"), UNFUSED_NAMES)
     for layer in layers:
         t = dict(layer.tensors)
         if v1:
