@@ -103,12 +103,11 @@ def _root() -> Path:
 
 @cache
 def quantized(arch: str, recipe: str):
-    """The compiled model, our 32 greedy tokens, and per format: the exported folder or the refusal."""
+    """The compiled model and, per format, the exported folder or the refusal."""
     model = client_sized_lm(arch.removesuffix("-tied"), tied=arch.endswith("-tied"))
     calibration = [{"input_ids": torch.randint(3, 256, (4, 64), generator=torch.Generator().manual_seed(1))}]
     prompt = torch.tensor([PROMPT])
     cm = qc.compile(model, {"input_ids": prompt}, recipe=recipe, calibration=calibration, progress=False)
-    ours = cm.generate(prompt, NEW_TOKENS)[0, len(PROMPT) :].tolist()
     exports = {}
     for fmt, write, kwargs in (
         ("compressed-tensors", export_compressed_tensors, {}),
@@ -121,16 +120,13 @@ def quantized(arch: str, recipe: str):
             exports[fmt] = folder
         except ExportError as e:
             exports[fmt] = e
-    return cm, ours, exports
+    return cm, exports
 
 
-def _runnable(client: str) -> list[tuple[str, str, Path]]:
-    out = []
-    for arch, recipe in [(a, r) for a in ARCHS for r in RECIPES]:
-        target = quantized(arch, recipe)[2][_FORMAT[client]]
-        if isinstance(target, Path):
-            out.append((arch, recipe, target))
-    return out
+def _runnable(client: str) -> list[Path]:
+    """The folders ``client`` reads: every cell's export in its format that was written."""
+    targets = [quantized(a, r)[1][_FORMAT[client]] for a in ARCHS for r in RECIPES]
+    return [t for t in targets if isinstance(t, Path)]
 
 
 _VLLM = textwrap.dedent("""
@@ -211,7 +207,7 @@ def _genai(folder: Path) -> dict:
 @cache
 def client_results(client: str) -> dict[str, dict]:
     """The client's outcome for every cell it can load, in one process for the whole matrix."""
-    folders = [folder for _a, _r, folder in _runnable(client)]
+    folders = _runnable(client)
     if client == "vllm":
         return _in_venv(os.environ["QC_VLLM_PYTHON"], _VLLM, folders)
     if client == "gptqmodel":
@@ -233,7 +229,7 @@ _VENV = {"vllm": "QC_VLLM_PYTHON", "gptqmodel": "QC_GPTQMODEL_PYTHON"}
 
 def cell_outcome(arch: str, recipe: str, client: str) -> str | None:
     """None when the cell holds (or is refused / limited as the tables say); else what is wrong."""
-    cm, _ours, exports = quantized(arch, recipe)
+    cm, exports = quantized(arch, recipe)
     target = exports[_FORMAT[client]]
     refused = _match(REFUSED, arch, recipe, client)
     if refused is not None:

@@ -49,7 +49,9 @@ def block_path(name: str, model_type, layout: dict = EXPERT_NAMES) -> str:
 def split_outputs(layer: QuantLayer, paths: list[str]) -> list[QuantLayer]:
     """``layer`` cut into ``len(paths)`` equal parts along its output features (codes, scales and
     zero points column-wise; zero points unpacked and packed again): part ``i`` computes exactly
-    rows ``i`` of the fused layer."""
+    rows ``i`` of the fused layer. One path: the layer renamed, its tensors as they are."""
+    if len(paths) == 1:
+        return [QuantLayer(paths[0], layer.node, layer.tensors, layer.bits, layer.group_size)]
     t, n = layer.tensors, layer.tensors["scales"].shape[1]
     width = n // len(paths)
     zeros = unpack_cols(t["qzeros"], layer.bits, n)
@@ -66,8 +68,8 @@ def split_outputs(layer: QuantLayer, paths: list[str]) -> list[QuantLayer]:
     return out
 
 
-def _names(path: str, model_type, layout: dict) -> tuple[str, str, tuple[str, ...]]:
-    """(layer prefix, fused parameter, checkpoint names) of a fused expert parameter, or an error."""
+def _names(path: str, model_type, layout: dict) -> tuple[str, tuple[str, ...]]:
+    """(the experts' checkpoint prefix, the projection names) of a fused expert parameter, or an error."""
     match = _FUSED.fullmatch(path)
     if match is None or model_type not in layout:
         raise ExportError(
@@ -77,14 +79,13 @@ def _names(path: str, model_type, layout: dict) -> tuple[str, str, tuple[str, ..
         )
     block, (gate, up, down) = layout[model_type]
     prefix = f"{match['layer']}.{block}.experts"
-    names = (gate, up) if match["param"] == "gate_up_proj" else (down,)
-    return prefix, match["param"], names
+    return prefix, (gate, up) if match["param"] == "gate_up_proj" else (down,)
 
 
 def expert_layers(layer: QuantLayer, model_type, layout: dict = EXPERT_NAMES) -> list[QuantLayer]:
     """A ``qc.quant_experts_linear`` layer (tensors stacked on a leading expert dim) as one GPTQ
     layer per expert and projection, under the checkpoint's names."""
-    prefix, _param, names = _names(layer.path, model_type, layout)
+    prefix, names = _names(layer.path, model_type, layout)
     out = []
     for e in range(layer.tensors["qweight"].shape[0]):
         one = QuantLayer(
@@ -105,11 +106,11 @@ def moe_checkpoint_names(
         if _FUSED.fullmatch(name):
             if name not in experts:
                 raise ExportError(f"tensor {name}: a fused expert parameter the graph does not read as experts")
-            prefix, _param, names = _names(name, model_type, layout)
+            prefix, names = _names(name, model_type, layout)
             for e in range(value.shape[0]):
                 weight = experts[name].expert_weight(value, e)  # [out, in]
-                for i, part in enumerate(weight.chunk(len(names), 0)):
-                    out[f"{prefix}.{e}.{names[i]}.weight"] = part.contiguous()
+                for part, rows in zip(names, weight.chunk(len(names), 0)):
+                    out[f"{prefix}.{e}.{part}.weight"] = rows.contiguous()
         else:
             out[block_path(name, model_type, layout)] = value
     return out
