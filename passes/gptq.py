@@ -15,7 +15,14 @@ import torch
 
 from qcompiler.algorithms.gptq import check_spec, gptq_quantize, hessian_factor
 from qcompiler.errors import QuantizationError
-from qcompiler.pipeline.weight_only import gptq_experts, gptq_layer_quant, grid_settings, layer_grid, rtn_layer_quant
+from qcompiler.pipeline.weight_only import (
+    GPTQ_ROW_UNIT,
+    gptq_experts,
+    gptq_layer_quant,
+    grid_settings,
+    layer_grid,
+    rtn_layer_quant,
+)
 from qcompiler.pipeline.weight_quantizer import WeightQuantizer
 
 __all__ = ["GPTQ"]
@@ -95,6 +102,11 @@ class GPTQ(WeightQuantizer):
             grid=grid,
         )
         return gptq_layer_quant(layer, W, res, self.bits, self.group_size, self.grid)
+
+    def row_split_unit(self, layer):
+        """GPTQ's rows are independent given H (one grid per row and group, the sweep row-wise):
+        any whole packed words of rows solve apart, bit-identically (tests/test_row_split.py)."""
+        return GPTQ_ROW_UNIT
 
     def _rtn(self, layer, W, H):
         """The head and experts no calibration row reached: RTN on the same grid."""

@@ -97,7 +97,18 @@ class MixedPrecision(WeightQuantizer):
 
     def quantize_layer(self, layer, W, H):
         """The layer's planned candidate on it; the report names the candidate."""
-        name = self.candidate_of(layer.path)
-        result = candidate_quantizer(name).quantize_layer(layer, W, H)
+        return self._named(layer, candidate_quantizer(self.candidate_of(layer.path)).quantize_layer(layer, W, H), W)
+
+    def row_split_unit(self, layer):
+        """The planned candidate's."""
+        return candidate_quantizer(self.candidate_of(layer.path)).row_split_unit(layer)
+
+    def quantize_row_range(self, layer, W, H, start, stop):
+        """Rows ``[start, stop)`` by the planned candidate."""
+        quantizer = candidate_quantizer(self.candidate_of(layer.path))
+        return self._named(layer, quantizer.quantize_row_range(layer, W, H, start, stop), W[start:stop])
+
+    def _named(self, layer, result, W):
         bits_per_weight = stored_bits(result) / W.numel()  # as bits_per_parameter counts the stored tensors
+        name = self.candidate_of(layer.path)
         return result._replace(figures={**result.figures, "candidate": name, "bits_per_weight": bits_per_weight})

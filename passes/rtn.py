@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from qcompiler.algorithms.gptq import check_spec
-from qcompiler.pipeline.weight_only import gptq_experts, rtn_layer_quant
+from qcompiler.pipeline.weight_only import GPTQ_ROW_UNIT, gptq_experts, rtn_layer_quant
 from qcompiler.pipeline.weight_quantizer import WeightQuantizer
 
 __all__ = ["RTN"]
@@ -38,6 +38,10 @@ class RTN(WeightQuantizer):
         """Round-to-nearest on the min-max grid of each group."""
         # With calibration data the report gets each layer's output error on it; without, none.
         return rtn_layer_quant(layer, W, self.bits, self.group_size, self.sym, self.grid, H)
+
+    def row_split_unit(self, layer):
+        """Rounding is row by row: any whole packed words of rows solve apart."""
+        return GPTQ_ROW_UNIT
 
     def head_quantizer(self):
         """The head is quantized like the block layers when ``lm_head`` is set."""

@@ -25,7 +25,15 @@ from qcompiler.ir.ops import SPQR_DENSE_TENSORS, to_csr
 from qcompiler.ir.tensors import set_tensor
 from qcompiler.pipeline.folding import replace_linear
 from qcompiler.pipeline.pass_base import GraphProperty
-from qcompiler.pipeline.weight_only import ExpertsFormat, LayerQuant, LayerRewrite, check_packable, register_rewrite
+from qcompiler.pipeline.weight_only import (
+    ExpertsFormat,
+    LayerQuant,
+    LayerRewrite,
+    check_packable,
+    register_rewrite,
+    register_row_join,
+    same_in_every_range,
+)
 from qcompiler.pipeline.weight_quantizer import WeightQuantizer
 
 __all__ = ["SpQR", "pack_spqr"]
@@ -52,8 +60,8 @@ def stored_bits(tensors: dict[str, torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() * 8 for name, t in tensors.items() if name != "perm")
 
 
-def _top_columns(mask: torch.Tensor, k: int = 3) -> str:
-    per_col = mask.sum(0)
+def _top_columns(per_col: torch.Tensor, k: int = 3) -> str:
+    """The ``k`` columns holding the most outliers and their shares, from outliers per column."""
     total = int(per_col.sum())
     if total == 0:
         return ""
@@ -99,7 +107,9 @@ class SpQR(WeightQuantizer):
                 f"outlier; use a positive relative threshold (0.1-1.0 is typical)"
             )
 
-    def _quantize(self, W: torch.Tensor, H: torch.Tensor, tau: float) -> SpQRResult:
+    def _quantize(
+        self, W: torch.Tensor, H: torch.Tensor, tau: float, whole: Optional[torch.Tensor] = None
+    ) -> SpQRResult:
         return spqr_quantize(
             W,
             H,
@@ -111,6 +121,7 @@ class SpQR(WeightQuantizer):
             act_order=self.act_order,
             damp=self.damp,
             block_size=self.block_size,
+            tau_weight=whole,
         )
 
     def _within_budget(self, W: torch.Tensor, H: torch.Tensor) -> tuple[SpQRResult, float]:
@@ -128,8 +139,20 @@ class SpQR(WeightQuantizer):
                 lo = mid
         return best
 
-    def quantize_layer(self, layer: LinearLayer, W: torch.Tensor, H: torch.Tensor) -> LayerQuant:
-        """SpQR on one layer: dense low-bit codes with bi-level statistics plus fp16 outliers."""
+    def row_split_unit(self, layer: LinearLayer) -> Optional[int]:
+        """Whole statistic groups of rows in whole packed words; not with an ``outlier_fraction``
+        (its τ is searched on the whole layer's outliers)."""
+        return None if self.outlier_fraction is not None else math.lcm(32, self.stat_group_size)
+
+    def quantize_row_range(self, layer: LinearLayer, W: torch.Tensor, H: torch.Tensor, start: int, stop: int):
+        """Rows ``[start, stop)``, with the whole layer's outlier threshold."""
+        return self.quantize_layer(layer, W[start:stop], H, whole=W)
+
+    def quantize_layer(
+        self, layer: LinearLayer, W: torch.Tensor, H: torch.Tensor, whole: Optional[torch.Tensor] = None
+    ) -> LayerQuant:
+        """SpQR on one layer: dense low-bit codes with bi-level statistics plus fp16 outliers.
+        ``whole``: the layer's weight when ``W`` is a range of its rows (``quantize_row_range``)."""
         check_packable(layer, W, self.bits)
         if W.shape[1] < self.group_size or W.shape[0] < self.stat_group_size:
             raise QuantizationError(
@@ -137,7 +160,7 @@ class SpQR(WeightQuantizer):
                 f"group ({self.group_size} columns, {self.stat_group_size} rows)"
             )
         if self.outlier_fraction is None:
-            res, tau = self._quantize(W, H, self.outlier_threshold), self.outlier_threshold
+            res, tau = self._quantize(W, H, self.outlier_threshold, whole), self.outlier_threshold
         else:
             res, tau = self._within_budget(W, H)
         tensors = pack_spqr(res, self.bits, self.stat_bits)
@@ -146,7 +169,7 @@ class SpQR(WeightQuantizer):
             "bits_per_weight": stored_bits(tensors) / W.numel(),
             "outlier_fraction": res.outliers.float().mean().item(),
             "tau": tau,
-            "top_outlier_columns": _top_columns(res.outliers),
+            "top_outlier_columns": _top_columns(res.outliers.sum(0)),
             "damp": res.damp,
             "damp_steps": res.damp_steps,
         }
@@ -228,3 +251,24 @@ def _spqr_rewrite(
         node.meta.update({k: v for k, v in dense.meta.items() if k in ("nn_module_stack", "val")})
     for user in users:
         user.replace_input_with(dense, total)
+
+
+@register_row_join("spqr")
+def _join_spqr(parts: list[dict], constants: list[dict]) -> tuple[dict, dict, dict]:
+    """Row ranges of one SpQR layer: dense codes and statistics are ``[…, out]`` (statistics packed
+    along the outputs in whole words and groups), the outliers' CSR rows follow one another; the
+    report's busiest outlier columns are counted from the joined CSR."""
+    joined = {n: torch.cat([t[n] for t in parts], dim=1) for n in ("codes", "scale_codes", "zero_codes")}
+    joined.update({n: torch.cat([t[n] for t in parts], dim=1) for n in ("scale_stats", "zero_stats")})
+    starts = [0]
+    for t in parts:
+        starts.append(starts[-1] + int(t["row_ptr"][-1]))
+    row_ptr = [parts[0]["row_ptr"][:1]] + [t["row_ptr"][1:] + base for t, base in zip(parts, starts)]
+    joined["row_ptr"] = torch.cat(row_ptr).to(torch.int32)
+    joined["col_idx"] = torch.cat([t["col_idx"] for t in parts])
+    joined["values"] = torch.cat([t["values"] for t in parts])
+    joined["perm"] = same_in_every_range("perm", parts)
+    out_features = sum(c["out_features"] for c in constants)
+    n_in = parts[0]["perm"].numel()
+    per_col = torch.bincount(joined["col_idx"].long(), minlength=n_in)
+    return joined, {**constants[0], "out_features": out_features}, {"top_outlier_columns": _top_columns(per_col)}

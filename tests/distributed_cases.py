@@ -21,6 +21,8 @@ from qcompiler.distributed.ranks import join_from_environment, leave  # noqa: E4
 
 CASES = {  # name: (architecture, recipe)
     "llama-gptq": ("llama", "gptq-w4g128"),
+    # o_proj and down_proj alone in their groups: their rows are split between the two ranks
+    "llama-gptq-sequential": ("llama", [qc.passes.GPTQ(group_size=32, true_sequential=True)]),
     "llama-spqr": ("llama", "spqr-w3g16"),
     "llama-smoothquant-w8a8": ("llama", "w8a8-smoothquant-auto"),
     "qwen2-w8a8-static": ("qwen2", "w8a8-static"),

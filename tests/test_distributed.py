@@ -35,7 +35,7 @@ def _start_one_process(out: Path, cases: list[str]) -> subprocess.Popen:
 @pytest.mark.parametrize(
     "cases",
     [
-        pytest.param(["llama-gptq", "mixtral-gptq"], id="gptq-dense-and-moe"),
+        pytest.param(["llama-gptq", "mixtral-gptq", "llama-gptq-sequential"], id="gptq-dense-and-moe"),
         pytest.param(
             ["llama-spqr", "llama-smoothquant-w8a8", "qwen2-w8a8-static", "qwen2_moe-rtn"],
             id="spqr-smoothquant-static-moe",
@@ -45,8 +45,9 @@ def _start_one_process(out: Path, cases: list[str]) -> subprocess.Popen:
 )
 def test_two_ranks_store_the_bits_of_one_rank_and_a_killed_rank_stops_the_run(tmp_path, monkeypatch, cases):
     """Each rank calibrates its shard (3 and 2 of 5 batches, one padded), the statistics are summed
-    exactly, each layer is solved by one rank and sent to the other: every stored tensor and the
-    graph equal a one-process run's bit for bit. Then, in the same launch, rank 1 is killed (SIGKILL)
+    exactly, each layer is solved by one rank and sent to the other — or, alone in its group, its
+    rows split between both and joined: every stored tensor and the graph equal a one-process run's
+    bit for bit. Then, in the same launch, rank 1 is killed (SIGKILL)
     in the middle of one more case: the launch ends within 60 s with one line naming it, and that
     case publishes nothing."""
     reference = _start_one_process(tmp_path / "one", cases)
@@ -70,6 +71,11 @@ def test_two_ranks_store_the_bits_of_one_rank_and_a_killed_rank_stops_the_run(tm
     assert shares and len(shares) == len(blocks), progress[-2000:]
     # The first case is a weight pass (2 blocks): both ranks solve in each block (SmoothQuant's have no solves).
     assert all(int(a) > 0 and int(b) > 0 for a, b in shares[:2]), shares
+    if "llama-gptq-sequential" in cases:  # o_proj and down_proj alone in their groups: rows on both ranks
+        sequential = progress.split("true_sequential=True")[1].split("pass 1/1")[0]
+        solved = re.findall(r"solving (\d+), [\d.]+s exchange; rank 1: .* solving (\d+),", sequential)
+        assert [int(a) + int(b) for a, b in solved] == [7 + 2] * 2, sequential[-2000:]
+        assert "o_proj: 4-bit, rows on 2 ranks" in sequential
     for case in cases:
         one, two = (load_file(str(tmp_path / run / case / "tensors.safetensors")) for run in ("one", "two"))
         assert one.keys() == two.keys()
@@ -160,5 +166,5 @@ def test_owners_balance_solve_cost_the_same_way_on_every_rank():
     owners = [Ranks(r, 2).owners(costs) for r in range(2)]
     assert owners[0] == owners[1]
     load = [sum(c for c, o in zip(costs, owners[0]) if o == r) for r in range(2)]
-    assert max(load) / sum(load) < 0.65  # the down_proj alone is 0.59 of the total
+    assert max(load) / sum(load) < 0.6  # the down_proj alone is 0.54 of the total
     assert Ranks().owners(costs) == [0] * len(costs)

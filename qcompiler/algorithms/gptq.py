@@ -32,6 +32,8 @@ __all__ = [
     "group_index",
     "groups_in_column_order",
     "output_error",
+    "output_error_terms",
+    "relative_error",
     "quadratic_form",
     "lazy_sweep",
     "GGUF_GRIDS",
@@ -491,7 +493,24 @@ def output_error(
     damped_error: Optional[tuple[float, float]] = None,
     energy: Optional[float] = None,
 ) -> float:
-    """‖WX − ŴX‖ / ‖WX‖ over the calibration inputs, from their Hessian (no activations needed).
+    """‖WX − ŴX‖ / ‖WX‖ over the calibration inputs, from their Hessian (no activations needed):
+    ``relative_error(*output_error_terms(...))``."""
+    return relative_error(*output_error_terms(W, W_hat, H, damped_error, energy))
+
+
+def relative_error(num: float, den: float) -> float:
+    """``sqrt(num / den)`` (``sqrt(num)`` when the layer's outputs are all zero)."""
+    return (num / den) ** 0.5 if den > 0 else num**0.5
+
+
+def output_error_terms(
+    W: torch.Tensor,
+    W_hat: torch.Tensor,
+    H: torch.Tensor,
+    damped_error: Optional[tuple[float, float]] = None,
+    energy: Optional[float] = None,
+) -> tuple[float, float]:
+    """``(‖WX − ŴX‖², ‖WX‖²)``: sums over rows, so a layer solved in row ranges adds its ranges' terms.
 
     The quadratic forms are float32 GEMMs with the row dot products summed in float64. With GPTQ's
     ``damped_error`` = (‖E‖², λ) the numerator needs no GEMM: the sweep's scaled errors E satisfy
@@ -511,8 +530,7 @@ def output_error(
             swept_sq += dead_sq - _squared_distance(W[:, dead], W_hat[:, dead])
         error_sq, lam = damped_error
         num = max(error_sq - lam * swept_sq - dead_sq, 0.0)
-    den = quadratic_form(W, H) if energy is None else energy
-    return (num / den) ** 0.5 if den > 0 else num**0.5
+    return num, (quadratic_form(W, H) if energy is None else energy)
 
 
 def quadratic_form(W: torch.Tensor, H: torch.Tensor, rows: int = 256) -> float:

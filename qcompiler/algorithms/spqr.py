@@ -155,7 +155,7 @@ def _quantize_column(w: torch.Tensor, grid: Grid, bits: int, d: float, tau: floa
     return dense, code, outlier, residual
 
 
-def _setup(W, H, bits, group_size, stat_bits, stat_group_size, outlier_threshold, act_order, damp):
+def _setup(W, H, bits, group_size, stat_bits, stat_group_size, outlier_threshold, act_order, damp, tau_weight=None):
     check_spqr_spec(bits, group_size, stat_bits, stat_group_size)
     n_out, n_in = W.shape
     if n_in < group_size or n_in % group_size:
@@ -171,7 +171,10 @@ def _setup(W, H, bits, group_size, stat_bits, stat_group_size, outlier_threshold
     perm = torch.arange(n_in, device=Wp.device) if perm is None else perm
     U, damp_used, steps = inverse_hessian_cholesky(Hp, damp)
     diag = torch.diagonal(U)
-    scale = (Wp.var(dim=0) / diag.pow(2)).mean().item()
+    # τ is relative to the layer's column variances: rows solved apart take them from the whole layer
+    Ws = Wp if tau_weight is None else _prepare(tau_weight, H, act_order)[0]
+    scale = (Ws.var(dim=0) / diag.pow(2)).mean().item()
+    del Ws
     tau = outlier_threshold * scale if outlier_threshold != float("inf") else float("inf")
     state = _GroupState(n_out, n_in // group_size, bits, stat_bits, stat_group_size, tau, Wp.device)
     return Wp, U, perm, state, tau, damp_used, steps
@@ -214,10 +217,13 @@ def spqr_quantize(
     act_order: bool = True,
     damp: float = 0.01,
     block_size: int = 128,
+    tau_weight: Optional[torch.Tensor] = None,
 ) -> SpQRResult:
-    """SpQR with lazy batch updates (blocks hold whole groups)."""
+    """SpQR with lazy batch updates (blocks hold whole groups). ``tau_weight``: the whole layer's
+    weight when ``W`` is a range of its rows (the relative threshold is the whole layer's; every
+    other step is row by row, so the range's result equals those rows of the whole one's)."""
     Wp, U, perm, state, tau, damp_used, steps = _setup(
-        W, H, bits, group_size, stat_bits, stat_group_size, outlier_threshold, act_order, damp
+        W, H, bits, group_size, stat_bits, stat_group_size, outlier_threshold, act_order, damp, tau_weight
     )
     n_out, n_in = Wp.shape
     block_size = max(group_size, block_size // group_size * group_size)

@@ -480,13 +480,14 @@ class CalibrationEngine:
         hessian: bool = True,
         keep_rows: int = 0,
         experts: list[ExpertLinear] = (),
-        owners: Optional[dict[str, int]] = None,
+        owners: Optional[dict[str, set[int]]] = None,
     ) -> dict[str, LayerStats]:
         """Run ``seg`` over every batch and return input statistics of ``layers`` (by module path)
         and of each expert of ``experts`` (by ``{path}.{e}``: the rows the router sent it);
         ``keep_rows`` input rows per layer are kept as a sample (for searches that need real rows).
-        Over several ranks, ``owners`` (layer path -> the rank that solves it) sends each Hessian only
-        to the ranks that read it (the others get none); without it every rank gets every one."""
+        Over several ranks, ``owners`` (layer path -> the ranks that solve it or its row ranges) sends
+        each Hessian only to the ranks that read it (the others get none); without it every rank gets
+        every one."""
         if self.position != seg.start:
             raise RuntimeError(f"engine is at node {self.position}, not at the start of block {seg.name}")
         stats: dict[str, LayerStats] = {}
@@ -515,7 +516,11 @@ class CalibrationEngine:
             began = time.perf_counter()
             distinct = {id(st): st for st in stats.values()}  # insertion order: the same on every rank
             for key, st in distinct.items():
-                to = None if owners is None else {owners[p] for p, s in stats.items() if id(s) == key and p in owners}
+                to = (
+                    None
+                    if owners is None
+                    else {r for p, s in stats.items() if id(s) == key and p in owners for r in owners[p]}
+                )
                 st.reduce_across_ranks(self.device, hessian_to=to)
             self.work.exchange_s += time.perf_counter() - began
         return stats

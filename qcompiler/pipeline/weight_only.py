@@ -7,7 +7,9 @@ every block is done, each linear node is swapped for the method's op(s).
 
 from __future__ import annotations
 
+import math
 import time
+from types import SimpleNamespace
 from typing import Callable, NamedTuple, Optional, Union
 
 import torch
@@ -16,12 +18,12 @@ from torch.fx import GraphModule, Node
 from qcompiler.algorithms.finite import all_finite
 from qcompiler.algorithms.gguf_bytes import dequantize, pack
 from qcompiler.algorithms.gguf_grids import FORMATS, GRID_FALLBACK
-from qcompiler.algorithms.gptq import GGUF_GRIDS, QuantResult, output_error, rtn_quantize
+from qcompiler.algorithms.gptq import GGUF_GRIDS, QuantResult, output_error_terms, relative_error, rtn_quantize
 from qcompiler.algorithms.packing import packed_length
 from qcompiler.calib.calibration import CalibrationEngine, LayerStats, RankWork
 from qcompiler.calib.host_memory import return_freed_memory
 from qcompiler.distributed.collectives import broadcast_json, broadcast_tensors
-from qcompiler.distributed.ranks import current_ranks, solve_cost
+from qcompiler.distributed.ranks import Piece, SolveJob, current_ranks
 from qcompiler.errors import QuantizationError
 from qcompiler.frontend import lazy_weights
 from qcompiler.ir.experts import ExpertLinear, find_expert_linears
@@ -49,6 +51,9 @@ __all__ = [
     "skip_reason",
     "store_dequantized",
     "stored_bits",
+    "register_row_join",
+    "same_in_every_range",
+    "GPTQ_ROW_UNIT",
 ]
 
 
@@ -60,6 +65,25 @@ def register_rewrite(kind: str):
 
     def add(fn: Callable) -> Callable:
         _REWRITES[kind] = fn
+        return fn
+
+    return add
+
+
+_ROW_JOINS: dict[str, Callable] = {}
+
+# rows a GPTQ-layout layer may be split at: qzeros pack 32/bits rows per int32 word, 3-bit codes 32 per 3 words
+GPTQ_ROW_UNIT = 32
+
+
+def register_row_join(kind: str):
+    """Register ``fn(tensors: list[dict], constants: list[dict]) -> (tensors, constants, figures)``:
+    the stored tensors of a layer of rewrite ``kind`` solved in row ranges (in row order), joined
+    into the whole layer's, its rewrite constants, and report figures only the joined tensors give
+    (a distributed run splits a big layer's rows across ranks)."""
+
+    def add(fn: Callable) -> Callable:
+        _ROW_JOINS[kind] = fn
         return fn
 
     return add
@@ -226,9 +250,12 @@ class _BlockQuantizer:
         quantize: QuantizeFn,
         experts: Optional[ExpertsFormat],
         ignore: tuple[str, ...],
+        splitter=None,
     ):
         self.gm, self.ctx, self.record = gm, ctx, ctx.record
         self.quantize, self.experts_format, self.ignore = quantize, experts, ignore
+        # the WeightQuantizer when it may solve a layer's rows apart (row_split_unit, quantize_row_range)
+        self.splitter = splitter
         # (layer, its tensors or the spill file they were parked in, rewrite)
         self.done: list[tuple[LinearLayer, Union[dict, Parked], Callable]] = []
         self._spill = Spill() if lazy_weights.lazy_source(gm) is not None else None  # streamed: a big model
@@ -264,19 +291,27 @@ class _BlockQuantizer:
         W: torch.Tensor,
         H: Optional[torch.Tensor],
         energy: Optional[float] = None,
+        rows: Optional[tuple[int, int]] = None,
     ) -> tuple[Optional[LayerQuant], Union[dict, str]]:
         """``method`` on one fp32 matrix (on the compute device) and its report figures, or
-        ``(None, why)`` when the packed layout cannot hold it (the caller skips the layer)."""
+        ``(None, why)`` when the packed layout cannot hold it (the caller skips the layer).
+        ``rows``: only that row range of ``W`` is solved (``method(layer, W, H, start, stop)``),
+        and the figures carry the error's terms (``_error``) for ``join_rows`` instead of its ratio."""
         _check_finite(path, W)
         try:
-            result = method(layer, W, H)
+            result = method(layer, W, H) if rows is None else method(layer, W, H, *rows)
         except UnpackableLayer as exc:
             return None, str(exc).split(": ", 1)[-1]
         except QuantizationError as exc:
             raise QuantizationError(exc.args[0] if str(exc).startswith("layer ") else f"layer {path}: {exc}") from None
         figures = dict(result.figures)
         if H is not None:
-            figures["rel_error"] = output_error(W, result.dequantized, H, result.damped_error, energy)
+            W_solved = W if rows is None else W[rows[0] : rows[1]]
+            terms = output_error_terms(W_solved, result.dequantized, H, result.damped_error, energy)
+            if rows is None:
+                figures["rel_error"] = relative_error(*terms)
+            else:
+                figures["_error"] = list(terms)
         return result, figures
 
     def skip_reason(self, path: str) -> Optional[str]:
@@ -291,18 +326,21 @@ class _BlockQuantizer:
         energy: Optional[float] = None,
         method: Optional[QuantizeFn] = None,
         store: bool = True,
+        rows: Optional[tuple[int, int]] = None,
     ) -> SolvedLayer:
-        """Solve one layer on this rank (the caller applies the result on every rank)."""
+        """Solve one layer on this rank (the caller applies the result on every rank); ``rows``:
+        only that row range, by the quantizer's ``quantize_row_range`` (``join_rows`` joins them)."""
         start = time.perf_counter()
         stored = layer.weight(self.gm)  # read once (a streamed weight comes from disk)
         compute = self.ctx.device or stored.device
         result, figures = self.solve(
-            method or self.quantize,
+            (method or self.quantize) if rows is None else self.splitter.quantize_row_range,
             layer,
             layer.path,
             stored.detach().float().to(compute),
             self._to_compute(H, compute),
             energy,
+            rows,
         )
         if result is None:
             return SolvedLayer(skipped=figures)
@@ -331,7 +369,8 @@ class _BlockQuantizer:
             self.record.notes.append(f"{layer.path}: {figures['grid_fallback']}")
         self.record.layers[layer.path] = figures
         error = f", relative output error {figures['rel_error']:.3g}" if "rel_error" in figures else ""
-        self.ctx.log(f"  {layer.path}: {figures.get('bits', '?')}-bit{error}, {figures['seconds']:.2f}s")
+        split = f", rows on {figures['row_ranks']} ranks" if "row_ranks" in figures else ""
+        self.ctx.log(f"  {layer.path}: {figures.get('bits', '?')}-bit{split}{error}, {figures['seconds']:.2f}s")
         self.done.append((layer, solved.tensors, solved.rewrite))
 
     def linear(self, layer: LinearLayer, H: Optional[torch.Tensor], *, method=None, store: bool = True) -> None:
@@ -340,40 +379,55 @@ class _BlockQuantizer:
             return self.skip(layer.path, why)
         self.apply_linear(layer, self.solve_linear(layer, H, method=method, store=store))
 
-    def plan(self, layers: list[LinearLayer]) -> dict[str, int]:
-        """The owner rank of each layer to solve (``solve_cost``-balanced); the others are skipped here."""
+    def plan(self, layers: list[LinearLayer]) -> dict[str, list[Piece]]:
+        """Which rank solves which rows of each layer to solve (``Ranks.pieces``: whole layers
+        balanced by solve cost, a big one split by rows where a rank would otherwise wait); the
+        skipped ones are recorded here."""
         todo = []
         for layer in layers:
             if why := self.skip_reason(layer.path):
                 self.skip(layer.path, why)
             else:
                 todo.append(layer)
-        costs = []
+        jobs = []
         for layer in todo:
             shape = get_raw_tensor(self.gm, layer.weight_node.target).shape
-            costs.append(solve_cost(*(shape[::-1] if layer.transposed else shape)))
-        return {layer.path: owner for layer, owner in zip(todo, self.ranks.owners(costs))}
+            rows, cols = shape[::-1] if layer.transposed else shape
+            unit = None if self.splitter is None else self.splitter.row_split_unit(layer)
+            jobs.append(SolveJob(rows, cols, unit, layer.input.name))
+        return {layer.path: pieces for layer, pieces in zip(todo, self.ranks.pieces(jobs))}
 
-    def linears(self, layers: list[LinearLayer], owner_of: dict[str, int], stats: dict[str, LayerStats]) -> None:
-        """Solve the planned layers this rank owns, then apply every result on every rank in graph
-        order. A Hessian (and its compute-device factor) goes once its last reader here is solved."""
-        todo = [layer for layer in layers if layer.path in owner_of]
-        owners = [owner_of[layer.path] for layer in todo]
-        mine = [layer for layer, owner in zip(todo, owners) if owner == self.ranks.rank]
+    def linears(self, layers: list[LinearLayer], plan: dict[str, list[Piece]], stats: dict[str, LayerStats]) -> None:
+        """Solve the planned layers (or row ranges) this rank holds, then apply every result on every
+        rank in graph order. A Hessian (and its compute-device factor) goes once its last reader here
+        is solved."""
+        todo = [layer for layer in layers if layer.path in plan]
+        rank = self.ranks.rank
+        mine = [(layer, p) for layer in todo for p in plan[layer.path] if p.rank == rank]
         for st in {id(st): st for st in stats.values()}.values():
-            if not any(stats[layer.path] is st for layer in mine):
+            if not any(stats[layer.path] is st for layer, _ in mine):
                 st.release()  # another rank solves every layer that reads it
-        solved: dict[str, SolvedLayer] = {}
-        for k, layer in enumerate(mine):
-            st = stats[layer.path]
-            solved[layer.path] = self._attempt(
-                lambda: self.solve_linear(layer, st.hessian, energy=st.reference_energy(layer.path))
+        solved: dict[tuple[str, int], SolvedLayer] = {}
+        for k, (layer, p) in enumerate(mine):
+            st, whole = stats[layer.path], len(plan[layer.path]) == 1
+            solved[layer.path, p.start] = self._attempt(
+                lambda: self.solve_linear(
+                    layer,
+                    st.hessian,
+                    energy=st.reference_energy(layer.path),
+                    rows=None if whole else (p.start, p.stop),
+                )
             )
-            if not any(stats[later.path] is st for later in mine[k + 1 :]):
+            if not any(stats[later.path] is st for later, _ in mine[k + 1 :]):
                 self.drop_hessians()
             return_freed_memory()
-        for layer, owner in zip(todo, owners):
-            self.apply_linear(layer, self._share(solved.get(layer.path), owner, self._home(layer.weight_node)))
+        for layer in todo:
+            home = self._home(layer.weight_node)
+            parts = [self._share(solved.get((layer.path, p.start)), p.rank, home) for p in plan[layer.path]]
+            if len(parts) > 1:
+                energy = stats[layer.path].reference_energy(layer.path)
+                parts = [join_rows(layer, parts, plan[layer.path], stats[layer.path].in_features, energy)]
+            self.apply_linear(layer, parts[0])
 
     def _attempt(self, solve: Callable[[], SolvedLayer]) -> SolvedLayer:
         """``solve()``; in a distributed run a QuantizationError becomes a result that every rank
@@ -539,7 +593,7 @@ def quantize_block_linears(gm: GraphModule, ctx: PassContext, quantizer) -> bool
     Layers are solved on ``ctx.device`` (one at a time: only that layer's weight, Hessian and result
     are there); what is stored goes back to where the graph's weights live."""
     ignore, head = quantizer.ignored, quantizer.head_quantizer()
-    walk = _BlockQuantizer(gm, ctx, quantizer.quantize_layer, quantizer.experts_format(), ignore)
+    walk = _BlockQuantizer(gm, ctx, quantizer.quantize_layer, quantizer.experts_format(), ignore, quantizer)
     if ctx.calibration is None:
         if quantizer.needs_hessian:
             raise QuantizationError("calibration data is required")
@@ -583,10 +637,10 @@ def _solve_block(walk: _BlockQuantizer, engine: CalibrationEngine, quantizer, se
     for group in seg.sibling_groups() if quantizer.sequential_groups else [seg.linears]:
         if not group:
             continue
-        owners = walk.plan(group)
-        stats = engine.collect(seg, group, owners=owners)
+        plan = walk.plan(group)
+        stats = engine.collect(seg, group, owners={path: {p.rank for p in pieces} for path, pieces in plan.items()})
         return_freed_memory()
-        walk.linears(group, owners, stats)  # it drops each compute-device Hessian after its last reader
+        walk.linears(group, plan, stats)  # it drops each compute-device Hessian after its last reader
         del stats  # nothing of this collect lives into the next one
         return_freed_memory()
     for expert in seg.experts:  # one at a time: down_proj sees the quantized gate_up_proj
@@ -620,6 +674,60 @@ def _calibrated_walk(walk: _BlockQuantizer, engine: CalibrationEngine, quantizer
             expert.weight_node for expert, *_ in walk.experts_done[first_expert:]
         ]  # quantized, not skipped
         walk.block_done(first, first_expert)
+
+
+def join_rows(
+    layer: LinearLayer, parts: list[SolvedLayer], pieces: list[Piece], in_features: int, energy: Optional[float]
+) -> SolvedLayer:
+    """One layer solved in row ranges (in row order, on several ranks) as the whole layer's
+    result: the stored tensors joined by the rewrite's registered join (bit-identical to a whole
+    solve where the method's rows are independent), the graph's weight concatenated, the report's
+    figures combined (output error from the summed terms, per-weight figures weighted by rows)."""
+    if failed := next((p for p in parts if p.error is not None or p.skipped is not None), None):
+        return failed
+    kind = parts[0].rewrite.kind
+    if kind not in _ROW_JOINS:
+        raise QuantizationError(f"layer {layer.path}: rewrite {kind!r} has no row join (register_row_join)")
+    tensors, constants, joined = _ROW_JOINS[kind]([p.tensors for p in parts], [p.rewrite.constants for p in parts])
+    rows = [piece.stop - piece.start for piece in pieces]
+    figures = {k: v for k, v in parts[0].figures.items() if k != "_error"}
+    if "outlier_fraction" in figures:  # per weight: every row has the layer's width
+        figures["outlier_fraction"] = sum(p.figures["outlier_fraction"] * n for p, n in zip(parts, rows)) / sum(rows)
+    if "bits_per_weight" in figures:  # what is stored counts once (a CSR's row pointers end once)
+        figures["bits_per_weight"] = stored_bits(SimpleNamespace(tensors=tensors)) / (sum(rows) * in_features)
+    if "_error" in parts[0].figures:
+        num = math.fsum(p.figures["_error"][0] for p in parts)
+        den = energy if energy is not None else math.fsum(p.figures["_error"][1] for p in parts)
+        figures["rel_error"] = relative_error(num, den)
+    figures["seconds"] = max(p.figures.get("seconds", 0.0) for p in parts)
+    figures["row_ranks"] = len({piece.rank for piece in pieces})
+    figures.update(joined)
+    weight = None
+    if parts[0].weight is not None:
+        weight = torch.cat([p.weight for p in parts], dim=1 if layer.transposed else 0)
+    return SolvedLayer(figures, tensors, LayerRewrite(kind, constants), weight)
+
+
+def same_in_every_range(name: str, parts: list[dict]) -> torch.Tensor:
+    """A tensor every row range stores alike (per input column: g_idx, perm)."""
+    first = parts[0][name]
+    if any(not torch.equal(first, t[name]) for t in parts[1:]):
+        raise QuantizationError(f"row ranges of one layer disagree on {name}")
+    return first
+
+
+@register_row_join("quant_linear")
+def _join_quant_linear(parts: list[dict], constants: list[dict]) -> tuple[dict, dict]:
+    """GPTQ layout: qweight, qzeros (packed along the outputs: ranges are whole words) and scales
+    are ``[…, out]``; g_idx is per input column."""
+    joined = {name: torch.cat([t[name] for t in parts], dim=1) for name in ("qweight", "qzeros", "scales")}
+    return {**joined, "g_idx": same_in_every_range("g_idx", parts)}, constants[0], {}
+
+
+@register_row_join("gguf_linear")
+def _join_gguf_linear(parts: list[dict], constants: list[dict]) -> tuple[dict, dict]:
+    """llama.cpp's blocks: one byte row per output row."""
+    return {"blocks": torch.cat([t["blocks"] for t in parts], dim=0)}, constants[0], {}
 
 
 def grid_settings(grid: str, bits: int, group_size: int) -> tuple[int, int]:

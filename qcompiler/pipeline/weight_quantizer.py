@@ -45,6 +45,19 @@ class WeightQuantizer(Pass):
         """The method itself: ``W`` [out, in] fp32 on the compute device, ``H`` [in, in] or None."""
         raise NotImplementedError(f"{self.name} does not implement quantize_layer()")
 
+    def row_split_unit(self, layer: LinearLayer) -> Optional[int]:
+        """A multiple of rows this method solves ``layer``'s rows in apart, with the same result as
+        the whole layer's (``quantize_row_range``), or None: whole layers only. A run over several
+        ranks splits a big layer's rows across ranks where a rank would otherwise wait."""
+        return None
+
+    def quantize_row_range(
+        self, layer: LinearLayer, W: torch.Tensor, H: Optional[torch.Tensor], start: int, stop: int
+    ) -> LayerQuant:
+        """Rows ``[start, stop)`` of ``quantize_layer(layer, W, H)``: by default the method on those
+        rows alone (right for methods whose rows are independent given ``H``, as GPTQ's are)."""
+        return self.quantize_layer(layer, W[start:stop], H)
+
     def head_quantizer(self) -> Optional[QuantizeFn]:
         """How the output head is quantized (it has no block Hessian), or None to keep it FP."""
         return None
