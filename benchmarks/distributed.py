@@ -18,7 +18,8 @@ From rank 0's per-block log of the 1 x 1 runs, each block's time splits into sol
 own seconds) and the rest (calibration forward passes, Hessian products, block advance); the
 projection table scales both by FLOPs to real model shapes on N ranks, the solves as the planner
 places them (``Ranks.pieces``: the slowest rank's load; the formula is printed with the table).
-Writes benchmarks/results/distributed.json (``distributed-RECIPE.json`` for another recipe).
+Writes benchmarks/results/distributed.json (``distributed-RECIPE-N-blocks.json`` for another recipe or
+``--layers N``).
 """
 
 from __future__ import annotations
@@ -236,7 +237,8 @@ def main() -> None:
         }
         rows.append({"per_block_1x1": measured})
         projection(measured, rows)
-    name = "distributed" if args.recipe == "gptq-w4g128" else f"distributed-{args.recipe}"
+    name = "distributed" + ("" if args.recipe == "gptq-w4g128" else f"-{args.recipe}")
+    name += f"-{args.layers}-blocks" if args.layers else ""
     path = write_rows(name, rows, args.quick, bf16_file_MB=disk / 2**20, size=size, recipe=args.recipe)
     print(f"wrote {path}")
 

@@ -16,6 +16,28 @@ def results_file(name: str, quick: bool = False) -> Path:
     return RESULTS_DIR / "quick" / f"{name}.json" if quick else RESULTS_DIR / f"{name}.json"
 
 
+def cpu_facts() -> dict:
+    """The CPU a figure was measured on: its name, cores, and whether it has bf16 / AMX units (without
+    them a bf16 checkpoint's products are emulated, or cast to float32: docs/results.md)."""
+    import os
+    import platform
+
+    import torch
+
+    name = platform.processor()
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+        name = next((ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("model name")), name)
+    except OSError:
+        pass
+    return {
+        "name": name,
+        "cores": os.cpu_count(),
+        "avx512_bf16": torch.cpu._is_avx512_bf16_supported(),
+        "amx": torch.cpu._is_amx_tile_supported(),
+    }
+
+
 def write_rows(name: str, rows: list, quick: bool = False, **meta) -> Path:
     """``{"meta": ..., "rows": rows}`` as results/NAME.json (atomically); meta gets the machine's facts."""
     import json
@@ -30,6 +52,7 @@ def write_rows(name: str, rows: list, quick: bool = False, **meta) -> Path:
         meta,
         torch=torch.__version__,
         machine=platform.machine(),
+        cpu=cpu_facts(),
         threads=torch.get_num_threads(),
         date=time.strftime("%Y-%m-%d"),
     )

@@ -33,6 +33,7 @@ import torch.fx._pytree as fx_pytree
 from torch.fx import GraphModule, Interpreter, Node
 from torch.utils._pytree import tree_map
 
+from qcompiler.calib.cpu_products import float32_product
 from qcompiler.calib.host_memory import return_freed_memory
 from qcompiler.distributed.ranks import current_ranks
 from qcompiler.errors import CalibrationError
@@ -184,7 +185,9 @@ def _check_finite(path: str, st: LayerStats) -> None:
 
 class _DeviceInterpreter(Interpreter):
     """Runs nodes on ``device``: the graph was captured where the model lives, so factory, copy and
-    metadata-check nodes name that device (``arange(device=cpu)``, ``_assert_tensor_metadata``)."""
+    metadata-check nodes name that device (``arange(device=cpu)``, ``_assert_tensor_metadata``).
+    Half-precision matrix products on a CPU without half-precision units run in float32
+    (calib/cpu_products.py: same products, 5-7x faster on AVX2)."""
 
     def __init__(self, gm: GraphModule, device: Optional[torch.device]):
         super().__init__(gm, garbage_collect_values=False)
@@ -195,7 +198,8 @@ class _DeviceInterpreter(Interpreter):
             args = tuple(self.device if isinstance(a, torch.device) else a for a in args)
             if isinstance(kwargs.get("device"), torch.device):
                 kwargs = {**kwargs, "device": self.device}
-        return super().call_function(target, args, kwargs)
+        product = float32_product(target, args, kwargs)
+        return product if product is not None else super().call_function(target, args, kwargs)
 
 
 def _duration(seconds: float) -> str:

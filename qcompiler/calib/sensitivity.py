@@ -26,6 +26,7 @@ from torch.fx import GraphModule, Interpreter
 from torch.utils._pytree import tree_leaves, tree_map
 
 from qcompiler.calib.calibration import CalibrationEngine
+from qcompiler.calib.cpu_products import float32_product
 from qcompiler.errors import QuantizationError
 from qcompiler.ir.graph import LinearLayer
 from qcompiler.ir.tensors import get_raw_tensor, get_tensor, set_tensor
@@ -79,10 +80,15 @@ def _samples(calibration: list, n: int) -> list[tuple[tuple, dict]]:
 
 
 class _StoredWeights(Interpreter):
-    """Runs the whole graph reading each weight through ``get_tensor`` (a streamed one from disk)."""
+    """Runs the whole graph reading each weight through ``get_tensor`` (a streamed one from disk);
+    half-precision products on a CPU without half-precision units in float32 (calib/cpu_products.py)."""
 
     def fetch_attr(self, target: str):
         return get_tensor(self.module, target)
+
+    def call_function(self, target, args, kwargs):
+        product = float32_product(target, args, kwargs)
+        return product if product is not None else super().call_function(target, args, kwargs)
 
 
 def _first_output(runner: _StoredWeights, batch: tuple[tuple, dict]) -> torch.Tensor:
