@@ -77,7 +77,9 @@ def test_a_bf16_checkpoint_calibrates_through_float32_products_and_quantizes_ali
         monkeypatch.setattr(cpu_products, "slow_half_dtypes", lambda: slow)
         streamed = load(folder, stream=True)
         x = streamed.example_inputs()
-        cm = qc.compile(streamed.model, x, recipe="gptq-w4g128", calibration=_calibration(), progress=False, device=None)
+        cm = qc.compile(
+            streamed.model, x, recipe="gptq-w4g128", calibration=_calibration(), progress=False, device=None
+        )
         return {k: f["rel_error"] for k, f in cm.report.passes[0].layers.items()}, cm.graph_module.state_dict()
 
     native_err, native = run(frozenset())
