@@ -30,6 +30,7 @@ from results_file import write_rows
 from scale import SIZES, cli_model_folder, write_calibration_text
 
 from qcompiler.calib import cpu_products
+from qcompiler.store.artifact import read_manifest, report_from_manifest, role_files
 
 HERE = Path(__file__).resolve().parent
 CHILD = (  # one run of the CLI; argv[1] "native" switches the float32 products off
@@ -73,9 +74,7 @@ def linear_pairs(size: dict, tokens: int, rounds: int) -> list[dict]:
 
 def agreement(a: Path, b: Path) -> dict:
     """How alike two artifacts are: tensors bit-identical, and the share of equal integer codes."""
-    from safetensors.torch import load_file
-
-    x, y = load_file(str(a / "tensors.safetensors")), load_file(str(b / "tensors.safetensors"))
+    x, y = _tensors(a), _tensors(b)
     assert x.keys() == y.keys()
     codes = [k for k in x if not x[k].is_floating_point()]
     equal = sum(int((x[k] == y[k]).sum()) for k in codes) / max(1, sum(x[k].numel() for k in codes))
@@ -89,12 +88,18 @@ def agreement(a: Path, b: Path) -> dict:
     }
 
 
+def _tensors(folder: Path) -> dict[str, torch.Tensor]:
+    """Every stored tensor of an artifact, over all its shards."""
+    from safetensors.torch import load_file
+
+    names = role_files(read_manifest(folder), "tensors")
+    return {k: v for name in names for k, v in load_file(str(folder / name)).items()}
+
+
 def _layer_errors(folder: Path) -> dict[str, float]:
     """Each quantized layer's relative output error, from the artifact's report."""
-    import json
-
-    passes = json.loads((folder / "manifest.json").read_text())["report"]["passes"]
-    return {k: f["rel_error"] for p in passes for k, f in p["layers"].items()}
+    report = report_from_manifest(read_manifest(folder))
+    return {k: f["rel_error"] for p in report.passes for k, f in p.layers.items()}
 
 
 def quantize(folder: Path, calib: Path, out: Path, size: dict, way: str) -> dict:

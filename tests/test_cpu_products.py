@@ -83,7 +83,7 @@ def test_a_bf16_checkpoint_calibrates_through_float32_products_and_quantizes_ali
         return {k: f["rel_error"] for k, f in cm.report.passes[0].layers.items()}, cm.graph_module.state_dict()
 
     native_err, native = run(frozenset())
-    monkeypatch.setattr("qcompiler.calib.calibration.float32_product", counted)
+    monkeypatch.setattr(cpu_products, "float32_product", counted)
     fast_err, fast = run(BOTH)
     assert sum(calls) >= 2 * 7 * 3, "every linear of both blocks, for each of 3 batches, in float32"
     assert native_err.keys() == fast_err.keys() and len(native_err) == 14

@@ -30,10 +30,10 @@ from typing import Callable, Iterator, Optional
 
 import torch
 import torch.fx._pytree as fx_pytree
-from torch.fx import GraphModule, Interpreter, Node
+from torch.fx import GraphModule, Node
 from torch.utils._pytree import tree_map
 
-from qcompiler.calib.cpu_products import float32_product
+from qcompiler.calib.cpu_products import Float32Products
 from qcompiler.calib.host_memory import return_freed_memory
 from qcompiler.distributed.ranks import current_ranks
 from qcompiler.errors import CalibrationError
@@ -183,7 +183,7 @@ def _check_finite(path: str, st: LayerStats) -> None:
         raise CalibrationError(f"calibration activations reaching {path} contain NaN or Inf")
 
 
-class _DeviceInterpreter(Interpreter):
+class _DeviceInterpreter(Float32Products):
     """Runs nodes on ``device``: the graph was captured where the model lives, so factory, copy and
     metadata-check nodes name that device (``arange(device=cpu)``, ``_assert_tensor_metadata``).
     Half-precision matrix products on a CPU without half-precision units run in float32
@@ -198,8 +198,7 @@ class _DeviceInterpreter(Interpreter):
             args = tuple(self.device if isinstance(a, torch.device) else a for a in args)
             if isinstance(kwargs.get("device"), torch.device):
                 kwargs = {**kwargs, "device": self.device}
-        product = float32_product(target, args, kwargs)
-        return product if product is not None else super().call_function(target, args, kwargs)
+        return super().call_function(target, args, kwargs)
 
 
 def _duration(seconds: float) -> str:

@@ -17,7 +17,7 @@ from typing import Any, Optional
 
 import torch
 
-__all__ = ["float32_product", "slow_half_dtypes"]
+__all__ = ["Float32Products", "float32_product", "slow_half_dtypes"]
 
 aten = torch.ops.aten
 _PRODUCTS = {aten.linear.default, aten.mm.default, aten.addmm.default, aten.bmm.default, aten.matmul.default}
@@ -47,3 +47,13 @@ def float32_product(target: Any, args: tuple, kwargs: dict) -> Optional[torch.Te
         return None
     up = tuple(a.float() if isinstance(a, torch.Tensor) else a for a in args)
     return target(*up, **{k: v.float() if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}).to(dtype)
+
+
+class Float32Products(torch.fx.Interpreter):
+    """An interpreter whose slow half-precision products run through ``float32_product`` (the
+    calibration engine's and the sensitivity runner's)."""
+
+    def call_function(self, target, args, kwargs):
+        """The node's value, its product taken in float32 where this CPU lacks the units."""
+        product = float32_product(target, args, kwargs)
+        return product if product is not None else super().call_function(target, args, kwargs)

@@ -22,11 +22,11 @@ from typing import Callable, Optional
 import torch
 import torch.fx._pytree as fx_pytree
 import torch.nn.functional as F
-from torch.fx import GraphModule, Interpreter
+from torch.fx import GraphModule
 from torch.utils._pytree import tree_leaves, tree_map
 
 from qcompiler.calib.calibration import CalibrationEngine
-from qcompiler.calib.cpu_products import float32_product
+from qcompiler.calib.cpu_products import Float32Products
 from qcompiler.errors import QuantizationError
 from qcompiler.ir.graph import LinearLayer
 from qcompiler.ir.tensors import get_raw_tensor, get_tensor, set_tensor
@@ -79,16 +79,12 @@ def _samples(calibration: list, n: int) -> list[tuple[tuple, dict]]:
     return picked
 
 
-class _StoredWeights(Interpreter):
+class _StoredWeights(Float32Products):
     """Runs the whole graph reading each weight through ``get_tensor`` (a streamed one from disk);
     half-precision products on a CPU without half-precision units in float32 (calib/cpu_products.py)."""
 
     def fetch_attr(self, target: str):
         return get_tensor(self.module, target)
-
-    def call_function(self, target, args, kwargs):
-        product = float32_product(target, args, kwargs)
-        return product if product is not None else super().call_function(target, args, kwargs)
 
 
 def _first_output(runner: _StoredWeights, batch: tuple[tuple, dict]) -> torch.Tensor:
