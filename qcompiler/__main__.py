@@ -16,9 +16,10 @@ import torch
 
 import qcompiler as qc
 from qcompiler import models
-from qcompiler.evaluation.eval import bits_per_parameter
+from qcompiler.cli import quiet_library_warnings
 from qcompiler.evaluation.quality import QualityJudge
 from qcompiler.generation import timed_generation
+from qcompiler.ir.model_size import model_size
 
 
 def main(argv=None) -> int:
@@ -29,6 +30,7 @@ def main(argv=None) -> int:
         from qcompiler.cli import main as command_line
 
         return command_line(args)
+    quiet_library_warnings()
     ap = argparse.ArgumentParser(prog="python -m qcompiler", description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="tinylm", help="tinylm | longlm | minilm | path to a Hugging Face model folder")
     ap.add_argument("--recipe", default="gptq-w4g128", help="built-in recipe name (see --list)")
@@ -50,13 +52,10 @@ def main(argv=None) -> int:
         loaded.model, loaded.example_inputs(), recipe=args.recipe, calibration=loaded.calibration(args.calib)
     )
     seconds = time.perf_counter() - start
-    after = judge.score(cm)
-    print(cm.report)
+    after = judge.score(cm)  # (the per-layer figures were printed as each layer finished)
+    print("\n".join(f"{p.name}: {p.seconds:.2f}s, {len(p.layers)} layers" for p in cm.report.passes))
     print(f"\nmodel {loaded.name}, recipe {args.recipe}: {seconds:.1f}s to quantize")
-    try:
-        print(f"bits per quantized weight: {bits_per_parameter(cm.graph_module):.3f}")
-    except ValueError:
-        print("no quantized linear layers in this recipe")
+    print(f"model size: {model_size(cm.graph_module).describe()}")
     what = "held-out perplexity" if judge.metric == "perplexity" else "embedding cosine vs FP32"
     print(f"{what}: FP32 {before:.4f} -> quantized {after:.4f}")
     if cm.cache_layout is not None:

@@ -14,10 +14,12 @@ Errors are one line on stderr (exit 2: bad arguments or inputs; 1: system or int
 from __future__ import annotations
 
 import json
+import logging
 import os
 import sys
 import time
 import unicodedata
+import warnings
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
@@ -63,9 +65,20 @@ ExportFormat = _choices("ExportFormat", export_format_names())
 Backend = _choices("Backend", available_backends())
 
 
+def _show_version(value: bool) -> None:
+    if value:
+        from qcompiler.version import __version__
+
+        out.print(f"qcompiler {__version__}")
+        raise typer.Exit()
+
+
 @app.callback()
-def _options(debug: bool = typer.Option(False, "--debug", help="show tracebacks")):
-    """(--debug is read by main(), which decides how errors are shown.)"""
+def _options(
+    debug: bool = typer.Option(False, "--debug", help="show tracebacks (also after the command's name)"),
+    version: bool = typer.Option(False, "--version", is_eager=True, callback=_show_version, help="print the version"),
+):
+    """(--debug is read by main() wherever it stands, which decides how errors are shown.)"""
 
 
 def _calibration(loaded, calib: str, count: int, seqlen: int, seed: int, packing: str, field: str):
@@ -125,8 +138,11 @@ def _fmt(value) -> str:
 
 @app.command()
 def quantize(
-    model: str = typer.Argument(..., help="bundled:tinylm|longlm|minilm or a Hugging Face model folder"),
+    model: str = typer.Argument(
+        ..., help="bundled:tinylm|longlm|minilm, a Hugging Face model folder, or a hub id ORG/NAME[@REVISION]"
+    ),
     recipe: str = typer.Option("gptq-w4g128", help="built-in recipe name or a .yaml/.toml recipe file"),
+    revision: Optional[str] = typer.Option(None, help="hub ids: the branch, tag or commit to fetch"),
     calib: str = typer.Option(
         "bundled",
         help="'bundled' (the bundled text through the model's tokenizer), "
@@ -188,6 +204,12 @@ def quantize(
     from qcompiler.store.atomic import check_output_folder
 
     bound_kernel_cache()  # before the first matmul of this process
+    if revision is not None:
+        from qcompiler.models.hub import is_hub_id
+
+        if not is_hub_id(model) or "@" in model:
+            raise typer.BadParameter(f"--revision applies to a hub id ORG/NAME without @REVISION, not {model!r}")
+        model = f"{model}@{revision}"
     resolved = resolve_recipe(recipe)  # a bad recipe, device or output path fails before any loading
     compute = resolve_device(device)
     protect = [model] if Path(model).is_dir() else []
@@ -273,7 +295,7 @@ class _QuantizeJob:
 def _quantize_on_rank(ranks, job: _QuantizeJob) -> None:
     """The quantize command's work on one rank (rank 0 saves and prints)."""
     import qcompiler as qc
-    from qcompiler.evaluation.eval import bits_per_parameter
+    from qcompiler.ir.model_size import model_size
     from qcompiler.models import load
     from qcompiler.pipeline.run_checkpoint import remove_progress
 
@@ -314,13 +336,12 @@ def _quantize_on_rank(ranks, job: _QuantizeJob) -> None:
     )
     if job.checkpoint is not None:
         remove_progress(job.checkpoint)
-    out.print(_layer_table(cm.report, f"{job.model} · {job.recipe.name}"))
-    try:
-        bits = f"{bits_per_parameter(cm.graph_module):.3f} bits per quantized weight"
-    except ValueError:
-        bits = "no quantized linear layers"
-    where = f" on {ranks.world} ranks" if ranks.distributed else ""
-    out.print(f"{len(cm.report.layer_table())} layer records, {bits}, {seconds:.1f}s{where}; saved to {job.out_dir}")
+    where = f" on {ranks.world} ranks" if ranks.distributed else ""  # the per-layer lines came as each finished
+    out.print(
+        f"{job.recipe.name}: {len(cm.report.layer_table())} layer records, {seconds:.1f}s{where}; saved to "
+        f"{job.out_dir} ('qcompiler inspect' shows the per-layer table)"
+    )
+    out.print(f"model size: {model_size(cm.graph_module).describe()}")
 
 
 def _triton_runtime() -> None:
@@ -515,7 +536,21 @@ def inspect(artifact: Path = typer.Argument(..., help="artifact folder")):
         f"graph: {graph['nodes']} nodes, {graph['tensors']} stored tensors, qc ops: "
         + ", ".join(f"{k} x{v}" for k, v in graph["qc_ops"].items())
     )
+    size = _stored_size(graph.get("size"))
+    show(
+        f"model size: {size.describe()}" if size else "model size: not recorded (an artifact written before sizes were)"
+    )
     out.print(_layer_table(report_from_manifest(manifest), "per-layer report"))
+
+
+def _stored_size(counts):
+    """The manifest's size counts as a ModelSize, or None where they are absent or not counts."""
+    from qcompiler.ir.model_size import ModelSize
+
+    keys = ("stored_bytes", "parameters", "quantized_parameters", "quantized_bits")
+    if not isinstance(counts, dict) or not all(type(counts.get(k)) is int and counts[k] >= 0 for k in keys):
+        return None
+    return ModelSize(*(counts[k] for k in keys))
 
 
 @app.command()
@@ -545,6 +580,32 @@ def report(
     out.print(f"wrote {page}")
 
 
+# Library warnings about qcompiler's own calls, not the user's model, kept off the terminal by the
+# command-line entry points (the Python API leaves logging to its caller); a warning that could
+# matter to a user (weights not found in a checkpoint, a tokenizer mismatch) is never filtered.
+# (logger name, text the message starts with): the graph takes the KV cache as ``past_key_values``,
+# the name every transformers 5.x release accepts; the newest ones prefer ``cache`` and say so per call.
+_LOG_MESSAGES = (("transformers.utils.generic", "`past_key_values`/`cache_params` are deprecated"),)
+
+
+class _DropMessages(logging.Filter):
+    def __init__(self, prefixes: tuple[str, ...]):
+        super().__init__()
+        self.prefixes = prefixes
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(self.prefixes)
+
+
+def quiet_library_warnings() -> None:
+    """Install the filters (idempotent): each drops a message a user can do nothing about."""
+    for name, prefix in _LOG_MESSAGES:
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _DropMessages) for f in logger.filters):
+            logger.addFilter(_DropMessages((prefix,)))
+    warnings.filterwarnings("ignore", message=r".*LeafSpec.*", category=FutureWarning)  # torch.export internals
+
+
 def _os_message(e: OSError) -> str:
     where = f": {e.filename}" if e.filename else ""
     return f"{e.strerror or e}{where}" if e.strerror else str(e)
@@ -559,9 +620,12 @@ def main(argv=None) -> int:
 
     from qcompiler.errors import QCompilerError
 
+    quiet_library_warnings()
     args = list(sys.argv[1:] if argv is None else argv)
     _ARGV[:] = args  # what --nproc starts each rank with
     debug = "--debug" in args
+    if debug:  # accepted anywhere on the line, as the guide's "add --debug" means
+        args = ["--debug", *(a for a in args if a != "--debug")]
     if not [a for a in args if a != "--debug"]:
         args = ["--help"]
 
@@ -586,7 +650,8 @@ def main(argv=None) -> int:
             raise
         return fail("interrupted; no partial output was left", 130)
     except click_errors.UsageError as e:
-        return fail(f"{e.format_message()} (see 'qcompiler --help')", 2)
+        where = e.ctx.command_path if e.ctx is not None else "qcompiler"  # the command's own help
+        return fail(f"{e.format_message()} (see '{where} --help')", 2)
     except typer.Exit as e:
         return e.exit_code
     except click_errors.ClickException as e:

@@ -9,7 +9,6 @@ import hashlib
 import json
 import os
 import shutil
-import time
 
 import pytest
 import torch
@@ -238,11 +237,12 @@ def test_special_files_fail_fast_with_one_line(file, kind, saved, tmp_path):
         os.mkfifo(path / file)
     else:
         (path / file).symlink_to("/dev/zero" if "zero" in kind else outside)
-    start = time.perf_counter()
     with pytest.raises(ArtifactError) as info:
         qc.load(path)
-    assert time.perf_counter() - start < 5
-    assert file in str(info.value) and "\n" not in str(info.value)
+    message = str(info.value)
+    assert file in message and "\n" not in message
+    # refused by what the file is (no link followed, no FIFO read), not after reading from it
+    assert ("not a regular file" if kind == "fifo" else "symbolic links") in message
 
 
 def test_an_oversized_manifest_is_refused_before_it_is_read(saved, tmp_path, monkeypatch):
@@ -299,11 +299,9 @@ def test_stored_arithmetic_is_bounded(op, args, ok):
     from qcompiler.store.graph_format import GraphEvaluationError, _resolve_target
 
     fn = _resolve_target(f"operator.{op}")
-    if ok is None:
-        start = time.perf_counter()
+    if ok is None:  # refused by the size of the operands, before any arithmetic
         with pytest.raises(GraphEvaluationError, match="repeats" if op == "mul" else "exceeds 64 bits"):
             fn(*args)
-        assert time.perf_counter() - start < 1
     else:
         assert fn(*args) == ok
 

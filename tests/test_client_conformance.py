@@ -35,8 +35,6 @@ from causal_lms import client_sized_lm
 import qcompiler as qc
 from qcompiler.interop import ExportError, export_compressed_tensors, export_gptq, export_onnx_genai
 
-pytestmark = pytest.mark.slow
-
 ARCHS = ["llama", "llama-tied", "qwen2", "qwen3", "mistral", "gemma2", "phi3", "gpt2", "opt", "mixtral", "qwen2_moe"]
 RECIPES = ["gptq-w4g128", "gptq-w4g128-sym", "gptq-w4g128-act", "w8a8-smoothquant", "spqr-w4g16"]
 CLIENTS = ["transformers", "vllm", "gptqmodel", "genai"]
@@ -51,6 +49,23 @@ W8A8_MARGIN = 0.05
 EXACT = {"transformers": 1.0, "genai": 1.0, "vllm": 0.75, "gptqmodel": 0.75}
 W8A8_EXACT = 0.9
 EOS = 2  # onnxruntime-genai always stops there: its shorter outputs end with it
+
+# CI's tier runs a cover of the matrix: every architecture, recipe, client, refusal and client limit
+# at least once (the test checks that it is one); the whole product runs before a release
+# (scripts/release_check.sh, `pytest -m release`).
+COVER = [
+    ("llama", "gptq-w4g128"),
+    ("llama-tied", "gptq-w4g128-sym"),
+    ("qwen2", "gptq-w4g128-act"),
+    ("qwen3", "w8a8-smoothquant"),
+    ("mistral", "spqr-w4g16"),
+    ("gemma2", "gptq-w4g128-act"),
+    ("phi3", "w8a8-smoothquant"),
+    ("gpt2", "gptq-w4g128"),
+    ("opt", "gptq-w4g128-sym"),
+    ("mixtral", "w8a8-smoothquant"),
+    ("qwen2_moe", "gptq-w4g128-act"),
+]
 
 _FORMAT = {
     "transformers": "compressed-tensors",
@@ -125,9 +140,9 @@ def quantized(arch: str, recipe: str):
     return cm, exports
 
 
-def _runnable(client: str) -> list[Path]:
-    """The folders ``client`` reads: every cell's export in its format that was written."""
-    targets = [quantized(a, r)[1][_FORMAT[client]] for a in ARCHS for r in RECIPES]
+def _runnable(client: str, cells: tuple) -> list[Path]:
+    """The folders ``client`` reads: each cell's export in its format that was written."""
+    targets = [quantized(a, r)[1][_FORMAT[client]] for a, r in cells]
     return [t for t in targets if isinstance(t, Path)]
 
 
@@ -212,9 +227,9 @@ def _genai(folder: Path) -> dict:
 
 
 @cache
-def client_results(client: str) -> dict[str, dict]:
-    """The client's outcome for every cell it can load, in one process for the whole matrix."""
-    folders = _runnable(client)
+def client_results(client: str, cells: tuple) -> dict[str, dict]:
+    """The client's outcome for every cell it can load, in one process for all the cells."""
+    folders = _runnable(client, cells)
     if client == "vllm":
         return _in_venv(os.environ["QC_VLLM_PYTHON"], _VLLM, folders)
     if client == "gptqmodel":
@@ -234,7 +249,7 @@ def judge(cm, theirs: list[int]) -> tuple[float, int]:
 _VENV = {"vllm": "QC_VLLM_PYTHON", "gptqmodel": "QC_GPTQMODEL_PYTHON"}
 
 
-def cell_outcome(arch: str, recipe: str, client: str) -> str | None:
+def cell_outcome(arch: str, recipe: str, client: str, cells: tuple) -> str | None:
     """None when the cell holds (or is refused / limited as the tables say); else what is wrong."""
     cm, exports = quantized(arch, recipe)
     target = exports[_FORMAT[client]]
@@ -247,7 +262,7 @@ def cell_outcome(arch: str, recipe: str, client: str) -> str | None:
         return None
     if not isinstance(target, Path):
         return f"refused unexpectedly: {target}"
-    outcome = client_results(client)[str(target)]
+    outcome = client_results(client, cells)[str(target)]
     limit = _match(CLIENT_LIMITS, arch, recipe, client)
     if limit is not None:
         if "error" in outcome and re.search(limit, outcome["error"]):
@@ -267,23 +282,37 @@ def cell_outcome(arch: str, recipe: str, client: str) -> str | None:
     return None
 
 
-def test_every_cell_generates_our_tokens_or_is_refused_with_the_reason():
-    """One test for the whole matrix: the venv clients run once each, beside the in-process ones."""
+def test_the_cover_reaches_every_architecture_recipe_refusal_and_client_limit():
+    assert {a for a, _ in COVER} == set(ARCHS) and {r for _, r in COVER} == set(RECIPES)
+    for table in (REFUSED, CLIENT_LIMITS):
+        for key in table:
+            hit = [(a, r, c) for a, r in COVER for c in CLIENTS if _match({key: 1}, a, r, c)]
+            first = [cell for cell in hit if _match(table, *cell) == table[key]]  # the first match counts
+            assert first, f"no cell of COVER reaches {key}"
+
+
+@pytest.mark.parametrize(
+    "cells",
+    [
+        pytest.param(tuple(COVER), id="cover", marks=pytest.mark.slow),
+        pytest.param(tuple((a, r) for a in ARCHS for r in RECIPES), id="full", marks=pytest.mark.release),
+    ],
+)
+def test_every_cell_generates_our_tokens_or_is_refused_with_the_reason(cells):
+    """One test for all the cells: the venv clients run once each, beside the in-process ones."""
     clients = [c for c in CLIENTS if c not in _VENV or os.environ.get(_VENV[c])]
-    for arch in ARCHS:
-        for recipe in RECIPES:
-            quantized(arch, recipe)
+    for arch, recipe in cells:
+        quantized(arch, recipe)
     with ThreadPoolExecutor(len(clients)) as pool:  # subprocesses and torch ops: they overlap
-        results = dict(zip(clients, pool.map(client_results, clients)))
+        results = dict(zip(clients, pool.map(client_results, clients, [cells] * len(clients))))
     unable = {c: r["unable"] for c, r in results.items() if "unable" in r}  # a client that cannot run here
     clients = [c for c in clients if c not in unable]
     failures = {}
-    for arch in ARCHS:
-        for recipe in RECIPES:
-            for client in clients:
-                wrong = cell_outcome(arch, recipe, client)
-                if wrong is not None:
-                    failures[f"{arch} / {recipe} / {client}"] = wrong
+    for arch, recipe in cells:
+        for client in clients:
+            wrong = cell_outcome(arch, recipe, client, cells)
+            if wrong is not None:
+                failures[f"{arch} / {recipe} / {client}"] = wrong
     assert not failures, "\n".join(f"{cell}: {why}" for cell, why in failures.items())
     skipped = {c: unable.get(c, f"set {_VENV.get(c)}, .ci/run builds it") for c in CLIENTS if c not in clients}
     if skipped:

@@ -144,7 +144,10 @@ def _checked_folder(name_or_path: str | Path, trust_remote_code: bool = False) -
     elif name == "minilm":
         path, label = minilm_dir(), "minilm"
     else:
-        path, label = Path(name_or_path).expanduser(), str(name_or_path)
+        from qcompiler.models.hub import hub_folder
+
+        label = str(name_or_path)
+        path = hub_folder(label, trust_remote_code=trust_remote_code) or Path(name_or_path).expanduser()
     _check_folder(path)
     if not trust_remote_code:
         _refuse_custom_code(path)
@@ -186,7 +189,8 @@ def _check_layer_count(path: Path, config) -> None:
 
 
 def load(name_or_path: str | Path, *, stream: bool = False, trust_remote_code: bool = False) -> LoadedModel:
-    """``"tinylm"``, ``"longlm"``, ``"minilm"`` (also as ``bundled:NAME``) or a local Hugging Face model folder.
+    """``"tinylm"``, ``"longlm"``, ``"minilm"`` (also as ``bundled:NAME``), a local Hugging Face model
+    folder, or a hub id (``org/name``, ``org/name@revision``: fetched into the Hugging Face cache).
 
     ``stream=True``: read no weights now. The model is a skeleton (fake parameters in the
     checkpoint's dtype) that ``qc.compile`` captures; each tensor is read from the safetensors

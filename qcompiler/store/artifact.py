@@ -32,6 +32,7 @@ from safetensors.torch import save_file
 
 from qcompiler.errors import RecipeError
 from qcompiler.frontend.capture import OPTIONAL_INPUTS, CaptureInfo
+from qcompiler.ir.model_size import model_size
 from qcompiler.ir.op_registry import spec_of
 from qcompiler.ir.tensors import get_tensor
 from qcompiler.pipeline.pass_base import GraphProperty, PassRecord
@@ -84,6 +85,7 @@ def _graph_summary(gm) -> dict:
         "nodes": len(gm.graph.nodes),
         "qc_ops": {k: v for k, v in sorted(calls.items()) if k.startswith("qc.")},
         "tensors": sum(1 for n in gm.graph.nodes if n.op == "get_attr"),
+        "size": model_size(gm).as_dict(),  # what inspect and report show, without loading the tensors
     }
 
 
