@@ -17,7 +17,7 @@ import torch
 import qcompiler as qc
 from qcompiler import models
 from qcompiler.cli import quiet_library_warnings
-from qcompiler.evaluation.quality import QualityJudge
+from qcompiler.evaluation.quality import REPORTED_WINDOWS, QualityJudge
 from qcompiler.generation import timed_generation
 from qcompiler.ir.model_size import model_size
 
@@ -45,7 +45,7 @@ def main(argv=None) -> int:
         return 0
     torch.manual_seed(0)
     loaded = models.load(args.model)
-    judge = QualityJudge(loaded, max_windows=256)
+    judge = QualityJudge(loaded, max_windows=REPORTED_WINDOWS)
     before = judge.score(loaded.model)
     start = time.perf_counter()
     cm = qc.compile(
@@ -56,8 +56,8 @@ def main(argv=None) -> int:
     print("\n".join(f"{p.name}: {p.seconds:.2f}s, {len(p.layers)} layers" for p in cm.report.passes))
     print(f"\nmodel {loaded.name}, recipe {args.recipe}: {seconds:.1f}s to quantize")
     print(f"model size: {model_size(cm.graph_module).describe()}")
-    what = "held-out perplexity" if judge.metric == "perplexity" else "embedding cosine vs FP32"
-    print(f"{what}: FP32 {before:.4f} -> quantized {after:.4f}")
+    what = "perplexity" if judge.metric == "perplexity" else "embedding cosine vs FP32"
+    print(f"{what} over {judge.describe()}: FP32 {before:.4f} -> quantized {after:.4f}")
     if cm.cache_layout is not None:
         _show_generation(loaded, cm, args.prompt, args.new_tokens)
     return 0

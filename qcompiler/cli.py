@@ -13,6 +13,7 @@ Errors are one line on stderr (exit 2: bad arguments or inputs; 1: system or int
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import os
@@ -30,7 +31,10 @@ from rich.console import Console
 from rich.table import Table
 
 from qcompiler.backends import available_backends
+from qcompiler.evaluation.quality import REPORTED_WINDOWS
 from qcompiler.export_formats import ExportOptions, export_format, export_format_names
+from qcompiler.interop.gguf_export import REQUANTIZE_TYPES
+from qcompiler.pipeline.heartbeat import heartbeat
 
 _ARGV: list[str] = []  # the command line main() runs (each rank of --nproc gets it again)
 
@@ -63,6 +67,9 @@ def _choices(name: str, names: list[str]) -> type[Enum]:
 
 ExportFormat = _choices("ExportFormat", export_format_names())
 Backend = _choices("Backend", available_backends())
+Packing = _choices("Packing", ["windows", "none"])
+ZeroFormat = _choices("ZeroFormat", ["auto", "v1", "v2"])
+RequantizeType = _choices("RequantizeType", list(REQUANTIZE_TYPES))
 
 
 def _show_version(value: bool) -> None:
@@ -143,6 +150,15 @@ def quantize(
     ),
     recipe: str = typer.Option("gptq-w4g128", help="built-in recipe name or a .yaml/.toml recipe file"),
     revision: Optional[str] = typer.Option(None, help="hub ids: the branch, tag or commit to fetch"),
+    bits: Optional[int] = typer.Option(None, min=1, max=16, help="set the width of every pass of RECIPE that has one"),
+    group_size: Optional[int] = typer.Option(
+        None, help="set the group size of every pass of RECIPE that has one (-1: one group per row)"
+    ),
+    ignore: Optional[list[str]] = typer.Option(
+        None,
+        help="keep these layers in full precision (a glob over module paths, or 're:' + a regex); repeatable; "
+        "'qcompiler recipes RECIPE --model MODEL' shows what they match",
+    ),
     calib: str = typer.Option(
         "bundled",
         help="'bundled' (the bundled text through the model's tokenizer), "
@@ -160,8 +176,8 @@ def quantize(
         2048, min=2, max=1 << 20, help="tokens per window, capped by the model's context (bundled: 128)"
     ),
     seed: int = typer.Option(0, help="seed of the random windows"),
-    packing: str = typer.Option(
-        "windows", help="windows (random windows of the joined text) | none (one padded sample per document)"
+    packing: Packing = typer.Option(
+        "windows", help="windows: random windows of the joined text; none: one padded sample per document"
     ),
     calib_field: str = typer.Option("text", help="JSONL / Parquet / dataset field holding the text"),
     out_dir: Path = typer.Option(..., "--out", help="artifact folder to write (replaced atomically)"),
@@ -200,7 +216,7 @@ def quantize(
     from qcompiler.calib.host_memory import bound_kernel_cache
     from qcompiler.compiler import resolve_device
     from qcompiler.distributed.ranks import join_from_environment, leave
-    from qcompiler.pipeline.recipe_files import resolve_recipe
+    from qcompiler.pipeline.recipe_files import resolve_recipe, with_overrides
     from qcompiler.store.atomic import check_output_folder
 
     bound_kernel_cache()  # before the first matmul of this process
@@ -210,7 +226,8 @@ def quantize(
         if not is_hub_id(model) or "@" in model:
             raise typer.BadParameter(f"--revision applies to a hub id ORG/NAME without @REVISION, not {model!r}")
         model = f"{model}@{revision}"
-    resolved = resolve_recipe(recipe)  # a bad recipe, device or output path fails before any loading
+    # a bad recipe, device or output path fails before any loading
+    resolved = with_overrides(resolve_recipe(recipe), bits=bits, group_size=group_size, ignore=ignore or None)
     compute = resolve_device(device)
     protect = [model] if Path(model).is_dir() else []
     if resume and checkpoint is None:
@@ -239,7 +256,7 @@ def quantize(
             samples=samples,
             seqlen=seqlen,
             seed=seed,
-            packing=packing,
+            packing=packing.value,
             calib_field=calib_field,
             compute=compute,
             offload=offload,
@@ -299,7 +316,9 @@ def _quantize_on_rank(ranks, job: _QuantizeJob) -> None:
     from qcompiler.models import load
     from qcompiler.pipeline.run_checkpoint import remove_progress
 
-    loaded = load(job.model, stream=job.stream, trust_remote_code=job.trust_remote_code)
+    log = say if ranks.is_root else (lambda _m: None)
+    with heartbeat(log, f"loading {job.model}"):
+        loaded = load(job.model, stream=job.stream, trust_remote_code=job.trust_remote_code)
     calibration = (
         _calibration(loaded, job.calib, job.samples, job.seqlen, job.seed, job.packing, job.calib_field)
         if any(p.needs_calibration for p in job.recipe.passes)
@@ -344,6 +363,25 @@ def _quantize_on_rank(ranks, job: _QuantizeJob) -> None:
     out.print(f"model size: {model_size(cm.graph_module).describe()}")
 
 
+def say(message: str) -> None:
+    """A progress line on stderr, as the passes print theirs (stdout keeps the results)."""
+    err.print(f"[qcompiler] {message}")
+
+
+def _counter(label: str, unit: str, every: float = 2.0):
+    """``report(done, total)`` printing ``label: done/total unit`` at most every ``every`` seconds,
+    and always at the end: a long loop is never silent, and never floods the terminal."""
+    last = [time.monotonic()]
+
+    def report(done: int, total: int) -> None:
+        now = time.monotonic()
+        if done >= total or now - last[0] >= every:
+            last[0] = now
+            say(f"{label}: {done}/{total} {unit}")
+
+    return report
+
+
 def _triton_runtime() -> None:
     """Without a GPU, Triton kernels run only in the interpreter, which must be chosen before import."""
     import os
@@ -359,7 +397,16 @@ def _triton_runtime() -> None:
 def evaluate(
     target: str = typer.Argument(..., help="an artifact folder, or a model (bundled:NAME / folder)"),
     backend: Backend = typer.Option("eager", help="backend to run the quantized model on"),
-    windows: int = typer.Option(64, min=1, max=100_000, help="held-out windows (causal LMs) / sentences (encoders)"),
+    windows: int = typer.Option(
+        REPORTED_WINDOWS, min=1, max=100_000, help="windows (causal LMs) / sentences (encoders) to score, at most"
+    ),
+    text: Optional[str] = typer.Option(
+        None,
+        help="score this text instead of the bundled held-out text: a text file, a folder of text files, "
+        ".jsonl, .parquet or a saved dataset (the calibration readers)",
+    ),
+    text_field: str = typer.Option("text", help="JSONL / Parquet / dataset field holding the text"),
+    seqlen: int = typer.Option(256, min=2, max=1 << 20, help="tokens per window, capped by the model's context"),
     json_out: Optional[Path] = typer.Option(None, "--json", help="also write the figures as JSON"),
 ):
     """Perplexity (causal LMs) or embedding cosine vs FP32 (encoders), FP32 beside quantized."""
@@ -376,14 +423,26 @@ def evaluate(
         check_output_file(
             json_out, "eval JSON", ours=_is_eval_json, protect=[p for p in (target, source) if Path(p).is_dir()]
         )
-    loaded = load(source)
-    judge = QualityJudge(loaded, max_windows=windows, sentences=windows)
-    figures = {"written_by": _EVAL_JSON, "model": source, "metric": judge.metric, "fp32": judge.score(loaded.model)}
+    texts = None
+    if text is not None:
+        from qcompiler.calib.calibration_data import read_texts
+
+        texts = read_texts(text, field=text_field)
+    with heartbeat(say, f"loading {source}"):
+        loaded = load(source)
+    judge = QualityJudge(loaded, max_windows=windows, sentences=windows, text=texts, window=seqlen)
+    over = judge.describe()
+    say(f"scoring the FP model over {over}")
+    figures = {"written_by": _EVAL_JSON, "model": source, "metric": judge.metric, "over": over}
+    figures["fp32"] = judge.score(loaded.model, progress=_counter("FP model", "windows"))
     if is_artifact:
-        cm = qc.load(path, backend=backend.value)
-        figures.update(artifact=str(path), backend=backend.value, recipe=cm.recipe.name, quantized=judge.score(cm))
+        with heartbeat(say, f"loading {path}"):
+            cm = qc.load(path, backend=backend.value)
+        say(f"scoring the quantized model ({backend.value})")
+        quantized = judge.score(cm, progress=_counter("quantized", "windows"))
+        figures.update(artifact=str(path), backend=backend.value, recipe=cm.recipe.name, quantized=quantized)
         figures["loss"] = judge.loss(figures["fp32"], figures["quantized"])
-    line = f"{judge.metric}: FP32 {figures['fp32']:.4f}"
+    line = f"{judge.metric} over {over}: FP32 {figures['fp32']:.4f}"
     if "quantized" in figures:
         line += f" -> quantized {figures['quantized']:.4f} ({backend.value}, {figures['recipe']})"
     out.print(line)
@@ -400,7 +459,7 @@ def export(
         ..., "--format", help="; ".join(f"{name}: {export_format(name).description}" for name in export_format_names())
     ),
     dest: Path = typer.Option(..., "--out", help="file (onnx, gguf) or folder (onnx-genai, gptq, compressed-tensors)"),
-    zero_format: str = typer.Option("auto", help="gptq only: auto | v1 | v2 zero points"),
+    zero_format: ZeroFormat = typer.Option("auto", help="gptq only: zero points as v1 (AutoGPTQ) or v2 (GPTQModel)"),
     max_shard_gb: float = typer.Option(
         5.0, min=0.001, max=1e6, help="gptq, compressed-tensors: safetensors shard size (GiB)"
     ),
@@ -413,10 +472,10 @@ def export(
     plain_attention: bool = typer.Option(
         False, help="onnx, onnx-genai: attention as standard ONNX ops instead of ORT's GroupQueryAttention"
     ),
-    requantize: Optional[str] = typer.Option(
+    requantize: Optional[RequantizeType] = typer.Option(
         None,
-        help="gguf: re-round layers not on a GGUF grid to this block type (q4_0 | q4_1 | q8_0 by llama.cpp's RTN; "
-        "q4_k | q5_k | q6_k | q3_k | q2_k by qcompiler's fitted grid)",
+        help="gguf: re-round layers not on a GGUF grid to this block type (q8_0/q4_0/q4_1 by llama.cpp's RTN; "
+        "the K types by qcompiler's fitted grid)",
     ),
     overwrite: bool = typer.Option(False, help="replace --out when it holds another kind of qcompiler output"),
 ):
@@ -429,21 +488,20 @@ def export(
         check_output_folder(dest, fmt.name, overwrite=overwrite, protect=[artifact])
     else:  # where it lands; whether an existing file is the format's own, its writer checks
         check_file_location(dest, fmt.name, protect=[artifact])
-    cm = qc.load(artifact)
-    fmt.write(
-        cm,
-        dest,
-        ExportOptions(
-            overwrite=overwrite,
-            protect=(artifact,),
-            accuracy_level=accuracy_level,
-            fused_attention=not plain_attention,
-            zero_format=zero_format,
-            requantize=requantize,
-            max_shard_bytes=int(max_shard_gb * 1024**3),
-            progress=out.print,
-        ),
+    with heartbeat(say, f"loading {artifact}"):
+        cm = qc.load(artifact)
+    options = ExportOptions(
+        overwrite=overwrite,
+        protect=(artifact,),
+        accuracy_level=accuracy_level,
+        fused_attention=not plain_attention,
+        zero_format=zero_format.value,
+        requantize=None if requantize is None else requantize.value,
+        max_shard_bytes=int(max_shard_gb * 1024**3),
+        progress=out.print,
     )
+    with heartbeat(say, f"writing {fmt.name} to {dest}"):
+        fmt.write(cm, dest, options)
     out.print(f"wrote {dest}")
 
 
@@ -474,12 +532,13 @@ def generate(
     if backend.value == "triton":
         _triton_runtime()
     is_artifact, source = _artifact_source(target, "so there is no tokenizer for it")
-    if is_artifact:
-        tokenizer, cm = tokenizer_for(source), qc.load(target, backend=backend.value)
-    else:
-        loaded = load(target)
-        tokenizer = loaded.tokenizer
-        cm = qc.compile(loaded.model, loaded.example_inputs(), recipe="none", backend=backend.value, progress=False)
+    with heartbeat(say, f"loading {target}"):
+        if is_artifact:
+            tokenizer, cm = tokenizer_for(source), qc.load(target, backend=backend.value)
+        else:
+            loaded = load(target)
+            tokenizer = loaded.tokenizer
+            cm = qc.compile(loaded.model, loaded.example_inputs(), recipe="none", backend=backend.value, progress=False)
     encoded = [list(map(int, tokenizer.encode(p))) for p in prompt]
     if any(not ids for ids in encoded):
         raise ValueError("a --prompt is empty: give at least one token of text")
@@ -496,7 +555,10 @@ def generate(
             sys.stdout.write(text)
             sys.stdout.flush()
 
-        for token in cm.stream(ids, max_new_tokens, **options):  # bad values raise before the first token
+        tokens = cm.stream(ids, max_new_tokens, **options)
+        with heartbeat(say, f"prefill of {ids.shape[1]} prompt tokens"):  # until the first token
+            first = next(tokens, None)  # bad values raise before the first token
+        for token in [] if first is None else itertools.chain([first], tokens):
             if not made:
                 write(prompt[0])
             made.append(int(token[0]))
@@ -554,17 +616,53 @@ def _stored_size(counts):
 
 
 @app.command()
-def recipes():
-    """Built-in recipes and their pass settings."""
+def recipes(
+    recipe: Optional[str] = typer.Argument(None, help="a recipe name or .yaml/.toml file: show its passes"),
+    model: Optional[str] = typer.Option(
+        None, help="with RECIPE: list the layers of this model each pass quantizes and each ignore pattern keeps"
+    ),
+):
+    """The built-in recipes; with RECIPE, its passes and every setting they resolve to."""
     import qcompiler as qc
+    from qcompiler.pipeline.recipe_files import resolve_recipe
 
-    table = Table(title="built-in recipes (or pass a .yaml/.toml file: docs/recipes.md)")
-    table.add_column("name")
-    table.add_column("description")
-    table.add_column("passes")
-    for r in qc.list_recipes():
-        table.add_row(r.name, r.description, "\n".join(repr(p) for p in r.passes) or "-")
-    out.print(table)
+    if recipe is None:
+        if model is not None:
+            raise typer.BadParameter("--model needs a RECIPE to match against")
+        table = Table(title="built-in recipes ('qcompiler recipes NAME' shows one's passes; files: docs/recipes.md)")
+        table.add_column("name")
+        table.add_column("description")
+        for r in qc.list_recipes():
+            table.add_row(r.name, r.description)
+        out.print(table)
+        return
+    resolved = resolve_recipe(recipe)
+    out.print(f"{resolved.name}: {resolved.description}" if resolved.description else resolved.name)
+    for i, p in enumerate(resolved.passes, 1):
+        out.print(f"  {i}. {p!r}")
+    if model is not None:
+        _show_matches(resolved, model)
+
+
+def _show_matches(resolved, model: str) -> None:
+    """Which linear layers of ``model`` each pass of ``resolved`` keeps by its ``ignore`` patterns
+    (the model's module tree is built without reading weights)."""
+    import torch
+
+    from qcompiler.models import load
+    from qcompiler.pipeline.layer_filter import matching_pattern
+
+    with heartbeat(say, f"reading {model}'s layers (no weights)"):
+        loaded = load(model, stream=True)
+    linears = [n for n, m in loaded.model.named_modules() if isinstance(m, torch.nn.Linear)]
+    for i, p in enumerate(resolved.passes, 1):
+        patterns = tuple(getattr(p, "ignore", ()))
+        kept = [n for n in linears if matching_pattern(n, patterns)]
+        out.print(f"pass {i} ({type(p).__name__}): {len(linears)} linear layers, {len(kept)} kept by ignore")
+        for pattern in patterns:
+            hit = [n for n in linears if matching_pattern(n, (pattern,))]
+            shown = ", ".join(hit[:6]) + (", ..." if len(hit) > 6 else "")
+            out.print(f"  ignore {pattern!r}: " + (f"{len(hit)} layers ({shown})" if hit else "matches nothing"))
 
 
 @app.command()

@@ -14,6 +14,7 @@ from qcompiler.frontend import lazy_weights
 from qcompiler.frontend.capture import CaptureInfo, capture, fill_optional_inputs, normalize_inputs
 from qcompiler.frontend.causal_lm import CacheLayout, example_graph_inputs, graph_inputs, wrap_output
 from qcompiler.generation import SamplingConfig, generate_tokens
+from qcompiler.pipeline.heartbeat import heartbeat
 from qcompiler.pipeline.pass_base import PassContext
 from qcompiler.pipeline.pass_manager import PassManager
 from qcompiler.pipeline.recipe_files import resolve_recipe
@@ -420,7 +421,9 @@ def compile(
     compute = current_ranks().device(resolve_device(device))  # a rank of a distributed run: its own GPU
     manager = PassManager(resolved.passes)
     manager.validate(has_calibration=calibration is not None)
-    gm = capture(model, example_inputs)
+    log = PassContext(example_inputs=((), {}), progress=progress).log
+    with heartbeat(log, f"capturing {type(model).__name__} with torch.export"):
+        gm = capture(model, example_inputs)
     info: CaptureInfo = gm.meta["qcompiler"]
     examples = normalize_inputs(example_inputs)
     fill_optional_inputs(info, examples[1])  # the graph takes them; backends see them

@@ -25,7 +25,7 @@ class ExportOptions:
     accuracy_level: Optional[int] = None  # onnx, onnx-genai: MatMulNBits accuracy_level
     fused_attention: bool = True  # onnx, onnx-genai: ORT's GroupQueryAttention
     zero_format: str = "auto"  # gptq: auto | v1 | v2 zero points
-    requantize: Optional[str] = None  # gguf: re-round layers not on a GGUF grid to this block type (q4_0 | q4_1 | q8_0)
+    requantize: Optional[str] = None  # gguf: re-round layers not on a GGUF grid to this block type (REQUANTIZE_TYPES)
     max_shard_bytes: int = DEFAULT_SHARD_BYTES
     progress: Callable[[str], None] = print
 
@@ -116,6 +116,11 @@ for _fmt in (
     ExportFormat(
         "compressed-tensors", "folder", _compressed_tensors, "a compressed-tensors checkpoint (transformers, vLLM)"
     ),
-    ExportFormat("gguf", "file", _gguf, "one GGUF file for llama.cpp (Q4_0 / Q8_0 blocks, F16)"),
+    ExportFormat(
+        "gguf",
+        "file",
+        _gguf,
+        "one GGUF file for llama.cpp / Ollama (GPTQ on Q4_0 ... Q8_0 and Q2_K ... Q6_K blocks; F16 / F32 elsewhere)",
+    ),
 ):
     register_export_format(_fmt)

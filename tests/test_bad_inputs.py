@@ -334,7 +334,7 @@ CLI_ROWS = [
         "export gguf: unknown --requantize",
         ["export", "{art}", "--format", "gguf", "--out", "{root}/m.gguf", "--requantize", "q5_0"],
         2,
-        "is not a GGUF block type",
+        "'q5_0' is not one of 'q8_0', 'q4_0'",
     ),
     (
         "export gguf of int8 layers",
@@ -367,7 +367,7 @@ CLI_ROWS = [
         "export: bad zero format",
         ["export", "{art}", "--format", "gptq", "--zero-format", "v3", "--out", "{root}/o"],
         2,
-        "zero_format",
+        "'v3' is not one of 'auto', 'v1', 'v2'",
     ),
     ("eval: artifact without source", ["eval", "{art}"], 2, "does not record its source"),
 ]

@@ -263,3 +263,77 @@ def test_brackets_in_the_output_path_are_text(artifact, tmp_path, capsys):
     dest = tmp_path / "ckpt[bold]x[/bold]"
     assert main(["export", str(artifact), "--format", "compressed-tensors", "--out", str(dest)]) == 0
     assert f"wrote {dest}" in capsys.readouterr().out and dest.is_dir()
+
+
+def test_eval_scores_the_users_text_and_says_over_what(artifact, tmp_path, capsys):
+    """``eval --text FILE`` scores that file's windows (the number printed), and the figure equals
+    the perplexity of the same windows computed here."""
+    from qcompiler.evaluation.eval import perplexity
+
+    text = tmp_path / "mine.txt"
+    text.write_text("def parse(line):\n    return line.split(',')\n\n" * 60)
+    assert main(["eval", str(artifact), "--text", str(text), "--seqlen", "64", "--json", str(tmp_path / "e.json")]) == 0
+    printed = capsys.readouterr().out
+    figures = json.loads((tmp_path / "e.json").read_text())
+    tokens = load("tinylm").tokenize(text.read_text())
+    windows = len(range(0, tokens.numel() - 64, 64))
+    assert f"over {windows} windows of 64 tokens of 1 documents given" in printed
+    assert figures["quantized"] == pytest.approx(perplexity(qc.load(artifact), tokens, window=64), rel=1e-6)
+
+
+def test_the_main_job_and_eval_report_the_same_figure_for_the_same_windows(artifact, capsys):
+    """Both score 256 windows of the bundled held-out text by default, and say so."""
+    from qcompiler.evaluation.quality import QualityJudge
+
+    assert main(["eval", str(artifact), "--windows", "16"]) == 0
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    judge = QualityJudge(load("tinylm"), max_windows=16)
+    assert f"over {judge.describe()}: FP32 " in line
+    assert f"-> quantized {judge.score(qc.load(artifact)):.4f}" in line
+
+
+def test_version_debug_anywhere_and_errors_point_at_the_commands_help(capsys):
+    from qcompiler.version import __version__
+
+    assert main(["--version"]) == 0 and capsys.readouterr().out.strip() == f"qcompiler {__version__}"
+    assert main(["quantize", "bundled:tinylm", "--out", "o", "--zero-format", "v1"]) == 2
+    line = capsys.readouterr().err.strip()
+    assert "--zero-format" in line and line.endswith("(see 'qcompiler quantize --help')")
+    with pytest.raises(Exception, match="no-such-recipe"):  # --debug after the command: the traceback
+        main(["quantize", "bundled:tinylm", "--recipe", "no-such-recipe", "--out", "o", "--debug"])
+    assert main(["export", "x", "--format", "gguf", "--out", "y", "--requantize", "q9_k"]) == 2
+    assert "q9_k" in capsys.readouterr().err
+
+
+def test_bits_group_size_and_ignore_shortcuts_set_the_recipes_passes(tmp_path, capsys):
+    from qcompiler.errors import RecipeError
+    from qcompiler.pipeline.recipe_files import resolve_recipe, with_overrides
+
+    r = with_overrides(resolve_recipe("gptq-w4g128"), bits=3, group_size=64, ignore=["*.down_proj"])
+    (gptq,) = r.passes
+    assert (gptq.bits, gptq.group_size, gptq.ignore) == (3, 64, ("*.down_proj",)) and "bits=3" in r.name
+    with pytest.raises(RecipeError, match=r"recipe auto:3.25 has no pass with a 'bits' setting"):
+        with_overrides(resolve_recipe("auto:3.25"), bits=3)
+    with pytest.raises(ValueError, match="bits"):
+        with_overrides(resolve_recipe("rtn-w4g128"), bits=17)
+    out = tmp_path / "o"
+    args = ["quantize", "bundled:tinylm", "--recipe", "rtn-w4g128", "--bits", "3", "--ignore", "*.down_proj"]
+    assert main([*args, "--out", str(out)]) == 0
+    cm = qc.load(out)
+    layers = cm.report.layer_table()
+    assert {r["bits"] for r in layers if "bits" in r} == {3} and not any(
+        "down_proj" in r["layer"] for r in layers if "bits" in r
+    )
+
+
+def test_recipes_lists_names_and_shows_one_recipes_passes_and_matches(tmp_path, capsys):
+    assert main(["recipes"]) == 0
+    listing = capsys.readouterr().out
+    assert "gptq-w4g128" in listing and "GPTQ(" not in listing  # names and descriptions only
+    assert main(["recipes", "gptq-w4g128"]) == 0
+    assert "1. GPTQ(bits=4, group_size=128" in capsys.readouterr().out
+    path = tmp_path / "keep.yaml"
+    path.write_text("name: r\npasses:\n  - pass: RTN\n    ignore: ['*.down_proj', 'nothing.*']\n")
+    assert main(["recipes", str(path), "--model", "bundled:tinylm"]) == 0
+    shown = capsys.readouterr().out
+    assert "ignore '*.down_proj': 4 layers" in shown and "ignore 'nothing.*': matches nothing" in shown

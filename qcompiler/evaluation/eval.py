@@ -27,6 +27,12 @@ def _logits(output) -> torch.Tensor:
     raise TypeError(f"cannot find logits in model output of type {type(output).__name__}")
 
 
+def window_count(tokens: int, window: int, max_windows: int | None = None, stride: int | None = None) -> int:
+    """How many windows :func:`perplexity` scores in ``tokens`` tokens (so a figure can say it)."""
+    count = len(range(0, tokens - window, window if stride is None else stride))
+    return count if max_windows is None else min(count, max_windows)
+
+
 @torch.no_grad()
 def perplexity(
     model: Callable,
@@ -36,6 +42,7 @@ def perplexity(
     stride: int | None = None,
     batch_size: int = 16,
     max_windows: int | None = None,
+    progress: Callable[[int, int], None] | None = None,
 ) -> float:
     """exp(mean next-token NLL) over ``tokens`` read in windows of ``window`` with ``stride``.
 
@@ -50,8 +57,7 @@ def perplexity(
     if tokens.numel() < window + 1:
         raise ValueError(f"need more than {window} tokens to score a window, got {tokens.numel()}")
     starts = list(range(0, tokens.numel() - window, stride))
-    if max_windows is not None:
-        starts = starts[:max_windows]
+    starts = starts[: window_count(tokens.numel(), window, max_windows, stride)]
     nll, count = 0.0, 0
     for b in range(0, len(starts), batch_size):
         batch_starts = starts[b : b + batch_size]
@@ -63,6 +69,8 @@ def perplexity(
             first = 0 if s == 0 else window - stride  # targets already scored by the previous window
             nll += token_nll[row, first:].sum().item()
             count += window - first
+        if progress is not None:
+            progress(b + len(batch_starts), len(starts))
     return math.exp(nll / count)
 
 

@@ -13,10 +13,12 @@ from typing import Callable, Optional
 import torch
 
 from qcompiler.data import stdlib_sentences
-from qcompiler.evaluation.eval import embedding_fidelity, mean_pooled_embeddings, perplexity
+from qcompiler.evaluation.eval import embedding_fidelity, mean_pooled_embeddings, perplexity, window_count
 from qcompiler.models import LoadedModel
 
-__all__ = ["QualityJudge"]
+__all__ = ["QualityJudge", "REPORTED_WINDOWS"]
+
+REPORTED_WINDOWS = 256  # what the main job and `qcompiler eval` score by default: one figure for both
 
 
 @dataclass
@@ -26,7 +28,43 @@ class QualityJudge:
     loaded: LoadedModel
     max_windows: int = 512  # held-out windows of 256 bytes for perplexity (131k tokens)
     sentences: int = 256  # held-out sentences for embedding fidelity
+    text: Optional[list[str]] = None  # the user's documents instead of the bundled held-out text
+    window: int = 256  # tokens per perplexity window (capped by the model's context)
     _reference: Optional[torch.Tensor] = field(default=None, repr=False)
+    _tokens: Optional[torch.Tensor] = field(default=None, repr=False)
+
+    def _scored_tokens(self) -> torch.Tensor:
+        if self._tokens is None:
+            if self.text is None:
+                self._tokens = self.loaded.tokens("heldout")
+            else:  # documents joined as calibration joins them: one stream of windows
+                self._tokens = torch.cat([self.loaded.tokenize(t).reshape(-1) for t in self.text])
+        return self._tokens
+
+    @property
+    def _window(self) -> int:
+        return min(self.window, self.loaded.max_length)
+
+    def _batch(self) -> int:
+        """Windows per forward: at most 16, fewer where a large vocabulary's logits would pass
+        ~256 MB (Gemma-3's 262k tokens: one window at a time)."""
+        vocab = getattr(getattr(self.loaded.model, "config", None), "vocab_size", None) or 256
+        return max(1, min(16, (1 << 26) // (self._window * vocab)))
+
+    def describe(self) -> str:
+        """What the score is computed over, e.g. "64 windows of 256 tokens of the bundled held-out text"."""
+        source = "the bundled held-out text" if self.text is None else f"{len(self.text)} documents given"
+        if self.metric == "perplexity":
+            windows = window_count(self._scored_tokens().numel(), self._window, self.max_windows)
+            return f"{windows} windows of {self._window} tokens of {source}"
+        count = self.sentences if self.text is None else len(self._sentences())
+        return f"{count} sentences of {source}"
+
+    def _sentences(self) -> list[str]:
+        if self.text is None:
+            return stdlib_sentences("heldout", self.sentences)
+        lines = [line.strip() for t in self.text for line in t.splitlines() if line.strip()]
+        return lines[: self.sentences]
 
     @property
     def metric(self) -> str:
@@ -39,16 +77,19 @@ class QualityJudge:
         return self.metric == "cosine"
 
     def _embed(self, model: Callable) -> torch.Tensor:
-        return mean_pooled_embeddings(model, self.loaded.tokenizer, stdlib_sentences("heldout", self.sentences))
+        return mean_pooled_embeddings(model, self.loaded.tokenizer, self._sentences())
 
-    def score(self, model: Callable) -> float:
-        """Perplexity (lower is better) or cosine vs FP32 (1.0 is lossless)."""
+    def score(self, model: Callable, progress: Optional[Callable[[int, int], None]] = None) -> float:
+        """Perplexity (lower is better) or cosine vs FP32 (1.0 is lossless); ``progress(done, total)``
+        is called after each batch of perplexity windows."""
         if self.metric == "perplexity":
             return perplexity(
                 model,
-                self.loaded.tokens("heldout"),
-                window=min(256, self.loaded.max_length),
+                self._scored_tokens(),
+                window=self._window,
                 max_windows=self.max_windows,
+                batch_size=self._batch(),
+                progress=progress,
             )
         if self._reference is None:
             self._reference = self._embed(self.loaded.model)

@@ -34,7 +34,7 @@ from qcompiler.pipeline.pass_base import Pass
 from qcompiler.pipeline.pass_registry import pass_name, resolve_pass
 from qcompiler.pipeline.recipes import Recipe, get_recipe
 
-__all__ = ["load_recipe_file", "recipe_from_dict", "recipe_to_dict", "resolve_recipe"]
+__all__ = ["load_recipe_file", "recipe_from_dict", "recipe_to_dict", "resolve_recipe", "with_overrides"]
 
 _TOP_KEYS = ("name", "description", "passes")
 
@@ -185,3 +185,31 @@ def resolve_recipe(recipe) -> Recipe:
     if isinstance(recipe, (list, tuple)):
         return Recipe("custom", tuple(recipe))
     raise RecipeError(f"recipe must be a name, a qc.Recipe or a list of passes, got {type(recipe).__name__}")
+
+
+def with_overrides(recipe: Recipe, **settings: Any) -> Recipe:
+    """``recipe`` with each given setting (``bits=3``, ``group_size=64``, ``ignore=("lm_head",)``)
+    applied to every pass that has that field: the command line's shortcuts for the common case.
+    A setting no pass of the recipe has is an error naming both; each pass validates its values."""
+    settings = {k: v for k, v in settings.items() if v is not None}
+    if not settings:
+        return recipe
+    passes = list(recipe.passes)
+    for key, value in settings.items():
+        fields = [i for i, p in enumerate(passes) if dataclasses.is_dataclass(p) and key in _field_names(p)]
+        if not fields:
+            names = ", ".join(pass_name(type(p)) for p in passes) or "no passes"
+            raise RecipeError(f"recipe {recipe.name} has no pass with a {key!r} setting ({names})")
+        for i in fields:
+            hints = typing.get_type_hints(type(passes[i]))
+            field = next(f for f in dataclasses.fields(passes[i]) if f.name == key)
+            checked = _check_type(f"--{key.replace('_', '-')}", field, value, hints)
+            if key == "ignore":  # patterns add to the recipe's own
+                checked = tuple(dict.fromkeys((*getattr(passes[i], key), *checked)))
+            passes[i] = dataclasses.replace(passes[i], **{key: checked})
+    label = ", ".join(f"{k}={v}" for k, v in settings.items())
+    return Recipe(f"{recipe.name} ({label})", tuple(passes), recipe.description)
+
+
+def _field_names(p) -> set[str]:
+    return {f.name for f in dataclasses.fields(p)}
