@@ -103,11 +103,27 @@ SLOW_VARIANTS = (
 )
 
 
+# Repeats of a slow-tier property that only a release needs, each beside the sibling that keeps it in
+# CI: `pytest -m release` (scripts/release_check.sh) runs them; `.ci/run`'s slow tier does not.
+RELEASE_VARIANTS = (
+    # every kernel these run has its plain-torch twin test in test_triton_kernels.py (SpQR dense,
+    # CSR SpMM, 3-bit GEMM, W8A8 GEMM, MiniLM's LayerNorm path); tinylm's W4 and W8A8 stay end to end
+    "test_triton_backend.py::test_triton_backend_matches_eager_on_bundled_models[minilm-",
+    "test_triton_backend.py::test_triton_backend_matches_eager_on_bundled_models[tinylm-spqr-w3g16]",
+    "test_triton_backend.py::test_triton_backend_matches_eager_on_bundled_models[tinylm-gptq-w3g128]",
+    # plain 4-bit through vLLM: [tied] serves the same recipe (with the tied head) and the
+    # conformance cover's llama / gptq-w4g128 / vllm cell
+    "test_vllm_serves_our_export.py::test_vllm_generates_the_quantized_models_tokens[w4g128]",
+    # plain 4-bit through GPTQModel: the cover's llama / gptq-w4g128 / gptqmodel cell and [mixed]
+    "test_gptqmodel_loads_our_export.py::test_gptqmodel_loads_the_export_with_the_same_outputs[w4g128]",
+)
+
+
 # The longest files first (measured), whole files so module fixtures are built once per worker:
 # xdist's work stealing then balances the short tests at the end instead of one worker waiting
 # on a 30 s test the other started last.
 LONGEST_FILES = (
-    "test_client_conformance.py",  # slow run: ~10 min, one test
+    "test_client_conformance.py",  # slow run: ~5 min, one test (the cover)
     "test_cli.py",
     "test_onnx_backend.py",
     "test_causal_lm.py",
@@ -125,6 +141,8 @@ def _file_rank(item) -> int:
 
 def pytest_collection_modifyitems(config, items):
     for item in items:
-        if any(variant in item.nodeid for variant in SLOW_VARIANTS):
+        if any(variant in item.nodeid for variant in RELEASE_VARIANTS):
+            item.add_marker(pytest.mark.release)
+        elif any(variant in item.nodeid for variant in SLOW_VARIANTS):
             item.add_marker(pytest.mark.slow)
     items.sort(key=_file_rank)  # stable: the order within a file is kept

@@ -63,12 +63,27 @@ def test_the_guides_python_runs_as_written(tmp_path, monkeypatch):
     assert namespace["out"].shape[0] == 2  # the batch block ran last
 
 
+# the allocator's commands measure every candidate on every layer (minutes): run before a release
+RELEASE_ONLY = re.compile(r"--recipe auto(-gguf)?:")
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("page", PAGES)
 def test_the_shell_commands_run_as_written(page, tmp_path):
     """Each command in order in one folder (later ones read what earlier ones wrote)."""
-    commands = shell_commands(page)
+    commands = [c for c in shell_commands(page) if not RELEASE_ONLY.search(c)]
     assert commands, "no command found: the block parser is broken"
+    _run_shell(commands, tmp_path)
+
+
+@pytest.mark.release
+def test_the_allocators_shell_commands_run_as_written(tmp_path):
+    commands = [c for page in PAGES for c in shell_commands(page) if RELEASE_ONLY.search(c)]
+    assert commands
+    _run_shell(commands, tmp_path)
+
+
+def _run_shell(commands: list[str], tmp_path: Path) -> None:
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}"}
     for command in commands:
         assert command.split()[0] in ("qcompiler", "python"), command  # nothing else may hide in a block

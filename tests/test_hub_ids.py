@@ -12,6 +12,7 @@ import sys
 
 import pytest
 
+from qcompiler.cli import main
 from qcompiler.models import BUNDLED_LMS
 from qcompiler.models.hub import is_hub_id
 
@@ -37,16 +38,32 @@ def _run(tmp_path, cache, *args):
     )
 
 
-def test_a_cached_hub_id_quantizes_offline_and_the_artifact_names_the_id(tmp_path):
+@pytest.fixture
+def offline_cache(tmp_path, monkeypatch):
+    """This process's hub client offline, on a cache holding tinylm as someorg/tiny-lm at main and v1."""
+    from huggingface_hub import constants
+
     cache = _cache_with(tmp_path, "someorg/tiny-lm", refs=("main", "v1"))
-    done = _run(tmp_path, cache, "quantize", "someorg/tiny-lm@v1", "--recipe", "rtn-w4g128", "--out", "art")
-    assert done.returncode == 0, done.stderr
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.chdir(tmp_path)
+    return cache
+
+
+def test_a_cached_hub_id_quantizes_offline_and_the_artifact_names_the_id(offline_cache, tmp_path):
+    assert main(["quantize", "someorg/tiny-lm@v1", "--recipe", "rtn-w4g128", "--out", "art"]) == 0
     manifest = json.loads((tmp_path / "art" / "manifest.json").read_text())
     assert manifest["metadata"]["source"] == "someorg/tiny-lm@v1"
-    done = _run(
-        tmp_path, cache, "quantize", "someorg/tiny-lm", "--revision", "v1", "--recipe", "rtn-w4g128", "--out", "a2"
-    )
+    assert main(["quantize", "someorg/tiny-lm", "--revision", "v1", "--recipe", "rtn-w4g128", "--out", "a2"]) == 0
+
+
+@pytest.mark.slow
+def test_hf_hub_offline_in_the_environment_is_honoured_as_a_user_sets_it(tmp_path):
+    cache = _cache_with(tmp_path, "someorg/tiny-lm")
+    done = _run(tmp_path, cache, "quantize", "someorg/tiny-lm", "--recipe", "rtn-w4g128", "--out", "art")
     assert done.returncode == 0, done.stderr
+    done = _run(tmp_path, cache, "quantize", "someorg/other", "--out", "o")
+    assert done.returncode == 2 and "model someorg/other is not a local folder" in done.stderr
 
 
 @pytest.mark.parametrize(
@@ -57,12 +74,10 @@ def test_a_cached_hub_id_quantizes_offline_and_the_artifact_names_the_id(tmp_pat
         (["quantize", "bundled:tinylm", "--revision", "v1", "--out", "o"], "--revision applies to a hub id"),
     ],
 )
-def test_an_unknown_id_or_revision_is_refused_in_one_line_naming_it(tmp_path, args, says):
-    cache = _cache_with(tmp_path, "someorg/tiny-lm")
-    done = _run(tmp_path, cache, *args)
-    assert done.returncode == 2
-    lines = [line for line in done.stderr.strip().splitlines() if not line.startswith("[qcompiler] ")]  # progress
-    assert len(lines) == 1 and lines[0].startswith("error: ") and says in lines[0], done.stderr
+def test_an_unknown_id_or_revision_is_refused_in_one_line_naming_it(offline_cache, tmp_path, capsys, args, says):
+    assert main(args) == 2
+    lines = [line for line in capsys.readouterr().err.strip().splitlines() if not line.startswith("[qcompiler] ")]
+    assert len(lines) == 1 and lines[0].startswith("error: ") and says in lines[0], lines
     assert not (tmp_path / "o").exists()
 
 
