@@ -315,6 +315,7 @@ def _quantize_on_rank(ranks, job: _QuantizeJob) -> None:
     from qcompiler.ir.model_size import model_size
     from qcompiler.models import load
     from qcompiler.pipeline.run_checkpoint import remove_progress
+    from qcompiler.store.artifact import read_manifest
 
     log = say if ranks.is_root else (lambda _m: None)
     with heartbeat(log, f"loading {job.model}"):
@@ -360,7 +361,8 @@ def _quantize_on_rank(ranks, job: _QuantizeJob) -> None:
         f"{job.recipe.name}: {len(cm.report.layer_table())} layer records, {seconds:.1f}s{where}; saved to "
         f"{job.out_dir} ('qcompiler inspect' shows the per-layer table)"
     )
-    out.print(f"model size: {model_size(cm.graph_module).describe()}")
+    stored = _stored_size(read_manifest(job.out_dir)["graph"].get("size"))  # as the files hold it
+    out.print(f"model size: {(stored or model_size(cm.graph_module)).describe()}")
 
 
 def say(message: str) -> None:

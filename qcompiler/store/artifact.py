@@ -34,7 +34,7 @@ from qcompiler.errors import RecipeError
 from qcompiler.frontend.capture import OPTIONAL_INPUTS, CaptureInfo
 from qcompiler.ir.model_size import model_size
 from qcompiler.ir.op_registry import spec_of
-from qcompiler.ir.tensors import get_tensor
+from qcompiler.ir.tensors import get_raw_tensor, get_tensor
 from qcompiler.pipeline.pass_base import GraphProperty, PassRecord
 from qcompiler.pipeline.pass_contract import properties_of, record_properties, witnesses
 from qcompiler.pipeline.pass_registry import pass_name, resolve_pass
@@ -42,6 +42,7 @@ from qcompiler.pipeline.recipe_files import recipe_from_dict
 from qcompiler.pipeline.recipes import Recipe
 from qcompiler.pipeline.report import Report
 from qcompiler.store.atomic import publish_directory
+from qcompiler.store.checkpoint_dtype import WIDEN_KEY, checkpoint_float_dtype, narrowing, widen
 from qcompiler.store.graph_format import ArtifactError, graph_from_data, graph_to_data
 from qcompiler.store.model_files import MAX_MODEL_FILE_BYTES, STORED_KEY, TOKENIZER_FILES, model_files
 from qcompiler.store.regular_files import open_regular, read_regular_file, sha256_of
@@ -79,13 +80,17 @@ def _json_safe(value):
     return repr(value)
 
 
-def _graph_summary(gm) -> dict:
+def _graph_summary(gm, narrow: dict) -> dict:
     calls = collections.Counter(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+    size = model_size(gm).as_dict()
+    size["stored_bytes"] -= sum(  # what the files hold: the tensors stored narrower count at their stored width
+        get_raw_tensor(gm, t).numel() * (4 - torch.finfo(d).bits // 8) for t, d in narrow.items()
+    )
     return {
         "nodes": len(gm.graph.nodes),
         "qc_ops": {k: v for k, v in sorted(calls.items()) if k.startswith("qc.")},
         "tensors": sum(1 for n in gm.graph.nodes if n.op == "get_attr"),
-        "size": model_size(gm).as_dict(),  # what inspect and report show, without loading the tensors
+        "size": size,  # what quantize, inspect and report show, without loading the tensors
     }
 
 
@@ -108,6 +113,11 @@ def save(
     path = Path(path)
     _refuse_export_only(cm.graph_module)
     structure, tensors = graph_to_data(cm.graph_module)
+    narrow = narrowing(
+        tensors, structure["tensor_kinds"], checkpoint_float_dtype(getattr(cm.capture_info, "source_path", None))
+    )
+    if narrow:  # stored as the checkpoint had them, widened again on load
+        structure[WIDEN_KEY] = sorted(narrow)
     args, kwargs = cm.example_inputs
     examples, example_layout = {}, {"args": [], "kwargs": {}}
     for i, a in enumerate(args):
@@ -141,7 +151,7 @@ def save(
         "properties": sorted(p.value for p in properties_of(cm.graph_module)),
         "capture": _json_safe(dataclasses.asdict(cm.capture_info)),
         "report": _json_safe(cm.report.to_dict()),
-        "graph": _graph_summary(cm.graph_module),
+        "graph": _graph_summary(cm.graph_module, narrow),
         "example_inputs": example_layout,
         "metadata": _json_safe(metadata or {}),
         "files": {**_FILES, "tensors": names[0] if len(names) == 1 else names},
@@ -156,7 +166,9 @@ def save(
             (tmp / name).write_bytes(data)
         for name, shard in zip(names, shards):
             with open(tmp / name, "wb") as f:
-                write_streamed(f, {k: _stored(cm.graph_module, k, tensors[k]) for k in shard}, {"format": FORMAT})
+                write_streamed(
+                    f, {k: _stored(cm.graph_module, k, tensors[k], narrow.get(k)) for k in shard}, {"format": FORMAT}
+                )
         save_file(examples, str(tmp / _FILES["example_inputs"]), metadata={"format": FORMAT})
         (tmp / _FILES["graph"]).write_text(json.dumps(structure))
         manifest["sha256"] = {}
@@ -167,8 +179,11 @@ def save(
     return path
 
 
-def _stored(gm, target: str, tensor: torch.Tensor) -> StreamedTensor:
-    """A tensor to write; one still on disk (a streamed run's result) is read only when written."""
+def _stored(gm, target: str, tensor: torch.Tensor, narrow: Optional[torch.dtype] = None) -> StreamedTensor:
+    """A tensor to write (``narrow``: in that dtype, losslessly); one still on disk (a streamed
+    run's result) is read only when written."""
+    if narrow is not None:
+        return StreamedTensor(narrow, tuple(tensor.shape), lambda: tensor.to(narrow))
     if not tensor.is_meta:
         return StreamedTensor(tensor.dtype, tuple(tensor.shape), lambda: tensor)
 
@@ -392,6 +407,8 @@ def read(path) -> StoredModel:
         structure = json.loads(blobs["graph"])
     except (ValueError, UnicodeDecodeError) as err:
         raise ArtifactError(f"{path / manifest['files']['graph']} is not valid JSON: {err}") from None
+    if isinstance(structure, dict):
+        widen(structure, blobs["tensors"])
     gm = graph_from_data(structure, blobs["tensors"])
     gm.meta[STORED_KEY] = blobs.get("model_files", {})  # exports take these, never a manifest path
     examples = blobs["example_inputs"]
