@@ -211,8 +211,16 @@ def quantize(
         None, help="folder where each finished block is recorded, so that --resume can continue a killed run"
     ),
     resume: bool = typer.Option(False, help="continue the run recorded in --checkpoint (same model, recipe, data)"),
+    format: Optional[ExportFormat] = typer.Option(
+        None,
+        "--format",
+        help="also export the saved artifact to this format, with its defaults ('qcompiler export' has its options)",
+    ),
+    format_out: Optional[Path] = typer.Option(
+        None, help="where --format writes (default: beside --out, as OUT.onnx / OUT.gguf or a folder OUT-FORMAT)"
+    ),
 ):
-    """Quantize MODEL with RECIPE and save the result to --out."""
+    """Quantize MODEL with RECIPE and save the result to --out (and, with --format, export it)."""
     from qcompiler.calib.host_memory import bound_kernel_cache
     from qcompiler.compiler import resolve_device
     from qcompiler.distributed.ranks import join_from_environment, leave
@@ -241,6 +249,12 @@ def quantize(
             )
         protect.append(checkpoint)
     check_output_folder(out_dir, "artifact", overwrite=overwrite, protect=protect)
+    if format_out is not None and format is None:
+        raise typer.BadParameter("--format-out names where --format writes: give --format too")
+    export_to = None
+    if format is not None:
+        export_to = format_out or _default_export_path(out_dir, export_format(format.value))
+        _check_export_target(export_format(format.value), export_to, overwrite, [*protect, out_dir])
     if nproc > 1 and "WORLD_SIZE" not in os.environ:
         from qcompiler.distributed.launch import run_ranks
 
@@ -267,6 +281,8 @@ def quantize(
             protect=tuple(protect),
             checkpoint=checkpoint,
             resume=resume,
+            export_format=None if format is None else format.value,
+            export_to=export_to,
         )
         _quantize_on_rank(ranks, job)
     finally:
@@ -307,6 +323,8 @@ class _QuantizeJob:
     protect: tuple
     checkpoint: Optional[Path]
     resume: bool
+    export_format: Optional[str] = None  # --format: exported from the saved artifact
+    export_to: Optional[Path] = None
 
 
 def _quantize_on_rank(ranks, job: _QuantizeJob) -> None:
@@ -363,6 +381,13 @@ def _quantize_on_rank(ranks, job: _QuantizeJob) -> None:
     )
     stored = _stored_size(read_manifest(job.out_dir)["graph"].get("size"))  # as the files hold it
     out.print(f"model size: {(stored or model_size(cm.graph_module)).describe()}")
+    if job.export_format is not None:  # from the saved artifact, the source of truth, as 'export' would
+        _export_artifact(
+            job.out_dir,
+            export_format(job.export_format),
+            job.export_to,
+            ExportOptions(overwrite=job.overwrite, protect=(job.out_dir, *job.protect), progress=out.print),
+        )
 
 
 def say(message: str) -> None:
@@ -482,16 +507,8 @@ def export(
     overwrite: bool = typer.Option(False, help="replace --out when it holds another kind of qcompiler output"),
 ):
     """Export a saved artifact to ONNX, an onnxruntime-genai folder, a GPTQ or compressed-tensors checkpoint or GGUF."""
-    import qcompiler as qc
-    from qcompiler.store.atomic import check_file_location, check_output_folder
-
     fmt = export_format(format.value)
-    if fmt.writes == "folder":  # refuse a bad target before the work
-        check_output_folder(dest, fmt.name, overwrite=overwrite, protect=[artifact])
-    else:  # where it lands; whether an existing file is the format's own, its writer checks
-        check_file_location(dest, fmt.name, protect=[artifact])
-    with heartbeat(say, f"loading {artifact}"):
-        cm = qc.load(artifact)
+    _check_export_target(fmt, dest, overwrite, [artifact])  # refuse a bad target before the work
     options = ExportOptions(
         overwrite=overwrite,
         protect=(artifact,),
@@ -502,6 +519,29 @@ def export(
         max_shard_bytes=int(max_shard_gb * 1024**3),
         progress=out.print,
     )
+    _export_artifact(artifact, fmt, dest, options)
+
+
+def _check_export_target(fmt, dest: Path, overwrite: bool, protect: list) -> None:
+    from qcompiler.store.atomic import check_file_location, check_output_folder
+
+    if fmt.writes == "folder":
+        check_output_folder(dest, fmt.name, overwrite=overwrite, protect=protect)
+    else:  # where it lands; whether an existing file is the format's own, its writer checks
+        check_file_location(dest, fmt.name, protect=protect)
+
+
+def _default_export_path(out_dir: Path, fmt) -> Path:
+    """Beside the artifact: ``OUT.onnx`` / ``OUT.gguf`` for a file, ``OUT-gptq/`` for a folder."""
+    suffix = f".{fmt.name}" if fmt.writes == "file" else f"-{fmt.name}"
+    return out_dir.with_name(out_dir.name + suffix)
+
+
+def _export_artifact(artifact: Path, fmt, dest: Path, options: ExportOptions) -> None:
+    import qcompiler as qc
+
+    with heartbeat(say, f"loading {artifact}"):
+        cm = qc.load(artifact)
     with heartbeat(say, f"writing {fmt.name} to {dest}"):
         fmt.write(cm, dest, options)
     out.print(f"wrote {dest}")

@@ -337,3 +337,15 @@ def test_recipes_lists_names_and_shows_one_recipes_passes_and_matches(tmp_path, 
     assert main(["recipes", str(path), "--model", "bundled:tinylm"]) == 0
     shown = capsys.readouterr().out
     assert "ignore '*.down_proj': 4 layers" in shown and "ignore 'nothing.*': matches nothing" in shown
+
+
+def test_quantize_with_format_saves_the_artifact_then_exports_it_beside(tmp_path, capsys):
+    out = tmp_path / "w4"
+    args = ["quantize", "bundled:tinylm", "--recipe", "rtn-w4g128", "--samples", "4", "--out", str(out)]
+    assert main([*args, "--format", "gptq"]) == 0
+    assert (out / "manifest.json").is_file()
+    config = json.loads((tmp_path / "w4-gptq" / "config.json").read_text())
+    assert config["quantization_config"]["bits"] == 4
+    assert f"wrote {tmp_path / 'w4-gptq'}" in capsys.readouterr().out
+    assert main([*args, "--format-out", str(tmp_path / "x")]) == 2
+    assert "--format-out names where --format writes" in capsys.readouterr().err

@@ -43,6 +43,8 @@ from qcompiler.ir.tensors import get_raw_tensor, get_tensor
 
 __all__ = ["LayerStats", "Segment", "CalibrationEngine"]
 
+_BATCH_LINE_SECONDS = 4.0  # a progress line at most this often while batches run through a block
+
 
 _HESSIAN_BLOCKS = 4  # x xᵀ as 4 x 4 blocks, upper triangle only: 10 of 16 GEMM blocks (measured
 _BLOCKED_FROM = 512  # 1.5-2.2x faster than one full addmm at widths 1024-4096; below 512 no gain)
@@ -390,7 +392,7 @@ class CalibrationEngine:
         """Run nodes ``start:end`` per batch; an observed node's observer sees the values before it
         runs, so a node at ``end`` may be observed without running (the last linear of a collect);
         ``after`` observers see them once the node has run."""
-        began = time.perf_counter()
+        began = shown = time.perf_counter()
         after = after or {}
         attrs = {n: self._to(get_tensor(self.gm, n.target), self.device) for n in self.weights_read(start, end)}
         last = self.nodes[end] if end < len(self.nodes) and self.nodes[end] in observers else None
@@ -416,6 +418,10 @@ class CalibrationEngine:
             if keep is not None:
                 self._states[b] = self._to({n: env[n] for n in keep}, self.cache_device)
             self._interp.env = env = {}
+            if time.perf_counter() - shown >= _BATCH_LINE_SECONDS and b + 1 < len(self._states):
+                shown = time.perf_counter()  # a slow block is never silent between its layers' lines
+                where = block_of(module_path(self.nodes[start])) or f"nodes {start}-{end}"
+                self.log(f"  {where}: calibration batch {b + 1}/{len(self._states)}")
         self.work.forward_s += time.perf_counter() - began
 
     @property

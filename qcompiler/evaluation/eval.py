@@ -12,7 +12,7 @@ from typing import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
-from qcompiler.ir.op_registry import OpArgs, spec_of
+from qcompiler.ir.model_size import model_size
 
 __all__ = ["perplexity", "mean_pooled_embeddings", "embedding_fidelity", "relative_output_error"]
 
@@ -120,15 +120,7 @@ def bits_per_parameter(gm) -> float:
     not per weight, and are excluded. ``qc.int8_linear``: int8 codes and per-channel scales.
     SpQR: dense codes, first- and second-level statistics, and the CSR outliers with row pointers.
     """
-    bits = params = 0
-    for node in gm.graph.nodes:
-        op_spec = spec_of(node)
-        if op_spec is None or not op_spec.storage:
-            continue
-        a = OpArgs(op_spec, node)
-        bits += sum(a.stored_like(gm, n).numel() * a.stored_like(gm, n).element_size() * 8 for n in op_spec.storage)
-        if op_spec.weights is not None:
-            params += op_spec.weights(a, gm)
-    if params == 0:
+    size = model_size(gm)
+    if size.bits_per_quantized_weight is None:
         raise ValueError("the graph has no quantized linear layers")
-    return bits / params
+    return size.bits_per_quantized_weight
