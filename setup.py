@@ -31,4 +31,5 @@ def _packages() -> dict[str, str]:
 
 
 packages = _packages()
-setup(packages=list(packages), package_dir=packages)
+# qcompiler_launch: the console script's entry, a module of its own so Ctrl-C while torch imports ends cleanly
+setup(packages=list(packages), package_dir=packages, py_modules=["qcompiler_launch"])

@@ -19,7 +19,6 @@ import logging
 import os
 import sys
 import time
-import unicodedata
 import warnings
 from dataclasses import dataclass
 from enum import Enum
@@ -35,18 +34,11 @@ from qcompiler.evaluation.quality import REPORTED_WINDOWS
 from qcompiler.export_formats import ExportOptions, export_format, export_format_names
 from qcompiler.interop.gguf_export import REQUANTIZE_TYPES
 from qcompiler.pipeline.heartbeat import heartbeat
+from qcompiler.store.escaping import printable
 
 _ARGV: list[str] = []  # the command line main() runs (each rank of --nproc gets it again)
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__.splitlines()[0])
-
-
-def printable(text: str, *, newlines: bool = True) -> str:
-    """``text`` with every control or format character escaped (``\\x1b``): strings from files (a
-    manifest, a path) must never drive the terminal (clear it, write the clipboard, fake lines)."""
-    return "".join(
-        ch if (ch == "\n" and newlines) or unicodedata.category(ch)[0] != "C" else ascii(ch)[1:-1] for ch in text
-    )
 
 
 class _PlainConsole(Console):
@@ -479,6 +471,16 @@ def evaluate(
         write_text_atomically(json_out, json.dumps(figures, indent=1))
 
 
+# which built-in formats read each export option (a format registered by a user reads them all)
+_OPTION_FORMATS = {
+    "--zero-format": ("gptq",),
+    "--max-shard-gb": ("gptq", "compressed-tensors"),
+    "--accuracy-level": ("onnx", "onnx-genai"),
+    "--plain-attention": ("onnx", "onnx-genai"),
+    "--requantize": ("gguf",),
+}
+
+
 @app.command()
 def export(
     artifact: Path = typer.Argument(..., help="artifact folder written by 'quantize'"),
@@ -508,6 +510,18 @@ def export(
 ):
     """Export a saved artifact to ONNX, an onnxruntime-genai folder, a GPTQ or compressed-tensors checkpoint or GGUF."""
     fmt = export_format(format.value)
+    given = {
+        "--zero-format": zero_format.value != "auto",
+        "--max-shard-gb": max_shard_gb != 5.0,
+        "--accuracy-level": accuracy_level is not None,
+        "--plain-attention": plain_attention,
+        "--requantize": requantize is not None,
+    }
+    builtin = {f for formats in _OPTION_FORMATS.values() for f in formats}
+    for option in (o for o, on in given.items() if on and fmt.name in builtin and fmt.name not in _OPTION_FORMATS[o]):
+        raise typer.BadParameter(
+            f"{option} applies to --format {' / '.join(_OPTION_FORMATS[option])}, not {fmt.name}: it would do nothing"
+        )
     _check_export_target(fmt, dest, overwrite, [artifact])  # refuse a bad target before the work
     options = ExportOptions(
         overwrite=overwrite,

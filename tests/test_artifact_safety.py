@@ -292,15 +292,17 @@ def _save_compiled(model_dir, out):
 @pytest.mark.parametrize(
     "op,args,ok",
     [("pow", (2, 10), 1024), ("pow", (7, 10**12), None), ("lshift", (1, 10**9), None), ("lshift", (3, 4), 48)]
-    + [("mul", ([0], 10**12), None), ("mul", (6, 7), 42), ("mul", (10**30, 10**30), 10**60)],
+    + [("mul", ([0], 10**12), None), ("mul", (6, 7), 42), ("mul", (10**30, 10**30), 10**60)]
+    + [("mul", (2**600, 2**600), None), ("pow", (10.0, 400.0), None)],
 )
 def test_stored_arithmetic_is_bounded(op, args, ok):
-    """A loaded graph's allow-listed ``operator`` calls refuse runaway results at once."""
+    """A loaded graph's allow-listed ``operator`` calls refuse runaway results at once (a chain of
+    60 self-multiplications from 10**18 stops at its first product past 1024 bits)."""
     from qcompiler.store.graph_format import GraphEvaluationError, _resolve_target
 
     fn = _resolve_target(f"operator.{op}")
     if ok is None:  # refused by the size of the operands, before any arithmetic
-        with pytest.raises(GraphEvaluationError, match="repeats" if op == "mul" else "exceeds 64 bits"):
+        with pytest.raises(GraphEvaluationError, match="repeats|exceeds|overflows"):
             fn(*args)
     else:
         assert fn(*args) == ok
@@ -322,3 +324,50 @@ def test_a_graph_with_bounded_arithmetic_round_trips():
     loaded = graph_from_data(json.loads(json.dumps(structure)), tensors)
     assert loaded(torch.ones(2)).tolist() == [3.0, 3.0]
     assert graph_to_data(loaded)[0]["nodes"] == structure["nodes"]
+
+
+def test_a_chain_of_self_multiplications_stops_at_the_bound():
+    from qcompiler.store.graph_format import GraphEvaluationError, _resolve_target
+
+    mul, x, steps = _resolve_target("operator.mul"), 10**18, 0
+    with pytest.raises(GraphEvaluationError, match="exceeds 1024 bits"):
+        while steps < 60:
+            x, steps = mul(x, x), steps + 1
+    assert steps < 6 and x.bit_length() <= 1024
+
+
+HOSTILE = [
+    "<script>alert(1)</script>",
+    '<img src=x onerror="alert(1)">',
+    "<iframe src=//evil></iframe>",
+    "[click](javascript:alert(1))",
+    "\x1b[2J\x1b]52;c;ZXZpbA==\x07",
+    "a|b`c` **x** ![i](http://evil/p.png)",
+    r"$\frac{1}{$ math $x^{$",  # mathtext in a plot label
+]
+
+
+@pytest.mark.parametrize("hostile", HOSTILE)
+def test_report_and_inspect_escape_every_string_from_the_manifest(hostile, saved, tmp_path, capsys):
+    """The manifest carries no checksum: a one-line edit of a downloaded artifact must not put HTML,
+    links, markdown layout or terminal escapes into report.md or the terminal."""
+    from qcompiler.cli import main
+
+    path = _copy(saved, tmp_path)
+    manifest = json.loads((path / "manifest.json").read_text())
+    manifest["capture"]["model_class"] = hostile
+    manifest["metadata"]["source"] = hostile
+    manifest["recipe"]["name"] = manifest["recipe"]["description"] = hostile
+    record = manifest["report"]["passes"][0]
+    record["notes"] = [hostile]
+    record["layers"] = {hostile: {"rel_error": 0.5, "bits": 4}}
+    (path / "manifest.json").write_text(json.dumps(manifest))
+    assert main(["report", str(path), "--out", str(tmp_path / "r")]) == 0
+    page = (tmp_path / "r" / "report.md").read_text()
+    assert main(["inspect", str(path)]) == 0
+    shown = capsys.readouterr().out
+    for text in (page, shown):
+        assert "\x1b" not in text and "\x07" not in text
+    for raw in ("<script", "<img", "<iframe", "](javascript:", "](http://evil"):
+        assert raw not in page, raw
+    assert page.count("<code>") == page.count("</code>")  # no code span closed early by the name

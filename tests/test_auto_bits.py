@@ -139,7 +139,7 @@ def test_auto_artifact_reloads_bit_identical(llama, tmp_path):
     assert torch.equal(main_output(cm(**x)), main_output(back(**x)))
     assert back.recipe.passes[0] == qc.passes.AutoBits(budget=3.0, candidates=SMALL, samples=2)
     page = write_report(tmp_path / "art", tmp_path / "report").read_text()
-    assert "## Allocation" in page and page.count("| `model.layers.") == 14
+    assert "## Allocation" in page and page.count("| <code>model.layers.") == 14
 
 
 def test_mixed_precision_plan_is_followed_layer_by_layer(llama):

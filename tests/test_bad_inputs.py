@@ -364,6 +364,18 @@ CLI_ROWS = [
     ),
     ("export: int8 as GPTQ", ["export", "{int8}", "--format", "gptq", "--out", "{root}/o"], 2, "weight-only"),
     (
+        "export: --requantize for gptq does nothing",
+        ["export", "{art}", "--format", "gptq", "--requantize", "q4_0", "--out", "{root}/o"],
+        2,
+        "--requantize applies to --format gguf, not gptq: it would do nothing",
+    ),
+    (
+        "export: --accuracy-level for gguf does nothing",
+        ["export", "{art}", "--format", "gguf", "--accuracy-level", "0", "--out", "{root}/m.gguf"],
+        2,
+        "--accuracy-level applies to --format onnx / onnx-genai, not gguf",
+    ),
+    (
         "export: bad zero format",
         ["export", "{art}", "--format", "gptq", "--zero-format", "v3", "--out", "{root}/o"],
         2,

@@ -10,6 +10,7 @@ import re
 import signal
 import subprocess
 import sys
+import textwrap
 import time
 from pathlib import Path
 
@@ -166,3 +167,33 @@ def test_owners_balance_solve_cost_the_same_way_on_every_rank():
     load = [sum(c for c, o in zip(costs, owners[0]) if o == r) for r in range(2)]
     assert max(load) / sum(load) < 0.6  # the down_proj alone is 0.54 of the total
     assert Ranks().owners(costs) == [0] * len(costs)
+
+
+def test_ranks_die_with_their_launcher_even_under_kill_9(tmp_path):
+    """kill -9 of the ``--nproc`` launcher: the kernel ends every rank (PR_SET_PDEATHSIG), so none
+    computes on or publishes ``--out`` by itself."""
+    launcher = textwrap.dedent("""
+        import sys
+        from qcompiler.distributed.launch import run_ranks
+        sys.exit(run_ranks([sys.executable, "-c", "import time; time.sleep(600)"], 2,
+                           say=lambda line: print(line, flush=True)))
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", launcher], stdout=subprocess.PIPE, text=True)
+    line = proc.stdout.readline()
+    ranks = [int(p) for p in re.search(r"pids (\d+) (\d+)", line).groups()]
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=60)
+    for _ in range(600):  # a guard against a hang only: the kernel signals them as the launcher dies
+        if not any(_alive(pid) for pid in ranks):
+            break
+        time.sleep(0.1)
+    assert not any(_alive(pid) for pid in ranks), f"ranks {ranks} outlived their launcher"
+
+
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie reaped by init does not count)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False

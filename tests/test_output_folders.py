@@ -67,12 +67,39 @@ def test_a_file_added_to_an_earlier_output_survives(cm, tmp_path):
     qc.load(tmp_path / "art")
 
 
-def test_a_marker_without_a_file_list_owns_its_folder(cm, tmp_path):
-    """Outputs written before the marker listed its files are still replaced as before."""
-    cm.save(tmp_path / "art")
-    (tmp_path / "art" / MARKER).write_text(json.dumps({"kind": "artifact"}))
-    cm.save(tmp_path / "art")
-    assert "files" in json.loads((tmp_path / "art" / MARKER).read_text())
+def test_a_marker_without_a_file_list_owns_nothing_but_itself(cm, tmp_path):
+    """A hand-made or old marker never makes a user's file ours: the folder is refused, the file stays."""
+    folder = tmp_path / "art"
+    folder.mkdir()
+    (folder / MARKER).write_text(json.dumps({"kind": "artifact"}))
+    (folder / "thesis.tex").write_text("mine")
+    for overwrite in (False, True):
+        with pytest.raises(OutputPathError, match=r"did not write \(thesis.tex\)"):
+            cm.save(folder, overwrite=overwrite)
+    assert (folder / "thesis.tex").read_text() == "mine"
+    (folder / "thesis.tex").unlink()  # the marker alone: replaced
+    cm.save(folder)
+    assert "files" in json.loads((folder / MARKER).read_text())
+
+
+@pytest.mark.parametrize("writer", ["folder", "file"])
+def test_a_path_under_a_file_is_refused_before_any_work(writer, cm, tmp_path):
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(OutputPathError, match=r"it lies under .*afile, which is a file"):
+        if writer == "folder":
+            cm.save(tmp_path / "afile" / "sub")
+        else:
+            cm.export_onnx(tmp_path / "afile" / "sub" / "m.onnx")
+    assert (tmp_path / "afile").read_text() == "x"
+
+
+def test_the_system_temp_folder_itself_is_never_the_target(monkeypatch):
+    from qcompiler.store import atomic
+
+    assert atomic._system_folder(Path("/var/tmp")) == "/var"  # the folder itself: a system folder
+    assert atomic._system_folder(Path("/var/tmp/out")) is None  # a new folder inside it: allowed
+    with pytest.raises(OutputPathError, match="system folder /var"):
+        atomic.check_output_folder("/var/tmp", "artifact", overwrite=True)
 
 
 def test_outputs_of_another_kind_are_not_replaced(cm, tmp_path):
@@ -257,3 +284,19 @@ def test_a_full_disk_names_the_output_in_one_line(tmp_path, monkeypatch, capsys)
     assert main(["quantize", "bundled:tinylm", "--recipe", "rtn-w4g128", "--samples", "2", "--out", str(out)]) == 1
     assert capsys.readouterr().err.strip().splitlines()[-1] == f"error: No space left on device: {out}"
     assert list(tmp_path.iterdir()) == []
+
+
+def test_ctrl_c_while_the_command_still_imports_is_one_line_and_130(monkeypatch, capsys):
+    """The console script's first lines (qcompiler_launch.py) catch a Ctrl-C that lands while torch
+    and the package are still importing: no traceback."""
+    import qcompiler_launch
+
+    class InterruptedImport:
+        def find_spec(self, name, path=None, target=None):
+            if name == "qcompiler.cli":
+                raise KeyboardInterrupt
+
+    monkeypatch.delitem(sys.modules, "qcompiler.cli", raising=False)
+    monkeypatch.setattr(sys, "meta_path", [InterruptedImport(), *sys.meta_path])
+    assert qcompiler_launch.main() == 130
+    assert capsys.readouterr().err == "error: interrupted; no partial output was left\n"

@@ -55,6 +55,10 @@ def test_the_bundled_models_weights_ship_in_the_wheel(wheel_names):
         assert {f"qcompiler/models/{name}/model.safetensors", f"qcompiler/models/{name}/config.json"} <= wheel_names
 
 
+def test_the_console_scripts_entry_module_ships(wheel_names):
+    assert "qcompiler_launch.py" in wheel_names
+
+
 def test_the_wheel_version_is_the_packages_own(wheel_names):
     from qcompiler.version import __version__
 

@@ -379,3 +379,29 @@ def test_a_pass_that_computes_on_a_placeholder_is_caught(folder):
     streamed = load(folder, stream=True)
     with pytest.raises(PassError, match="placeholder.*get_tensor"):
         qc.compile(streamed.model, streamed.example_inputs(), recipe=[ReadsParameters()], progress=False)
+
+
+def test_a_killed_runs_spill_folder_is_swept_by_the_next_run(tmp_path, monkeypatch):
+    """kill -9 skips every cleanup: the next Spill removes folders whose PID no longer runs, and
+    leaves a live run's, a foreign folder and a link alone."""
+    import os
+    import subprocess
+    import sys
+    import tempfile
+
+    from qcompiler.store import spill
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    stale = tmp_path / f"qcompiler-spill-{int(dead.stdout)}-abc"
+    stale.mkdir()
+    (stale / "0.safetensors").write_bytes(b"x" * 100)
+    live = tmp_path / f"qcompiler-spill-{os.getpid()}-def"
+    live.mkdir()
+    foreign = tmp_path / "qcompiler-spill-notes"
+    foreign.mkdir()
+    (tmp_path / f"qcompiler-spill-{int(dead.stdout)}-lnk").symlink_to(foreign)
+    s = spill.Spill()
+    assert not stale.exists() and live.exists() and foreign.exists()
+    assert s._folder.name.startswith(f"qcompiler-spill-{os.getpid()}-")
+    s.close()

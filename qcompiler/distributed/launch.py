@@ -48,6 +48,28 @@ def _stop(procs: list[subprocess.Popen], grace: float = 10.0) -> None:
             p.wait()
 
 
+_PR_SET_PDEATHSIG = 1
+
+
+def _dies_with(launcher: int) -> Callable[[], None]:
+    """What a rank runs before its command: on Linux the kernel sends it SIGKILL when the launcher
+    dies, ``kill -9`` included, so no rank computes on (or publishes ``--out``) without its launcher;
+    a launcher already gone by then ends it at once. Elsewhere the ranks' process-group timeout
+    (``--rank-timeout``) ends them."""
+
+    def before_exec() -> None:
+        try:
+            import ctypes
+
+            ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        except (OSError, AttributeError):  # not Linux: no prctl
+            return
+        if os.getppid() != launcher:
+            os._exit(1)
+
+    return before_exec
+
+
 def run_ranks(command: list[str], nproc: int, *, say: Callable[[str], None] = print) -> int:
     """Run ``command`` (e.g. ``[python, -m, qcompiler, quantize, ...]``) as ranks ``0..nproc-1``; the
     exit code is 0 when all succeed, else the first failing rank's (1 when it was killed by a signal)."""
@@ -64,6 +86,7 @@ def run_ranks(command: list[str], nproc: int, *, say: Callable[[str], None] = pr
         subprocess.Popen(
             command,
             env={**common, "RANK": str(r), "LOCAL_RANK": str(r)},
+            preexec_fn=_dies_with(os.getpid()),
         )
         for r in range(nproc)
     ]

@@ -17,8 +17,11 @@ from safetensors import safe_open
 
 from qcompiler.store.artifact import read_manifest, role_files
 from qcompiler.store.atomic import publish_directory
+from qcompiler.store.escaping import markdown_code, markdown_text, printable
 
 __all__ = ["write_report"]
+
+md, code = markdown_text, markdown_code  # every string from the manifest goes through one of them
 
 
 def _plt():
@@ -39,12 +42,20 @@ def _per_layer(manifest: dict, key: str) -> dict[str, float]:
     return values
 
 
+def _label(name: str) -> str:
+    """A manifest name as plot text: control characters escaped, ``$`` literal (never mathtext)."""
+    return printable(str(name), newlines=False).replace("$", r"\$")
+
+
 def _bar(values: dict[str, float], title: str, ylabel: str, path: Path, log: bool = False) -> None:
     plt = _plt()
     fig, ax = plt.subplots(figsize=(max(6, 0.22 * len(values)), 3.6))
     ax.bar(range(len(values)), list(values.values()), color="#3b6ea5")
     ax.set_xticks(
-        range(len(values)), [k.replace("model.", "").replace("encoder.", "") for k in values], rotation=90, fontsize=6
+        range(len(values)),
+        [_label(k.replace("model.", "").replace("encoder.", "")) for k in values],
+        rotation=90,
+        fontsize=6,
     )
     ax.set_title(title)
     ax.set_ylabel(ylabel)
@@ -105,7 +116,7 @@ def _smoothing_plot(manifest: dict, path: Path, groups: int = 3) -> bool:
         ax.plot(before.numpy(), lw=0.7, label="before: max|x_j|")
         ax.plot(after.numpy(), lw=0.7, label="after: max|x_j| / s_j")
         ax.set_yscale("log")
-        ax.set_title(f"{layer} (alpha {f['alpha']:.2f})", fontsize=8)
+        ax.set_title(f"{_label(layer)} (alpha {float(f['alpha']):.2f})", fontsize=8)
         ax.legend(fontsize=7)
     axes[-1, 0].set_xlabel("channel")
     fig.tight_layout()
@@ -127,16 +138,16 @@ def write_report(artifact, out_dir, *, overwrite: bool = False) -> Path:
 def _write_page(artifact: Path, manifest: dict, out_dir: Path) -> None:
     recipe = manifest["recipe"]
     lines = [
-        f"# qcompiler report: {artifact.name}",
+        f"# qcompiler report: {md(artifact.name)}",
         "",
-        f"Model {manifest['capture']['model_class']} from {manifest['metadata'].get('source', '?')}, "
-        f"recipe **{recipe['name']}** ({recipe.get('description', '')}).",
+        f"Model {md(manifest['capture']['model_class'])} from {md(manifest['metadata'].get('source', '?'))}, "
+        f"recipe **{md(recipe['name'])}** ({md(recipe.get('description', ''))}).",
         "",
     ]
     for p in manifest["report"]["passes"]:
         lines.append(
-            f"- {p['name']}: {p['seconds']:.1f} s, {len(p['layers'])} layers"
-            + "".join(f"\n  - note: {n}" for n in p["notes"])
+            f"- {md(p['name'])}: {float(p['seconds']):.1f} s, {len(p['layers'])} layers"
+            + "".join(f"\n  - note: {md(n)}" for n in p["notes"])
         )
     lines.append("")
     errors = _per_layer(manifest, "rel_error")
@@ -154,7 +165,7 @@ def _write_page(artifact: Path, manifest: dict, out_dir: Path) -> None:
             "",
             "![error](error.png)",
             "",
-            "Worst layers: " + ", ".join(f"`{k}` {v:.3g}" for k, v in worst) + ".",
+            "Worst layers: " + ", ".join(f"{code(k)} {v:.3g}" for k, v in worst) + ".",
             "",
         ]
     bits = _per_layer(manifest, "bits_per_weight") or _per_layer(manifest, "bits")
@@ -169,13 +180,13 @@ def _write_page(artifact: Path, manifest: dict, out_dir: Path) -> None:
         lines += [
             "## Allocation",
             "",
-            "Candidates chosen: " + ", ".join(f"`{c}` ×{k}" for c, k in sorted(counts.items())) + ".",
+            "Candidates chosen: " + ", ".join(f"{code(c)} ×{k}" for c, k in sorted(counts.items())) + ".",
             "",
             "| layer | candidate | bits per weight | measured output damage alone |",
             "|---|---|---|---|",
         ]
         lines += [
-            f"| `{layer}` | {f['candidate']} | {f.get('bits_per_weight', float('nan')):.3f} | "
+            f"| {code(layer)} | {md(f['candidate'])} | {float(f.get('bits_per_weight', float('nan'))):.3f} | "
             + (f"{f['sensitivity']:.3g} |" if "sensitivity" in f else "- |")
             for layer, f in chosen.items()
         ]

@@ -45,6 +45,7 @@ __all__ = [
     "OutputPathError",
     "MARKER",
     "output_kind",
+    "pid_alive",
 ]
 
 MARKER = ".qcompiler-output.json"
@@ -139,12 +140,11 @@ def _entries(folder: Path) -> Iterator[str]:
 def _foreign_entries(folder: Path, marker: dict | None, limit: int = 4) -> list[str]:
     """Up to ``limit`` entries of ``folder`` that qcompiler did not write (per its marker's list).
 
-    A marker from before the list was recorded owns the whole folder."""
+    A marker without a list of files (an old one, or a hand-made one) owns nothing but itself."""
     if marker is None:
         return sorted(p.name for p in folder.iterdir())[:limit]
-    if not isinstance(marker.get("files"), list):
-        return []
-    ours = set(marker["files"]) | {MARKER}
+    listed = marker.get("files")
+    ours = {*(n for n in listed if isinstance(n, str)), MARKER} if isinstance(listed, list) else {MARKER}
     foreign = []
     for entry in _entries(folder):
         if entry not in ours:
@@ -160,7 +160,7 @@ def _inside(target: Path, folder: str | Path) -> bool:
 
 
 def _system_folder(target: Path) -> str | None:
-    if any(_inside(target, e) for e in _SYSTEM_EXCEPTIONS):
+    if any(Path(e) in target.parents for e in _SYSTEM_EXCEPTIONS):  # inside /var/tmp, never /var/tmp itself
         return None
     return next((f for f in _SYSTEM_FOLDERS if _inside(target, f)), None)
 
@@ -171,6 +171,14 @@ def _inside_an_output(target: Path) -> str | None:
         marker = _read_marker(folder)
         if marker:
             return f"it lies in the qcompiler {marker['kind']} output {folder}"
+    return None
+
+
+def _under_a_file(path: Path) -> str | None:
+    """Why nothing can be written at ``path`` because one of its parents is a file, or None."""
+    for parent in path.absolute().parents:
+        if parent.exists() or parent.is_symlink():
+            return None if parent.is_dir() else f"it lies under {parent}, which is a file"
     return None
 
 
@@ -202,7 +210,7 @@ def check_output_folder(path, kind: str, *, overwrite: bool = False, protect: It
     if path.is_symlink():
         raise OutputPathError(f"refusing to replace {path}: it is a symbolic link")
     target = path.resolve()
-    why = _never_replaced(target, protect) or _inside_an_output(target)
+    why = _under_a_file(path) or _never_replaced(target, protect) or _inside_an_output(target)
     if why:
         raise OutputPathError(f"refusing to write to {path}: {why}")
     if not path.exists():
@@ -247,6 +255,9 @@ def check_file_location(path, kind: str, *, protect: Iterable = ()) -> Path:
         raise OutputPathError(f"refusing to replace {path}: it is a symbolic link")
     if path.is_dir():
         raise OutputPathError(f"refusing to write the {kind} file {path}: it is a folder; give a file name")
+    why = _under_a_file(path)
+    if why:
+        raise OutputPathError(f"refusing to write {path}: {why}")
     target = path.resolve()
     system = _system_folder(target)
     if system:
@@ -281,7 +292,8 @@ def _exchange(a: Path, b: Path) -> bool:
     raise OSError(code, os.strerror(code), str(b))
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` still runs (temporaries named by a dead PID are stale)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -297,7 +309,7 @@ def _clean_stale(parent: Path, name: str) -> None:
     prefix = f".{name}.qc-"
     for entry in parent.glob(f"{glob.escape(prefix)}*"):
         pid = entry.name[len(prefix) :].split("-", 1)[0]
-        if not (pid.isdigit() and not _pid_alive(int(pid))) or entry.is_symlink():
+        if not (pid.isdigit() and not pid_alive(int(pid))) or entry.is_symlink():
             continue
         if entry.is_file():
             entry.unlink(missing_ok=True)

@@ -139,6 +139,14 @@ class GraphEvaluationError(ArtifactError):
 
 
 _INT_BITS = 64  # shape arithmetic never needs more
+_PRODUCT_BITS = 1024  # a product's bound: far past any shape, far below a runaway chain
+
+
+def _digits(value) -> str:
+    """A number for a message: a huge integer by its size, not its (maybe megabytes of) digits."""
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 128:
+        return f"<a {value.bit_length()}-bit integer>"
+    return repr(value)[:40]
 
 
 def _bounded(name: str, fn):
@@ -156,7 +164,13 @@ def _bounded(name: str, fn):
             size = len(a if count is b else b)
             if isinstance(count, int) and count * max(size, 1) > 1 << 20:
                 raise GraphEvaluationError(f"graph arithmetic repeats a sequence {count} times")
-        return fn(a, b)
+        if name == "mul" and ints and abs(a).bit_length() + abs(b).bit_length() > _PRODUCT_BITS:
+            # each product bounded, so a chain of self-multiplications cannot double its size 60 times
+            raise GraphEvaluationError(f"graph arithmetic {_digits(a)} * {_digits(b)} exceeds {_PRODUCT_BITS} bits")
+        try:
+            return fn(a, b)
+        except OverflowError:  # float ** float
+            raise GraphEvaluationError(f"graph arithmetic {name}({_digits(a)}, {_digits(b)}) overflows") from None
 
     check.__name__ = name
     return check

@@ -10,6 +10,7 @@ file again on use (``lazy_weights.adopt_parked``): saving such a graph writes on
 
 from __future__ import annotations
 
+import os
 import shutil
 import tempfile
 import weakref
@@ -18,6 +19,8 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
+
+from qcompiler.store.atomic import pid_alive
 
 __all__ = ["Spill", "Parked"]
 
@@ -38,12 +41,25 @@ class Parked:
             return f.get_tensor(key)
 
 
+_PREFIX = "qcompiler-spill-"
+
+
+def _sweep_stale() -> None:
+    """Remove the spill folders of runs that were killed (``kill -9`` skips every cleanup): the PID
+    in the name no longer runs. Gigabytes on a large model, otherwise left in TMPDIR for good."""
+    for entry in Path(tempfile.gettempdir()).glob(f"{_PREFIX}*-*"):
+        pid = entry.name[len(_PREFIX) :].split("-", 1)[0]
+        if pid.isdigit() and entry.is_dir() and not entry.is_symlink() and not pid_alive(int(pid)):
+            shutil.rmtree(entry, ignore_errors=True)
+
+
 class Spill:
     """A private temporary folder of safetensors files; removed by ``close()``, or silently when
     collected or at exit (a ``compile(materialize=False)`` result dropped after its save)."""
 
     def __init__(self):
-        self._folder = Path(tempfile.mkdtemp(prefix="qcompiler-spill-"))
+        _sweep_stale()
+        self._folder = Path(tempfile.mkdtemp(prefix=f"{_PREFIX}{os.getpid()}-"))
         self._remove = weakref.finalize(self, shutil.rmtree, self._folder, ignore_errors=True)
         self._count = 0
 
