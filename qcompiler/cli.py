@@ -13,6 +13,7 @@ Errors are one line on stderr (exit 2: bad arguments or inputs; 1: system or int
 
 from __future__ import annotations
 
+import gc
 import itertools
 import json
 import logging
@@ -454,7 +455,10 @@ def evaluate(
     say(f"scoring the FP model over {over}")
     figures = {"written_by": _EVAL_JSON, "model": source, "metric": judge.metric, "over": over}
     figures["fp32"] = judge.score(loaded.model, progress=_counter("FP model", "windows"))
-    if is_artifact:
+    if is_artifact:  # the FP model is done: never resident beside the quantized one
+        judge.release_model()
+        del loaded
+        gc.collect()
         with heartbeat(say, f"loading {path}"):
             cm = qc.load(path, backend=backend.value)
         say(f"scoring the quantized model ({backend.value})")

@@ -349,3 +349,19 @@ def test_quantize_with_format_saves_the_artifact_then_exports_it_beside(tmp_path
     assert f"wrote {tmp_path / 'w4-gptq'}" in capsys.readouterr().out
     assert main([*args, "--format-out", str(tmp_path / "x")]) == 2
     assert "--format-out names where --format writes" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", ["tinylm", "minilm"])
+def test_the_judge_scores_the_same_after_the_fp_model_is_released(name, tmp_path):
+    """``eval`` drops the FP model once its figures are in (never resident beside the quantized
+    one); the quantized score is unchanged."""
+    from qcompiler.evaluation.quality import QualityJudge
+
+    loaded = load(name)
+    cm = qc.compile(loaded.model, loaded.example_inputs(), recipe="rtn-w4g128", progress=False)
+    judge = QualityJudge(loaded, max_windows=4, sentences=8)
+    judge.score(loaded.model)
+    before = judge.score(cm)
+    judge.release_model()
+    assert judge.loaded.model is None
+    assert judge.score(cm) == before

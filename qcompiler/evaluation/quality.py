@@ -32,6 +32,7 @@ class QualityJudge:
     window: int = 256  # tokens per perplexity window (capped by the model's context)
     _reference: Optional[torch.Tensor] = field(default=None, repr=False)
     _tokens: Optional[torch.Tensor] = field(default=None, repr=False)
+    _batch_size: Optional[int] = field(default=None, repr=False)
 
     def _scored_tokens(self) -> torch.Tensor:
         if self._tokens is None:
@@ -48,8 +49,18 @@ class QualityJudge:
     def _batch(self) -> int:
         """Windows per forward: at most 16, fewer where a large vocabulary's logits would pass
         ~256 MB (Gemma-3's 262k tokens: one window at a time)."""
-        vocab = getattr(getattr(self.loaded.model, "config", None), "vocab_size", None) or 256
-        return max(1, min(16, (1 << 26) // (self._window * vocab)))
+        if self._batch_size is None:
+            vocab = getattr(getattr(self.loaded.model, "config", None), "vocab_size", None) or 256
+            self._batch_size = max(1, min(16, (1 << 26) // (self._window * vocab)))
+        return self._batch_size
+
+    def release_model(self) -> None:
+        """Keep what scoring needs from the FP model (its reference embeddings, the batch size) and
+        drop the model itself, so the quantized one is scored without both resident (``eval``)."""
+        self._batch()
+        if self.metric == "cosine" and self._reference is None:
+            self._reference = self._embed(self.loaded.model)
+        self.loaded.model = None
 
     def describe(self) -> str:
         """What the score is computed over, e.g. "64 windows of 256 tokens of the bundled held-out text"."""
