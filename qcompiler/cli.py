@@ -246,8 +246,9 @@ def quantize(
         raise typer.BadParameter("--format-out names where --format writes: give --format too")
     export_to = None
     if format is not None:
-        export_to = format_out or _default_export_path(out_dir, export_format(format.value))
-        _check_export_target(export_format(format.value), export_to, overwrite, [*protect, out_dir])
+        fmt = export_format(format.value)
+        export_to = format_out or _default_export_path(out_dir, fmt)
+        _check_export_target(fmt, export_to, overwrite, [*protect, out_dir])
     if nproc > 1 and "WORLD_SIZE" not in os.environ:
         from qcompiler.distributed.launch import run_ranks
 
@@ -323,7 +324,7 @@ class _QuantizeJob:
 def _quantize_on_rank(ranks, job: _QuantizeJob) -> None:
     """The quantize command's work on one rank (rank 0 saves and prints)."""
     import qcompiler as qc
-    from qcompiler.ir.model_size import model_size
+    from qcompiler.ir.model_size import ModelSize
     from qcompiler.models import load
     from qcompiler.pipeline.run_checkpoint import remove_progress
     from qcompiler.store.artifact import read_manifest
@@ -372,8 +373,8 @@ def _quantize_on_rank(ranks, job: _QuantizeJob) -> None:
         f"{job.recipe.name}: {len(cm.report.layer_table())} layer records, {seconds:.1f}s{where}; saved to "
         f"{job.out_dir} ('qcompiler inspect' shows the per-layer table)"
     )
-    stored = _stored_size(read_manifest(job.out_dir)["graph"].get("size"))  # as the files hold it
-    out.print(f"model size: {(stored or model_size(cm.graph_module)).describe()}")
+    stored = ModelSize.from_counts(read_manifest(job.out_dir)["graph"]["size"])  # as the files hold it
+    out.print(f"model size: {stored.describe()}")
     if job.export_format is not None:  # from the saved artifact, the source of truth, as 'export' would
         _export_artifact(
             job.out_dir,
@@ -475,6 +476,8 @@ def evaluate(
         write_text_atomically(json_out, json.dumps(figures, indent=1))
 
 
+_SHARD_GB = 5.0  # export's --max-shard-gb default
+
 # which built-in formats read each export option (a format registered by a user reads them all)
 _OPTION_FORMATS = {
     "--zero-format": ("gptq",),
@@ -494,7 +497,7 @@ def export(
     dest: Path = typer.Option(..., "--out", help="file (onnx, gguf) or folder (onnx-genai, gptq, compressed-tensors)"),
     zero_format: ZeroFormat = typer.Option("auto", help="gptq only: zero points as v1 (AutoGPTQ) or v2 (GPTQModel)"),
     max_shard_gb: float = typer.Option(
-        5.0, min=0.001, max=1e6, help="gptq, compressed-tensors: safetensors shard size (GiB)"
+        _SHARD_GB, min=0.001, max=1e6, help="gptq, compressed-tensors: safetensors shard size (GiB)"
     ),
     accuracy_level: Optional[int] = typer.Option(
         None,
@@ -516,7 +519,7 @@ def export(
     fmt = export_format(format.value)
     given = {
         "--zero-format": zero_format.value != "auto",
-        "--max-shard-gb": max_shard_gb != 5.0,
+        "--max-shard-gb": max_shard_gb != _SHARD_GB,
         "--accuracy-level": accuracy_level is not None,
         "--plain-attention": plain_attention,
         "--requantize": requantize is not None,
@@ -637,6 +640,7 @@ def generate(
 @app.command()
 def inspect(artifact: Path = typer.Argument(..., help="artifact folder")):
     """Passes applied with their settings, per-layer figures and a graph summary."""
+    from qcompiler.ir.model_size import ModelSize
     from qcompiler.store.artifact import read_manifest, report_from_manifest
 
     manifest = read_manifest(artifact)
@@ -658,21 +662,11 @@ def inspect(artifact: Path = typer.Argument(..., help="artifact folder")):
         f"graph: {graph['nodes']} nodes, {graph['tensors']} stored tensors, qc ops: "
         + ", ".join(f"{k} x{v}" for k, v in graph["qc_ops"].items())
     )
-    size = _stored_size(graph.get("size"))
+    size = ModelSize.from_counts(graph.get("size"))
     show(
         f"model size: {size.describe()}" if size else "model size: not recorded (an artifact written before sizes were)"
     )
     out.print(_layer_table(report_from_manifest(manifest), "per-layer report"))
-
-
-def _stored_size(counts):
-    """The manifest's size counts as a ModelSize, or None where they are absent or not counts."""
-    from qcompiler.ir.model_size import ModelSize
-
-    keys = ("stored_bytes", "parameters", "quantized_parameters", "quantized_bits")
-    if not isinstance(counts, dict) or not all(type(counts.get(k)) is int and counts[k] >= 0 for k in keys):
-        return None
-    return ModelSize(*(counts[k] for k in keys))
 
 
 @app.command()

@@ -15,7 +15,7 @@ from qcompiler.frontend.capture import CaptureInfo, capture, fill_optional_input
 from qcompiler.frontend.causal_lm import CacheLayout, example_graph_inputs, graph_inputs, wrap_output
 from qcompiler.generation import SamplingConfig, generate_tokens
 from qcompiler.pipeline.heartbeat import heartbeat
-from qcompiler.pipeline.pass_base import PassContext
+from qcompiler.pipeline.pass_base import PassContext, progress_line
 from qcompiler.pipeline.pass_manager import PassManager
 from qcompiler.pipeline.recipe_files import resolve_recipe
 from qcompiler.pipeline.recipes import Recipe
@@ -421,7 +421,7 @@ def compile(
     compute = current_ranks().device(resolve_device(device))  # a rank of a distributed run: its own GPU
     manager = PassManager(resolved.passes)
     manager.validate(has_calibration=calibration is not None)
-    log = PassContext(example_inputs=((), {}), progress=progress).log
+    log = progress_line if progress else (lambda _message: None)
     with heartbeat(log, f"capturing {type(model).__name__} with torch.export"):
         gm = capture(model, example_inputs)
     info: CaptureInfo = gm.meta["qcompiler"]

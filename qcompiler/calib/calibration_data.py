@@ -14,7 +14,7 @@ from typing import Optional, Sequence, Union
 
 import torch
 
-__all__ = ["read_texts", "decode_text", "calibration_batches", "TEXT_SUFFIXES"]
+__all__ = ["read_texts", "decode_text", "calibration_batches", "sentence_lines", "TEXT_SUFFIXES"]
 
 TEXT_SUFFIXES = (".txt", ".md", ".rst", ".py", ".text")
 
@@ -70,6 +70,11 @@ def _saved_dataset(path: Path, field: str) -> list[str]:
     if field not in data.column_names:
         raise ValueError(f"dataset {path} has no column {field!r} (columns: {', '.join(data.column_names)})")
     return [t for t in data[field] if isinstance(t, str)]
+
+
+def sentence_lines(texts: Sequence[str]) -> list[str]:
+    """An encoder's samples from documents: one sentence per non-empty line, stripped."""
+    return [line.strip() for t in texts for line in t.splitlines() if line.strip()]
 
 
 def read_texts(source: Union[str, Path, Sequence[str]], *, field: str = "text") -> list[str]:
@@ -133,8 +138,7 @@ def calibration_batches(
         raise ValueError(f"packing must be 'windows' or 'none', got {packing!r}")
     texts = read_texts(source, field=field)
     if loaded.kind != "causal-lm":  # encoders: one sentence per line
-        lines = [line.strip() for t in texts for line in t.splitlines() if line.strip()]
-        return loaded._sentence_batches(lines[:nsamples], min(seqlen, loaded.max_length), batch_size)
+        return loaded._sentence_batches(sentence_lines(texts)[:nsamples], min(seqlen, loaded.max_length), batch_size)
     seqlen = min(seqlen, loaded.max_length)  # the GPTQ paper's 2048 capped by the model's context
     docs = [ids for ids in map(loaded.tokenize, texts) if ids.numel()]
     if packing == "none":

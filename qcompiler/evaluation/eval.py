@@ -57,7 +57,8 @@ def perplexity(
     if tokens.numel() < window + 1:
         raise ValueError(f"need more than {window} tokens to score a window, got {tokens.numel()}")
     starts = list(range(0, tokens.numel() - window, stride))
-    starts = starts[: window_count(tokens.numel(), window, max_windows, stride)]
+    if max_windows is not None:  # (window_count says this number without scoring)
+        starts = starts[:max_windows]
     nll, count = 0.0, 0
     for b in range(0, len(starts), batch_size):
         batch_starts = starts[b : b + batch_size]

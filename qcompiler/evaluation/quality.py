@@ -12,6 +12,7 @@ from typing import Callable, Optional
 
 import torch
 
+from qcompiler.calib.calibration_data import sentence_lines
 from qcompiler.data import stdlib_sentences
 from qcompiler.evaluation.eval import embedding_fidelity, mean_pooled_embeddings, perplexity, window_count
 from qcompiler.models import LoadedModel
@@ -74,8 +75,7 @@ class QualityJudge:
     def _sentences(self) -> list[str]:
         if self.text is None:
             return stdlib_sentences("heldout", self.sentences)
-        lines = [line.strip() for t in self.text for line in t.splitlines() if line.strip()]
-        return lines[: self.sentences]
+        return sentence_lines(self.text)[: self.sentences]  # read as calibration reads an encoder's text
 
     @property
     def metric(self) -> str:

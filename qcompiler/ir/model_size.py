@@ -5,6 +5,7 @@ that states a size states it over all parameters too."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Mapping
 
 import torch
 from torch.fx import GraphModule, Node
@@ -46,6 +47,15 @@ class ModelSize:
         share = 100 * self.quantized_parameters / self.parameters
         return line + f" ({per_weight:.3f} bits per quantized weight over the {share:.0f} % quantized)"
 
+    @classmethod
+    def from_counts(cls, counts) -> "ModelSize | None":
+        """The four counts as :meth:`as_dict` wrote them (a manifest is untrusted: None unless each is
+        a non-negative integer; an artifact written before sizes were recorded has none)."""
+        keys = ("stored_bytes", "parameters", "quantized_parameters", "quantized_bits")
+        if not isinstance(counts, dict) or not all(type(counts.get(k)) is int and counts[k] >= 0 for k in keys):
+            return None
+        return cls(*(counts[k] for k in keys))
+
     def as_dict(self) -> dict:
         """The four counts (the manifest keeps them, so ``inspect`` need not load the tensors)."""
         return {
@@ -56,8 +66,13 @@ class ModelSize:
         }
 
 
-def model_size(gm: GraphModule) -> ModelSize:
-    """Count ``gm``'s stored tensors (a streamed graph's placeholders by shape, never read)."""
+def _nbytes(t: torch.Tensor, dtype: torch.dtype | None = None) -> int:
+    return t.numel() * (t.element_size() if dtype is None else dtype.itemsize)
+
+
+def model_size(gm: GraphModule, stored_as: Mapping[str, torch.dtype] | None = None) -> ModelSize:
+    """Count ``gm``'s stored tensors (a streamed graph's placeholders by shape, never read);
+    ``stored_as``: tensors a writer stores in another dtype than the graph holds them, counted so."""
     auxiliary: set[str] = set()  # codes, scales, g_idx, ...: stored, but no parameter of the model
     quantized_parameters = quantized_bits = 0
     for node in gm.graph.nodes:
@@ -65,9 +80,7 @@ def model_size(gm: GraphModule) -> ModelSize:
         if op_spec is None or not op_spec.storage:
             continue
         a = OpArgs(op_spec, node)
-        quantized_bits += sum(
-            a.stored_like(gm, n).numel() * a.stored_like(gm, n).element_size() * 8 for n in op_spec.storage
-        )
+        quantized_bits += sum(8 * _nbytes(a.stored_like(gm, n)) for n in op_spec.storage)
         if op_spec.weights is not None:
             quantized_parameters += op_spec.weights(a, gm)
         auxiliary |= {
@@ -81,7 +94,7 @@ def model_size(gm: GraphModule) -> ModelSize:
         t = get_raw_tensor(gm, node.target)
         if not hasattr(t, "element_size"):  # a submodule target, no tensor
             continue
-        stored_bytes += t.numel() * t.element_size()
+        stored_bytes += _nbytes(t, (stored_as or {}).get(node.target))
         if isinstance(t, torch.nn.Parameter) and node.target not in auxiliary:  # not a buffer (rope tables)
             parameters += t.numel()
     return ModelSize(stored_bytes, parameters, quantized_parameters, quantized_bits)

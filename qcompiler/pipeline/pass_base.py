@@ -23,7 +23,7 @@ from torch.fx import GraphModule
 
 from qcompiler.distributed.ranks import current_ranks
 
-__all__ = ["GraphProperty", "Pass", "PassContext", "PassRecord", "PassResult"]
+__all__ = ["GraphProperty", "Pass", "PassContext", "PassRecord", "PassResult", "progress_line"]
 
 
 class GraphProperty(enum.Enum):
@@ -59,6 +59,13 @@ class PassResult:
     record: PassRecord
 
 
+def progress_line(message: str) -> None:
+    """A ``[qcompiler]`` progress line on stderr; in a distributed run only rank 0 prints (every
+    rank computes the same report)."""
+    if current_ranks().is_root:
+        print(f"[qcompiler] {message}", file=sys.stderr, flush=True)
+
+
 @dataclass
 class PassContext:
     """What a running pass may use besides the graph."""
@@ -73,10 +80,9 @@ class PassContext:
     pass_index: int = 0  # the running pass's place in the recipe (set by the pass manager)
 
     def log(self, message: str) -> None:
-        """Progress line (stderr), shown unless the user turned progress off; in a distributed run
-        only rank 0 prints (every rank computes the same report)."""
-        if self.progress and current_ranks().is_root:
-            print(f"[qcompiler] {message}", file=sys.stderr, flush=True)
+        """Progress line (stderr), shown unless the user turned progress off."""
+        if self.progress:
+            progress_line(message)
 
 
 class Pass:

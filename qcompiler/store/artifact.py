@@ -34,7 +34,7 @@ from qcompiler.errors import RecipeError
 from qcompiler.frontend.capture import OPTIONAL_INPUTS, CaptureInfo
 from qcompiler.ir.model_size import model_size
 from qcompiler.ir.op_registry import spec_of
-from qcompiler.ir.tensors import get_raw_tensor, get_tensor
+from qcompiler.ir.tensors import get_tensor
 from qcompiler.pipeline.pass_base import GraphProperty, PassRecord
 from qcompiler.pipeline.pass_contract import properties_of, record_properties, witnesses
 from qcompiler.pipeline.pass_registry import pass_name, resolve_pass
@@ -82,10 +82,7 @@ def _json_safe(value):
 
 def _graph_summary(gm, narrow: dict) -> dict:
     calls = collections.Counter(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
-    size = model_size(gm).as_dict()
-    size["stored_bytes"] -= sum(  # what the files hold: the tensors stored narrower count at their stored width
-        get_raw_tensor(gm, t).numel() * (4 - torch.finfo(d).bits // 8) for t, d in narrow.items()
-    )
+    size = model_size(gm, stored_as=narrow).as_dict()  # what the files hold: narrowed tensors at their width
     return {
         "nodes": len(gm.graph.nodes),
         "qc_ops": {k: v for k, v in sorted(calls.items()) if k.startswith("qc.")},

@@ -45,7 +45,7 @@ __all__ = [
     "OutputPathError",
     "MARKER",
     "output_kind",
-    "pid_alive",
+    "left_by_dead_processes",
 ]
 
 MARKER = ".qcompiler-output.json"
@@ -292,8 +292,7 @@ def _exchange(a: Path, b: Path) -> bool:
     raise OSError(code, os.strerror(code), str(b))
 
 
-def pid_alive(pid: int) -> bool:
-    """Whether process ``pid`` still runs (temporaries named by a dead PID are stale)."""
+def _pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -303,14 +302,19 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
+def left_by_dead_processes(parent: Path, prefix: str) -> Iterator[Path]:
+    """The entries of ``parent`` named ``prefix`` + PID + ``-...`` (how qcompiler names its
+    temporaries) whose PID no longer runs: a killed process's leftovers; never a symbolic link."""
+    for entry in parent.glob(f"{glob.escape(prefix)}*"):
+        pid, dash, _ = entry.name[len(prefix) :].partition("-")
+        if dash and pid.isdigit() and not _pid_alive(int(pid)) and not entry.is_symlink():
+            yield entry
+
+
 def _clean_stale(parent: Path, name: str) -> None:
     """Remove temporary siblings (files or folders) that a killed writer (PID gone) left behind; an
     output set aside by the two-rename fallback is put back first if the target is missing."""
-    prefix = f".{name}.qc-"
-    for entry in parent.glob(f"{glob.escape(prefix)}*"):
-        pid = entry.name[len(prefix) :].split("-", 1)[0]
-        if not (pid.isdigit() and not pid_alive(int(pid))) or entry.is_symlink():
-            continue
+    for entry in left_by_dead_processes(parent, f".{name}.qc-"):
         if entry.is_file():
             entry.unlink(missing_ok=True)
             continue

@@ -20,7 +20,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from qcompiler.store.atomic import pid_alive
+from qcompiler.store.atomic import left_by_dead_processes
 
 __all__ = ["Spill", "Parked"]
 
@@ -47,9 +47,8 @@ _PREFIX = "qcompiler-spill-"
 def _sweep_stale() -> None:
     """Remove the spill folders of runs that were killed (``kill -9`` skips every cleanup): the PID
     in the name no longer runs. Gigabytes on a large model, otherwise left in TMPDIR for good."""
-    for entry in Path(tempfile.gettempdir()).glob(f"{_PREFIX}*-*"):
-        pid = entry.name[len(_PREFIX) :].split("-", 1)[0]
-        if pid.isdigit() and entry.is_dir() and not entry.is_symlink() and not pid_alive(int(pid)):
+    for entry in left_by_dead_processes(Path(tempfile.gettempdir()), _PREFIX):
+        if entry.is_dir():
             shutil.rmtree(entry, ignore_errors=True)
 
 
