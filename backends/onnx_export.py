@@ -39,7 +39,7 @@ from qcompiler.errors import BackendError
 from qcompiler.frontend import causal_lm
 from qcompiler.frontend.capture import dynamic_shapes_for
 from qcompiler.ir.op_registry import implement, implementation, implementations, spec
-from qcompiler.store.atomic import temporary_sibling
+from qcompiler.files.atomic import temporary_sibling
 
 __all__ = ["export_onnx", "ONNX_OPSET", "MSFT_OPSET", "default_accuracy_level"]
 
@@ -468,7 +468,7 @@ def _is_qcompiler_onnx(path: Path) -> bool:
 
 def _check_target(path: Path, protect=()) -> None:
     """Never replace a file qcompiler did not write (the model file and its external-data file)."""
-    from qcompiler.store.atomic import OutputPathError, check_output_file
+    from qcompiler.files.atomic import OutputPathError, check_output_file
 
     check_output_file(path, "ONNX", ours=_is_qcompiler_onnx, protect=protect)  # an existing model is ours
     data = path.with_name(path.name + ".data")

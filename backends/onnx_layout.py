@@ -51,8 +51,10 @@ from qcompiler.ir.op_registry import (
     register_target,
     spec_of,
 )
-from qcompiler.ir.ops import GPTQ_TENSORS, SPQR_DENSE_TENSORS, dequantize_gptq, expert_csr, per_expert, spqr_group_stats
+from qcompiler.ir.ops import per_expert
 from qcompiler.ir.tensors import set_tensor
+from qcompiler.layouts.gptq import GPTQ_TENSORS, dequantize_gptq
+from qcompiler.layouts.spqr import SPQR_DENSE_TENSORS, expert_csr, spqr_group_stats
 
 __all__ = ["lower_for_onnx", "gathered_outlier_linear", "experts_gathered_outlier_linear", "spqr_to_nbits"]
 

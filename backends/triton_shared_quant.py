@@ -20,7 +20,7 @@ from torch.fx import Graph, Node
 
 from qcompiler.ir.graph import rms_norm_parts
 from qcompiler.ir.op_registry import args_of
-from qcompiler.ir.ops import int8_linear_quantized, quantize_activations
+from qcompiler.layouts.int8 import int8_linear_quantized, quantize_activations
 
 aten = torch.ops.aten
 

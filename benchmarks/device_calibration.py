@@ -182,7 +182,7 @@ def main() -> None:
         print(json.dumps(one(*args.one)))
         return
     cases = args.cases or (["quick", "quick-block"] if args.quick else ["llama-1024x4", "llama7b-shape-x2"])
-    from qcompiler.store.atomic import write_text_atomically
+    from qcompiler.files.atomic import write_text_atomically
 
     rows = []
 

@@ -59,7 +59,7 @@ def model_speed() -> dict:
     import qcompiler as qc
     from qcompiler import models
     from qcompiler.algorithms.gptq import gptq_quantize_reference
-    from qcompiler.pipeline.weight_only import gptq_layer_quant
+    from qcompiler.layouts.grid_result import from_quant_result
 
     @dataclass(frozen=True)
     class ReferenceGPTQ(qc.passes.GPTQ):
@@ -69,7 +69,7 @@ def model_speed() -> dict:
             res = gptq_quantize_reference(
                 W, H, bits=self.bits, group_size=self.group_size, sym=self.sym, act_order=self.act_order, damp=self.damp
             )
-            return gptq_layer_quant(layer, W, res, self.bits, self.group_size)
+            return from_quant_result(layer, W, res, self.bits, self.group_size)
 
     loaded = models.load("tinylm")
     calib = loaded.calibration(32, 256)

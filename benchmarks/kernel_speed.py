@@ -35,7 +35,7 @@ PEAKS = {"H200": (4.8e12, 989e12), "H100": (3.35e12, 989e12), "A100": (2.0e12, 3
 
 
 def gptq_case(k, n, bits, act_order, gen):
-    from qcompiler.ir.ops import pack_gptq
+    from qcompiler.layouts.gptq import pack_gptq
 
     groups = k // 128
     codes = torch.randint(0, 2**bits, (n, k), generator=gen)
@@ -50,7 +50,7 @@ def gptq_case(k, n, bits, act_order, gen):
 
 def spqr_case(k, n, gen, outlier_fraction=0.01):
     from qcompiler.algorithms.packing import pack_cols, pack_rows
-    from qcompiler.ir.ops import to_csr
+    from qcompiler.layouts.spqr import to_csr
 
     groups = k // 16
 
@@ -89,8 +89,10 @@ def bench(fn, smoke: bool) -> float:
 def run(shapes, rows, device, smoke: bool, partial=lambda rows: None) -> list[dict]:
     """Every (shape, M) row; ``partial(rows_so_far)`` after each (a time limit keeps what was measured)."""
     from qcompiler import kernels
-    from qcompiler.ir import ops
     from qcompiler.kernels import kernel_layout
+    from qcompiler.layouts.gptq import quant_linear
+    from qcompiler.layouts.int8 import int8_linear
+    from qcompiler.layouts.spqr import sparse_outlier_linear, spqr_dense_linear
 
     gen = torch.Generator().manual_seed(0)
     peak_bw, peak_flops = (
@@ -108,7 +110,7 @@ def run(shapes, rows, device, smoke: bool, partial=lambda rows: None) -> list[di
             layout = kernel_layout.layout_from_gptq(*packed, b, g)
             cases[label] = (
                 lambda x, lay=layout: kernels.layout_linear(x, lay, None),
-                lambda x, p=packed, b=b, g=g: ops.quant_linear(x.float(), *p, None, b, g),
+                lambda x, p=packed, b=b, g=g: quant_linear(x.float(), *p, None, b, g),
                 tuple(layout.tensors().values()),
             )
             if label == "w4a16-g128":
@@ -121,7 +123,7 @@ def run(shapes, rows, device, smoke: bool, partial=lambda rows: None) -> list[di
         ws = (torch.rand(n, generator=gen) * 1e-3).to(device)
         cases["w8a8"] = (
             lambda x: kernels.int8_linear(x, wq, ws, None, None, None),
-            lambda x: ops.int8_linear(x.float(), wq, ws, None, None, None),
+            lambda x: int8_linear(x.float(), wq, ws, None, None, None),
             (wq, ws),
         )
         dense, sparse = spqr_case(k, n, gen)
@@ -131,7 +133,7 @@ def run(shapes, rows, device, smoke: bool, partial=lambda rows: None) -> list[di
 
         def spqr_ref(x, d=dense, s=sparse):
             x = x.float()
-            return ops.spqr_dense_linear(x, *d, None, 3, 16, 3, 16) + ops.sparse_outlier_linear(x, *s, n)
+            return spqr_dense_linear(x, *d, None, 3, 16, 3, 16) + sparse_outlier_linear(x, *s, n)
 
         cases["spqr-w3g16-1%"] = (
             lambda x, lay=spqr_layout, o=outliers: kernels.layout_linear(x, lay, None, o),
@@ -184,7 +186,7 @@ def main(argv=None) -> int:
     ap.add_argument("--smoke", action="store_true", help="tiny shapes under TRITON_INTERPRET=1 (no GPU needed)")
     ap.add_argument("--out", type=Path, default=RESULTS)
     args = ap.parse_args(argv)
-    from qcompiler.store.atomic import write_text_atomically
+    from qcompiler.files.atomic import write_text_atomically
 
     if args.smoke:
         gpu = torch.cuda.is_available()

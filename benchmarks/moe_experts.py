@@ -26,7 +26,7 @@ from results_file import results_file
 import qcompiler as qc
 from qcompiler.data import calibration_windows, stdlib_tokens
 from qcompiler.evaluation.eval import bits_per_parameter
-from qcompiler.store.atomic import write_text_atomically
+from qcompiler.files.atomic import write_text_atomically
 
 SIZES = {
     "default": dict(hidden=512, inter=1024, experts=8, windows=16, seqlen=256),

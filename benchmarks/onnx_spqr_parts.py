@@ -23,7 +23,7 @@ from onnx import helper
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from onnx_speed import fp32_layer, model, nbits_nodes, session, spqr_layer, t  # noqa: E402
 
-from qcompiler.store.atomic import write_text_atomically  # noqa: E402
+from qcompiler.files.atomic import write_text_atomically  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results" / "onnx_spqr_parts.json"
 

@@ -24,7 +24,7 @@ import qcompiler as qc
 from qcompiler import models
 from qcompiler.evaluation.eval import bits_per_parameter
 from qcompiler.evaluation.quality import QualityJudge
-from qcompiler.store.atomic import write_text_atomically as write_atomically
+from qcompiler.files.atomic import write_text_atomically as write_atomically
 
 RESULTS = Path(__file__).resolve().parent / "results" / "quality.json"
 

@@ -46,7 +46,7 @@ def write_rows(name: str, rows: list, quick: bool = False, **meta) -> Path:
 
     import torch
 
-    from qcompiler.store.atomic import write_text_atomically
+    from qcompiler.files.atomic import write_text_atomically
 
     meta = dict(
         meta,

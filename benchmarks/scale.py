@@ -196,7 +196,7 @@ def main() -> None:
         if args.big and not args.quick:
             run_depths(tmp, calib, SIZES["big"], "llama-0.44B", False, rows)
             print(f"llama-0.44B: peak RSS {rows[-1]['peak_over_checkpoint']:.2f}x its bf16 file (target <= 1.5x)")
-    from qcompiler.store.atomic import write_text_atomically
+    from qcompiler.files.atomic import write_text_atomically
 
     write_text_atomically(
         args.out,

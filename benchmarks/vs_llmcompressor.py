@@ -191,7 +191,7 @@ def main() -> None:
         f"| logits rel. error | {median['qcompiler']['logits_rel_error']:.4f} | "
         f"{median['llm-compressor']['logits_rel_error']:.4f} | |"
     )
-    from qcompiler.store.atomic import write_text_atomically
+    from qcompiler.files.atomic import write_text_atomically
 
     write_text_atomically(
         args.out,

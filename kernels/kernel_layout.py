@@ -27,8 +27,8 @@ import torch
 import torch.nn.functional as F
 
 from qcompiler.algorithms.packing import SUPPORTED_BITS, unpack_cols, unpack_rows
-from qcompiler.ir.ops import spqr_group_stats
 from qcompiler.kernels.tuning import UnsupportedKernel
+from qcompiler.layouts.spqr import spqr_group_stats
 
 __all__ = [
     "KernelLayout",

@@ -123,7 +123,7 @@ def rmsnorm_quantize_rows(
 
 def rmsnorm_quantize_reference(h, weight, eps, norm_dtype, out_dtype, smooth_inv, static_scale):
     """The plain-torch twin: the captured graph's RMSNorm ops, then ``qc.int8_linear``'s quantizer."""
-    from qcompiler.ir.ops import quantize_activations
+    from qcompiler.layouts.int8 import quantize_activations
 
     hf = h.float()
     y = (weight * (hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + eps)).to(norm_dtype)).to(out_dtype)

@@ -16,12 +16,13 @@ import triton
 import triton.language as tl
 
 from qcompiler.algorithms.packing import SUPPORTED_BITS
-from qcompiler.ir.ops import expert_csr, per_expert
+from qcompiler.ir.ops import per_expert
 from qcompiler.kernels.bitstream import bits_at
 from qcompiler.kernels.csr_spmm import csr_linear
 from qcompiler.kernels.gemm_parts import dot_accumulate, split_k_range, store_output
 from qcompiler.kernels.gptq_gemm import launch_lowbit_gemm, tunable_pair
 from qcompiler.kernels.tuning import UnsupportedKernel, check_activation
+from qcompiler.layouts.spqr import expert_csr
 
 __all__ = ["spqr_dense_linear", "spqr_experts_linear"]
 

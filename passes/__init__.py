@@ -1,5 +1,6 @@
 """Built-in passes, one per file. Each is a ``qc.Pass`` like any user-written pass."""
 
+from qcompiler.passes import builtin_recipes  # noqa: F401  (registers the built-in recipe table and families)
 from qcompiler.passes.auto_bits import AutoBits
 from qcompiler.passes.awq import AWQ
 from qcompiler.passes.gptq import GPTQ

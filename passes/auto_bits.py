@@ -2,7 +2,7 @@
 
 Three steps, each visible in the report:
 1. **Measure**: every candidate (method × bits × group size) on every block linear, alone, and its
-   effect on the model's final output on calibration samples (``qcompiler/calib/sensitivity.py``).
+   effect on the model's final output on calibration samples (``qcompiler/pipeline/sensitivity.py``).
 2. **Allocate**: one candidate per layer, least summed damage with stored bits within
    ``budget × parameters`` — a multiple-choice knapsack solved exactly
    (``qcompiler/algorithms/allocation.py``). Bits are counted from the tensors each candidate stores,
@@ -23,14 +23,14 @@ from typing import ClassVar
 
 from qcompiler.algorithms.allocation import allocate
 from qcompiler.algorithms.gguf_grids import FORMATS
-from qcompiler.calib.sensitivity import measure_sensitivities
 from qcompiler.errors import QuantizationError
 from qcompiler.ir.graph import block_of, find_linears, is_router, source_of
 from qcompiler.ir.tensors import get_raw_tensor
 from qcompiler.passes.mixed_precision import MixedPrecision, candidate_grid, candidate_quantizer, parse_candidate
 from qcompiler.passes.signround import SignRound
+from qcompiler.pipeline.block_walk import quantize_block_linears
 from qcompiler.pipeline.layer_filter import ignore_reason
-from qcompiler.pipeline.weight_only import quantize_block_linears
+from qcompiler.pipeline.sensitivity import measure_sensitivities
 from qcompiler.pipeline.weight_quantizer import WeightQuantizer
 
 __all__ = ["AutoBits", "DEFAULT_CANDIDATES", "GGUF_CANDIDATES", "MAX_BUDGET"]

@@ -15,14 +15,11 @@ import torch
 
 from qcompiler.algorithms.gptq import check_spec, gptq_quantize, hessian_factor
 from qcompiler.errors import QuantizationError
-from qcompiler.pipeline.weight_only import (
-    GPTQ_ROW_UNIT,
-    gptq_experts,
-    gptq_layer_quant,
-    grid_settings,
-    layer_grid,
-    rtn_layer_quant,
-)
+from qcompiler.layouts import ExpertsFormat
+from qcompiler.layouts.gguf import grid_settings, layer_grid
+from qcompiler.layouts.gptq import GPTQ_ROW_UNIT
+from qcompiler.layouts.grid_result import from_quant_result
+from qcompiler.passes.rtn import rtn_layer_quant
 from qcompiler.pipeline.weight_quantizer import WeightQuantizer
 
 __all__ = ["GPTQ"]
@@ -101,7 +98,7 @@ class GPTQ(WeightQuantizer):
             factor=_factor(H, self.damp, self.act_order),
             grid=grid,
         )
-        return gptq_layer_quant(layer, W, res, self.bits, self.group_size, self.grid)
+        return from_quant_result(layer, W, res, self.bits, self.group_size, self.grid)
 
     def row_split_unit(self, layer):
         """GPTQ's rows are independent given H (one grid per row and group, the sweep row-wise):
@@ -118,4 +115,4 @@ class GPTQ(WeightQuantizer):
 
     def experts_format(self):
         """Experts in the GPTQ layout; an expert no calibration row reached is quantized by RTN."""
-        return gptq_experts(self._rtn)
+        return ExpertsFormat(self._rtn, "RTN")

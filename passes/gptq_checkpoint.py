@@ -14,9 +14,9 @@ from typing import ClassVar
 from torch.fx import GraphModule
 
 from qcompiler.errors import QuantizationError
-from qcompiler.interop.gptq_format import read_gptq_checkpoint
 from qcompiler.ir.graph import find_linears
-from qcompiler.pipeline.folding import replace_linear
+from qcompiler.ir.node_swap import replace_linear
+from qcompiler.layouts.gptq_format import read_gptq_checkpoint
 from qcompiler.pipeline.pass_base import GraphProperty, Pass, PassContext
 
 __all__ = ["LoadGPTQCheckpoint"]

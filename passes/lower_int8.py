@@ -18,7 +18,8 @@ from qcompiler.algorithms.int8 import quantize_weight_per_channel
 from qcompiler.calib.calibration import CalibrationEngine
 from qcompiler.errors import QuantizationError
 from qcompiler.ir.graph import LinearLayer, block_of, find_linears
-from qcompiler.pipeline.folding import SMOOTH_META, replace_linear
+from qcompiler.ir.node_swap import replace_linear
+from qcompiler.pipeline.folding import SMOOTH_META
 from qcompiler.pipeline.layer_filter import check_patterns, ignore_reason, report_unmatched
 from qcompiler.pipeline.pass_base import GraphProperty, Pass, PassContext
 

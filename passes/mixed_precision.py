@@ -18,10 +18,10 @@ from typing import ClassVar, Optional
 
 from qcompiler.algorithms.gguf_grids import FORMATS
 from qcompiler.errors import QuantizationError
+from qcompiler.layouts import stored_bits
 from qcompiler.passes.gptq import GPTQ
 from qcompiler.passes.rtn import RTN
 from qcompiler.passes.spqr import SpQR
-from qcompiler.pipeline.weight_only import stored_bits
 from qcompiler.pipeline.weight_quantizer import WeightQuantizer
 
 __all__ = ["MixedPrecision", "candidate_quantizer", "parse_candidate", "candidate_grid", "CANDIDATE_FORMAT"]
@@ -109,6 +109,6 @@ class MixedPrecision(WeightQuantizer):
         return self._named(layer, quantizer.quantize_row_range(layer, W, H, start, stop), W[start:stop])
 
     def _named(self, layer, result, W):
-        bits_per_weight = stored_bits(result) / W.numel()  # as bits_per_parameter counts the stored tensors
+        bits_per_weight = stored_bits(result.tensors) / W.numel()  # as bits_per_parameter counts the stored tensors
         name = self.candidate_of(layer.path)
         return result._replace(figures={**result.figures, "candidate": name, "bits_per_weight": bits_per_weight})

@@ -7,12 +7,38 @@ error feedback. Same grid, groups and storage as GPTQ, so the two differ only in
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
-from qcompiler.algorithms.gptq import check_spec
-from qcompiler.pipeline.weight_only import GPTQ_ROW_UNIT, gptq_experts, rtn_layer_quant
+import torch
+
+from qcompiler.algorithms.gptq import check_spec, rtn_quantize
+from qcompiler.ir.graph import LinearLayer
+from qcompiler.layouts import ExpertsFormat, LayerQuant
+from qcompiler.layouts.gguf import grid_settings, layer_grid
+from qcompiler.layouts.gptq import GPTQ_ROW_UNIT
+from qcompiler.layouts.grid_result import from_quant_result
 from qcompiler.pipeline.weight_quantizer import WeightQuantizer
 
-__all__ = ["RTN"]
+__all__ = ["RTN", "rtn_layer_quant"]
+
+
+def rtn_layer_quant(
+    layer: LinearLayer,
+    W: torch.Tensor,
+    bits: int,
+    group_size: int,
+    sym: bool,
+    grid: str = "minmax",
+    H: Optional[torch.Tensor] = None,
+) -> LayerQuant:
+    """Round-to-nearest on a grid, stored in the layout that holds it (GPTQ's, or llama.cpp's
+    bytes): RTN's layers, and GPTQ's head and its experts that no calibration row reached. An
+    "mse" grid weighs each column by ``diag(H)`` when there is an ``H`` (plain squared error without)."""
+    importance = None if H is None else torch.diagonal(H).float()
+    used = layer_grid(layer, W, grid)
+    bits_used, group_used = grid_settings(used, bits, group_size)
+    res = rtn_quantize(W, bits=bits_used, group_size=group_used, sym=sym, grid=used, importance=importance)
+    return from_quant_result(layer, W, res, bits, group_size, grid)
 
 
 @dataclass(frozen=True)
@@ -49,4 +75,4 @@ class RTN(WeightQuantizer):
 
     def experts_format(self):
         """Experts in the GPTQ layout, each expert rounded like a layer."""
-        return gptq_experts(self.quantize_layer)
+        return ExpertsFormat(self.quantize_layer, "RTN")

@@ -20,16 +20,11 @@ import torch
 from qcompiler.algorithms.gptq import check_spec
 from qcompiler.algorithms.signround import Rounding, rounding_result, tune_rounding
 from qcompiler.errors import QuantizationError
+from qcompiler.layouts import ExpertsFormat, UnpackableLayer, check_packable, stored_bits
+from qcompiler.layouts.grid_result import from_quant_result
 from qcompiler.passes.mixed_precision import candidate_grid, parse_candidate
-from qcompiler.pipeline.weight_only import (
-    UnpackableLayer,
-    check_packable,
-    gptq_experts,
-    gptq_layer_quant,
-    rtn_layer_quant,
-    skip_reason,
-    stored_bits,
-)
+from qcompiler.passes.rtn import rtn_layer_quant
+from qcompiler.pipeline.block_walk import skip_reason
 from qcompiler.pipeline.weight_quantizer import WeightQuantizer
 
 __all__ = ["SignRound"]
@@ -168,11 +163,11 @@ class SignRound(WeightQuantizer):
             result = self._rtn(layer, W, H)
         else:
             res = rounding_result(W, Rounding(*(t.to(W.device) for t in tuned)), bits, group, self.sym)
-            result = gptq_layer_quant(layer, W, res, bits, group)
+            result = from_quant_result(layer, W, res, bits, group)
         if not self.plan:
             return result
         # as MixedPrecision reports a planned layer: its candidate and the bits its stored tensors take
-        figures = {"candidate": dict(self.plan)[layer.path], "bits_per_weight": stored_bits(result) / W.numel()}
+        figures = {"candidate": dict(self.plan)[layer.path], "bits_per_weight": stored_bits(result.tensors) / W.numel()}
         return result._replace(figures={**result.figures, **figures})
 
     def _rtn(self, layer, W, H):
@@ -185,7 +180,7 @@ class SignRound(WeightQuantizer):
 
     def experts_format(self):
         """Experts in the GPTQ layout, rounded to nearest on the starting grid (not tuned)."""
-        return gptq_experts(self._rtn)
+        return ExpertsFormat(self._rtn, "RTN")
 
 
 def _float_outputs(values: list, mask: Optional[torch.Tensor]) -> list[torch.Tensor]:

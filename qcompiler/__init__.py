@@ -5,7 +5,10 @@ from __future__ import annotations
 import importlib
 import sys
 
-from qcompiler import passes  # qcompiler.passes, mapped from the top-level passes/ folder
+from qcompiler import (
+    layouts,  # registers the storage layouts and their qc:: ops
+    passes,  # qcompiler.passes, mapped from the top-level passes/ folder
+)
 from qcompiler.checkpoint_import import import_gptq
 from qcompiler.compiler import CompiledModel, compile, load
 from qcompiler.errors import (
@@ -20,7 +23,7 @@ from qcompiler.errors import (
     RecipeError,
 )
 from qcompiler.frontend.capture import capture
-from qcompiler.ir import ops  # registers the qc:: operator library
+from qcompiler.ir import ops  # registers the layout-free qc:: ops
 from qcompiler.pipeline.pass_base import GraphProperty, Pass, PassContext, PassRecord, PassResult
 from qcompiler.pipeline.pass_contract import run_checked as run_pass
 from qcompiler.pipeline.pass_manager import PassManager
@@ -50,6 +53,7 @@ __all__ = [
     "register_recipe",
     "Report",
     "passes",
+    "layouts",
     "ops",
     "QCompilerError",
     "CaptureError",
@@ -68,7 +72,7 @@ MOVED_MODULES = {
     "graph": "qcompiler.ir.graph",
     "op_registry": "qcompiler.ir.op_registry",
     "ops": "qcompiler.ir.ops",
-    "weight_only": "qcompiler.pipeline.weight_only",
+    "weight_only": "qcompiler.pipeline.block_walk",
     "folding": "qcompiler.pipeline.folding",
     "weight_quantizer": "qcompiler.pipeline.weight_quantizer",
     "pass_base": "qcompiler.pipeline.pass_base",

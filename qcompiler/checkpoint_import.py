@@ -9,7 +9,7 @@ from safetensors import safe_open
 
 from qcompiler.compiler import compile
 from qcompiler.interop.checkpoint import ExportError
-from qcompiler.interop.gptq_format import read_gptq_checkpoint
+from qcompiler.layouts.gptq_format import read_gptq_checkpoint
 from qcompiler.models import _check_folder, loaded_from_model
 from qcompiler.passes import LoadGPTQCheckpoint
 from qcompiler.pipeline.recipes import Recipe

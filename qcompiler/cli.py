@@ -107,7 +107,7 @@ _EVAL_JSON = "qcompiler eval"
 
 def _is_eval_json(path: Path) -> bool:
     """Whether ``path`` is a figures file an earlier ``eval --json`` wrote (so it may be replaced)."""
-    from qcompiler.store.regular_files import read_regular_file
+    from qcompiler.files.regular_files import read_regular_file
 
     try:
         data = json.loads(read_regular_file(path, 1 << 20))
@@ -217,8 +217,8 @@ def quantize(
     from qcompiler.calib.host_memory import bound_kernel_cache
     from qcompiler.compiler import resolve_device
     from qcompiler.distributed.ranks import join_from_environment, leave
+    from qcompiler.files.atomic import check_output_folder
     from qcompiler.pipeline.recipe_files import resolve_recipe, with_overrides
-    from qcompiler.store.atomic import check_output_folder
 
     bound_kernel_cache()  # before the first matmul of this process
     if revision is not None:
@@ -433,8 +433,8 @@ def evaluate(
     """Perplexity (causal LMs) or embedding cosine vs FP32 (encoders), FP32 beside quantized."""
     import qcompiler as qc
     from qcompiler.evaluation.quality import QualityJudge
+    from qcompiler.files.atomic import check_output_file
     from qcompiler.models import load
-    from qcompiler.store.atomic import check_output_file
 
     if backend.value == "triton":
         _triton_runtime()
@@ -471,7 +471,7 @@ def evaluate(
         line += f" -> quantized {figures['quantized']:.4f} ({backend.value}, {figures['recipe']})"
     out.print(line)
     if json_out:
-        from qcompiler.store.atomic import write_text_atomically
+        from qcompiler.files.atomic import write_text_atomically
 
         write_text_atomically(json_out, json.dumps(figures, indent=1))
 
@@ -544,7 +544,7 @@ def export(
 
 
 def _check_export_target(fmt, dest: Path, overwrite: bool, protect: list) -> None:
-    from qcompiler.store.atomic import check_file_location, check_output_folder
+    from qcompiler.files.atomic import check_file_location, check_output_folder
 
     if fmt.writes == "folder":
         check_output_folder(dest, fmt.name, overwrite=overwrite, protect=protect)

@@ -13,6 +13,7 @@ __all__ = [
     "CalibrationError",
     "QuantizationError",
     "ArtifactError",
+    "ExportError",
 ]
 
 
@@ -54,3 +55,8 @@ class ArtifactError(QCompilerError):
 
 class QuantizationError(QCompilerError, ValueError):
     """A quantization setting or layer that cannot be quantized as asked."""
+
+
+class ExportError(QCompilerError):
+    """The graph holds something the chosen checkpoint format cannot express, or a checkpoint read
+    back is not what its format says (the message names it)."""

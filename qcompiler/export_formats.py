@@ -7,11 +7,12 @@ own. The built-in writers are imported on first use (they pull in onnx and the i
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
-from qcompiler.store.sharding import DEFAULT_SHARD_BYTES
+from qcompiler.files.sharding import DEFAULT_SHARD_BYTES
 
 __all__ = ["ExportFormat", "ExportOptions", "register_export_format", "export_format", "export_format_names"]
 
@@ -38,6 +39,14 @@ class ExportFormat:
     writes: str
     write: Callable[[object, Path, ExportOptions], object]
     description: str
+    target: str = ""  # the op-registry target whose implement/refuse lines say which qc ops it writes
+    writer_module: str = ""  # the module that holds the writer and registers that target
+
+    def load_target(self) -> Optional[str]:
+        """Import the writer's module (registering its target's implementations) and name the target."""
+        if self.writer_module:
+            importlib.import_module(self.writer_module)
+        return self.target or None
 
 
 _FORMATS: dict[str, ExportFormat] = {}
@@ -110,17 +119,35 @@ def _gguf(cm, dest, o: ExportOptions):
 
 
 for _fmt in (
-    ExportFormat("onnx", "file", _onnx, "one ONNX model file for ONNX Runtime"),
-    ExportFormat("onnx-genai", "folder", _onnx_genai, "an onnxruntime-genai model folder"),
-    ExportFormat("gptq", "folder", _gptq, "a GPTQ checkpoint (transformers, GPTQModel, vLLM)"),
     ExportFormat(
-        "compressed-tensors", "folder", _compressed_tensors, "a compressed-tensors checkpoint (transformers, vLLM)"
+        "onnx", "file", _onnx, "one ONNX model file for ONNX Runtime", "onnx", "qcompiler.backends.onnx_export"
+    ),
+    ExportFormat(
+        "onnx-genai", "folder", _onnx_genai, "an onnxruntime-genai model folder", "onnx", "qcompiler.interop.onnx_genai"
+    ),
+    ExportFormat(
+        "gptq",
+        "folder",
+        _gptq,
+        "a GPTQ checkpoint (transformers, GPTQModel, vLLM)",
+        "gptq",
+        "qcompiler.interop.gptq_checkpoint",
+    ),
+    ExportFormat(
+        "compressed-tensors",
+        "folder",
+        _compressed_tensors,
+        "a compressed-tensors checkpoint (transformers, vLLM)",
+        "compressed-tensors",
+        "qcompiler.interop.compressed_tensors",
     ),
     ExportFormat(
         "gguf",
         "file",
         _gguf,
         "one GGUF file for llama.cpp / Ollama (GPTQ on Q4_0 ... Q8_0 and Q2_K ... Q6_K blocks; F16 / F32 elsewhere)",
+        "gguf",
+        "qcompiler.interop.gguf_export",
     ),
 ):
     register_export_format(_fmt)

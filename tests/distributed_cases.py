@@ -43,7 +43,7 @@ def calibration() -> list[dict]:
 
 def _die_at_block(block: int, note: Path) -> None:
     """This rank kills itself (SIGKILL: nothing of it unwinds) when the walk starts ``block``."""
-    from qcompiler.pipeline import weight_only
+    from qcompiler.pipeline import block_walk as weight_only
 
     solve, seen = weight_only._solve_block, [0]
 

@@ -2,7 +2,7 @@
 
 import torch
 
-from qcompiler.ir.ops import pack_gptq
+from qcompiler.layouts.gptq import pack_gptq
 
 
 def gptq_problem(bits, group, act_order, n_out, n_in, seed=0):

@@ -11,10 +11,10 @@ from qcompiler import import_gptq
 from qcompiler.algorithms.packing import pack_cols, unpack_rows
 from qcompiler.errors import RecipeError
 from qcompiler.interop import ExportError, export_compressed_tensors, export_gptq
-from qcompiler.interop.gptq_format import zeros_from_v1, zeros_to_v1
 from qcompiler.ir.graph import module_path
-from qcompiler.ir.ops import dequantize_gptq
 from qcompiler.ir.tensors import get_tensor
+from qcompiler.layouts.gptq import dequantize_gptq
+from qcompiler.layouts.gptq_format import zeros_from_v1, zeros_to_v1
 from qcompiler.pipeline.recipe_files import load_recipe_file, recipe_from_dict, recipe_to_dict
 
 

@@ -16,7 +16,7 @@ from qcompiler.algorithms.quant_grid import _row_error, fit_grid, search_grid
 from qcompiler.errors import QCompilerError, QuantizationError, RecipeError
 from qcompiler.evaluation.eval import bits_per_parameter
 from qcompiler.evaluation.report_page import write_report
-from qcompiler.ir.ops import GPTQ_TENSORS, pack_gptq
+from qcompiler.layouts.gptq import GPTQ_TENSORS, pack_gptq
 
 QL = torch.ops.qc.quant_linear.default
 SMALL = ("gptq-w2g64", "gptq-w2g32", "gptq-w3g32", "gptq-w4g32", "gptq-w8g32", "rtn-w4g32")
@@ -236,13 +236,13 @@ def test_a_mixed_graph_exports_gptq_with_per_module_overrides_and_imports_bit_id
 @pytest.mark.parametrize("name", ["gptq-w3g32", "rtn-w2g64", "gptq-w8g128", "spqr-w3g16"])
 def test_the_early_budget_check_counts_what_a_candidate_stores(name):
     from qcompiler.ir.graph import LinearLayer
+    from qcompiler.layouts import stored_bits
     from qcompiler.passes.auto_bits import _least_bits
     from qcompiler.passes.mixed_precision import candidate_quantizer
-    from qcompiler.pipeline.weight_only import stored_bits
 
     W, X = torch.randn(64, 96), torch.randn(512, 96)
     layer = LinearLayer(None, "x", None, None, None, False)
-    stored = stored_bits(candidate_quantizer(name).quantize_layer(layer, W, 2 * X.t() @ X / 512))
+    stored = stored_bits(candidate_quantizer(name).quantize_layer(layer, W, 2 * X.t() @ X / 512).tensors)
     if name.startswith("spqr"):
         assert _least_bits(name, 64, 96) < stored  # a lower bound: its statistics and outliers come on top
     else:

@@ -19,7 +19,7 @@ from tiny_models import example_inputs, make_model
 import qcompiler as qc
 from qcompiler.cli import main
 from qcompiler.errors import BackendError, CalibrationError, CaptureError, RecipeError
-from qcompiler.store.atomic import OutputPathError
+from qcompiler.files.atomic import OutputPathError
 from qcompiler.store.graph_format import ArtifactError
 
 BOMB = (
@@ -517,7 +517,7 @@ API_ROWS = [
 
 def test_weight_check_counts_non_finite_and_accepts_large_finite_weights():
     """The check reads the weights' float32 sum first: an overflowing sum of finite weights is not an error."""
-    from qcompiler.pipeline.weight_only import _check_finite
+    from qcompiler.pipeline.block_walk import _check_finite
 
     huge = torch.full((4, 8), 3e38)
     assert not torch.isfinite(huge.sum())

@@ -12,12 +12,13 @@ from causal_lms import calibration, causal_lm, prompt
 
 import qcompiler as qc
 from qcompiler.algorithms.packing import unpack_cols
+from qcompiler.files.atomic import OutputPathError
 from qcompiler.interop.checkpoint import ExportError
 from qcompiler.interop.gguf_blocks import BLOCK_TYPES, pack_blocks
 from qcompiler.interop.gguf_export import _rotary_rows
 from qcompiler.ir.op_registry import args_of, quantized_layer_path, spec_of
-from qcompiler.ir.ops import GPTQ_TENSORS, SPQR_DENSE_TENSORS, dequantize_gptq
-from qcompiler.store.atomic import OutputPathError
+from qcompiler.layouts.gptq import GPTQ_TENSORS, dequantize_gptq
+from qcompiler.layouts.spqr import SPQR_DENSE_TENSORS
 
 
 @pytest.mark.parametrize("kind", ["q4_0", "q8_0"])

@@ -21,7 +21,8 @@ from qcompiler.interop import export_compressed_tensors, export_gptq
 from qcompiler.interop.checkpoint import ExportError
 from qcompiler.interop.gguf_export import _rotary_rows
 from qcompiler.ir.op_registry import args_of, quantized_layer_path, spec_of
-from qcompiler.ir.ops import GPTQ_TENSORS, dequantize_gguf, dequantize_gptq
+from qcompiler.layouts.gguf import dequantize_gguf
+from qcompiler.layouts.gptq import GPTQ_TENSORS, dequantize_gptq
 
 
 def _random_grid(kind: str, rows: int, cols: int, seed: int = 0) -> tuple[torch.Tensor, BlockGrid]:

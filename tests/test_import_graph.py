@@ -1,5 +1,6 @@
-"""The package has no import circles, counting imports inside functions too: a circle is a design
-knot (two modules that each need the other) even when a deferred import keeps it from crashing."""
+"""The package is a house of floors and every import points down, counting imports inside functions
+too: an import up a floor is a design knot (a low room that needs a high one) even when a deferred
+import keeps it from crashing, and no circle can form where every edge points down."""
 
 import ast
 from pathlib import Path
@@ -51,6 +52,59 @@ def test_no_module_imports_itself_back():
     except nx.NetworkXNoCycle:
         return
     raise AssertionError("import circle: " + " -> ".join([a for a, _ in cycle] + [cycle[-1][1]]))
+
+
+# The floors, lowest first: a module may import from its own floor and the floors below, never above.
+# One name per room (``qcompiler/NAME/``, or a one-file room ``qcompiler/NAME.py``); "face" is the rest
+# of the top: the package itself, compile/load, the CLI, generation, export formats.
+FLOORS = [
+    {"errors", "version", "data"},  # nothing of qcompiler below them
+    {"algorithms", "distributed"},  # pure math on tensors; ranks and collectives
+    {"files"},  # atomic writes, regular-file reads, spill, safetensors streaming, shards
+    {"ir"},  # graphs, the op registry, layout-free ops, graph properties
+    {"layouts"},  # storage layouts: their ops, packing, rewrite, row join, experts stack
+    {"kernels"},  # Triton kernels and their plain-torch twins
+    {"frontend"},  # capture, lazy weights, causal-LM wrapping
+    {"calib"},  # calibration: the engine, data, host memory
+    {"pipeline"},  # passes' base, contract, manager, block walk, recipes' registry
+    {"passes"},  # the built-in passes and the built-in recipe table
+    {"backends"},  # eager, Triton, ONNX Runtime
+    {"store"},  # the artifact format
+    {"interop"},  # exporters to other runtimes' checkpoints and files
+    {"models", "evaluation"},  # bundled models, evaluation and the report page
+    {"face"},
+]
+
+
+def _floor_of(module: str) -> str:
+    parts = module.split(".")
+    if len(parts) > 1 and any(parts[1] in floor for floor in FLOORS):
+        return parts[1]
+    return "face"
+
+
+def test_every_import_points_down_the_floors():
+    mods = _modules()
+    rank = {room: k for k, floor in enumerate(FLOORS) for room in floor}
+    rooms = {_floor_of(m) for m in mods}
+    assert rooms == set(rank), f"rooms without a floor or floors without a room: {rooms ^ set(rank)}"
+    upward = [
+        f"{name} ({_floor_of(name)}) imports {dep} ({_floor_of(dep)})"
+        for name, path in sorted(mods.items())
+        for dep in sorted(_imports(name, path, mods) - {"qcompiler"})
+        if rank[_floor_of(dep)] > rank[_floor_of(name)]
+    ]
+    assert not upward, "imports up a floor:\n" + "\n".join(upward)
+
+
+def test_the_floor_check_sees_an_import_up_a_floor(tmp_path):
+    """The walker finds a deferred import inside a function (what a knot hides behind)."""
+    probe = tmp_path / "probe.py"
+    probe.write_text("def f():\n    from qcompiler.pipeline.pass_base import Pass\n")
+    mods = {"qcompiler.ir.probe": probe, "qcompiler.pipeline.pass_base": probe}
+    found = _imports("qcompiler.ir.probe", probe, mods)
+    assert found == {"qcompiler.pipeline.pass_base"}
+    assert _floor_of("qcompiler.ir.probe") == "ir" and _floor_of("qcompiler.pipeline.pass_base") == "pipeline"
 
 
 def test_import_paths_from_before_the_rooms_name_the_same_modules():

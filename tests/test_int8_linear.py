@@ -6,7 +6,7 @@ from tiny_models import example_inputs, main_output, make_model
 
 import qcompiler as qc
 from qcompiler.algorithms.int8 import quantize_per_token, quantize_weight_per_channel
-from qcompiler.ir.ops import int8_matmul
+from qcompiler.layouts.int8 import int8_matmul
 
 I8 = torch.ops.qc.int8_linear.default
 

@@ -11,14 +11,6 @@ import torch
 from kernel_problems import gptq_problem
 
 from qcompiler.algorithms.spqr import spqr_quantize
-from qcompiler.ir.ops import (
-    dequantize_gptq,
-    dequantize_spqr_dense,
-    quant_experts_linear,
-    quant_linear,
-    sparse_outlier_linear,
-    spqr_dense_linear,
-)
 from qcompiler.kernels import UnsupportedKernel
 from qcompiler.kernels.kernel_layout import (
     dequantize_layout,
@@ -28,7 +20,8 @@ from qcompiler.kernels.kernel_layout import (
     stack_experts,
 )
 from qcompiler.kernels.layout_linear import layout_experts_linear, layout_linear
-from qcompiler.passes.spqr import pack_spqr
+from qcompiler.layouts.gptq import dequantize_gptq, quant_experts_linear, quant_linear
+from qcompiler.layouts.spqr import dequantize_spqr_dense, pack_spqr, sparse_outlier_linear, spqr_dense_linear
 
 FP32_TOL = dict(rtol=1e-5, atol=1e-4)
 HALF_TOL = {torch.float16: dict(rtol=2e-2, atol=2e-2), torch.bfloat16: dict(rtol=5e-2, atol=1e-1)}

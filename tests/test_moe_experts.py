@@ -11,7 +11,7 @@ from qcompiler.algorithms.gptq import rtn_quantize
 from qcompiler.evaluation.eval import bits_per_parameter
 from qcompiler.frontend.causal_lm import graph_inputs
 from qcompiler.ir.experts import find_expert_linears
-from qcompiler.ir.ops import pack_gptq
+from qcompiler.layouts.gptq import pack_gptq
 
 QEXPERTS = torch.ops.qc.quant_experts_linear.default
 
@@ -170,8 +170,8 @@ def _spqr_experts(E=3, n_in=64, n_out=64, seed=3):
     """Three experts' SpQR results (outliers at a low threshold) and their stacked op tensors
     (64 outputs: four statistic groups of 16, so a wrong output width shows)."""
     from qcompiler.algorithms.spqr import spqr_quantize
-    from qcompiler.passes.spqr import pack_spqr
-    from qcompiler.pipeline.weight_only import LayerQuant
+    from qcompiler.layouts import LayerQuant, LayerRewrite
+    from qcompiler.layouts.spqr import SPQR, pack_spqr
 
     torch.manual_seed(seed)
     results = []
@@ -180,8 +180,8 @@ def _spqr_experts(E=3, n_in=64, n_out=64, seed=3):
         results.append(
             spqr_quantize(w, X.t() @ X, bits=3, group_size=16, stat_bits=3, stat_group_size=16, outlier_threshold=0.3)
         )
-    spqr = qc.passes.SpQR()
-    op, tensors, constants = spqr._stack_experts([LayerQuant(None, {}, pack_spqr(r, 3, 3), None) for r in results])
+    rewrite = LayerRewrite("spqr", dict(bits=3, group_size=16, stat_bits=3, stat_group_size=16, out_features=n_out))
+    op, tensors, constants = SPQR.experts_stack([LayerQuant(None, {}, pack_spqr(r, 3, 3), rewrite) for r in results])
     assert op == "spqr_experts_linear" and all(r.outliers.any() for r in results)
     return results, tensors, constants
 

@@ -3,7 +3,9 @@
 ``tests/data/artifacts_before_layouts/`` holds one tiny artifact per storage layout (GPTQ, a
 llama.cpp grid, SpQR, int8, and the GPTQ and SpQR experts ops of a Mixtral), saved by qcompiler at
 commit 3cbcb9e — before storage layouts moved into ``qcompiler/layouts/`` — with the logits the
-saving process computed. A user's saved model must survive the code moving around it."""
+code of that commit computed from them on one thread (bit-identity holds at equal threads: a
+Mixtral's expert matmuls round differently on two). A user's saved model must survive the code
+moving around it."""
 
 from pathlib import Path
 
@@ -32,10 +34,18 @@ def test_every_layout_has_a_saved_artifact():
 @pytest.mark.parametrize("name", SAVED)
 def test_an_artifact_saved_before_the_layouts_room_loads_bit_identically(name):
     cm = qc.load(DATA / name)
-    ops = {n.target._schema.name.split("::")[-1] for n in cm.graph_module.graph.nodes if n.op == "call_function"
-           and getattr(n.target, "namespace", None) == "qc"}
+    ops = {
+        n.target._schema.name.split("::")[-1]
+        for n in cm.graph_module.graph.nodes
+        if n.op == "call_function" and getattr(n.target, "namespace", None) == "qc"
+    }
     assert ops == OPS[name]
     expected = load_file(str(DATA / f"{name}.expected.safetensors"))
-    with torch.no_grad():
-        logits = cm(input_ids=expected["input_ids"]).logits
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with torch.no_grad():
+            logits = cm(input_ids=expected["input_ids"]).logits
+    finally:
+        torch.set_num_threads(threads)
     assert torch.equal(logits, expected["logits"])

@@ -1,5 +1,8 @@
-"""Every ``qc`` op x every backend and exporter: an implementation or a stated refusal, registered
-against the op spec beside the target's own code; no target keeps a private per-op table."""
+"""Every storage layout's ops (and every other ``qc`` op) x every backend and exporter: an
+implementation or a stated refusal, registered against the op spec beside the target's own code;
+no target keeps a private per-op table. The targets come from the backend and export-format
+registries (each names its op-registry target), so a new backend or format is asked about every op
+without editing this file."""
 
 import ast
 import pathlib
@@ -9,16 +12,41 @@ import torch
 from tiny_models import example_inputs, make_model
 
 import qcompiler as qc
-import qcompiler.backends.onnx_export  # noqa: F401  (registers the ONNX translations)
-import qcompiler.interop  # noqa: F401  (registers the checkpoint writers)
+from qcompiler.backends import available_backends, backend_target
+from qcompiler.export_formats import export_format, export_format_names
 from qcompiler.ir.op_registry import implementation, implementations, registered, storage_ops, targets
+from qcompiler.layouts import layouts
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-EXPECTED_TARGETS = {"eager", "triton", "onnx", "gptq", "compressed-tensors"}
+
+
+def _registered_targets() -> set[str]:
+    """Every backend's and export format's target (importing each writer registers its lines)."""
+    found = {backend_target(name) for name in available_backends()}
+    found |= {export_format(name).load_target() for name in export_format_names()}
+    return found - {None}
+
+
+def test_every_layout_op_is_implemented_or_refused_by_every_backend_and_export_format():
+    needed = _registered_targets()
+    assert {"eager", "triton", "onnx", "gptq", "compressed-tensors", "gguf"} <= needed  # the walk finds the built-ins
+    assert needed <= set(targets()), f"registries name targets the op registry lacks: {needed - set(targets())}"
+    assert set(layouts()) >= {"gptq", "gguf", "spqr", "int8"}
+    missing = [
+        f"{target} x {name} layout's qc.{op}"
+        for name, lay in layouts().items()
+        for op in lay.ops
+        for target in needed
+        if implementation(target, op) is None
+    ]
+    assert not missing, "no implementation or refusal registered for: " + ", ".join(missing)
+    in_a_layout = {op for lay in layouts().values() for op in lay.ops}
+    layout_free = {"hadamard"}  # ops every layout shares (ir/ops.py)
+    assert {op.name for op in storage_ops()} <= in_a_layout | layout_free, "a stored op belongs to no layout"
 
 
 def test_every_op_is_implemented_or_refused_by_every_target():
-    assert EXPECTED_TARGETS <= set(targets())
+    _registered_targets()
     missing = [
         f"{target} x qc.{op.name}"
         for target in targets()
@@ -35,7 +63,8 @@ def test_every_op_is_implemented_or_refused_by_every_target():
 
 
 def test_implementations_load_to_callables():
-    for target in ("eager", "onnx", "gptq", "compressed-tensors"):  # triton's load imports Triton
+    _registered_targets()
+    for target in ("eager", "onnx", "gptq", "compressed-tensors", "gguf"):  # triton's load imports Triton
         for op in storage_ops():
             impl = implementation(target, op.name)
             if impl.refusal is None:

@@ -10,7 +10,7 @@ import torch
 import qcompiler.backends.onnx_attention  # noqa: F401  (defines export-only ops)
 import qcompiler.backends.onnx_layout  # noqa: F401
 from qcompiler.ir.op_registry import args_of, call_op, registered, spec
-from qcompiler.ir.ops import pack_gptq
+from qcompiler.layouts.gptq import pack_gptq
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -16,8 +16,8 @@ from tiny_models import example_inputs, main_output, make_model
 
 import qcompiler as qc
 from qcompiler.cli import main
+from qcompiler.files.atomic import MARKER, OutputPathError, write_text_atomically
 from qcompiler.interop import export_compressed_tensors, export_gptq
-from qcompiler.store.atomic import MARKER, OutputPathError, write_text_atomically
 
 
 @pytest.fixture(scope="module")
@@ -94,7 +94,7 @@ def test_a_path_under_a_file_is_refused_before_any_work(writer, cm, tmp_path):
 
 
 def test_the_system_temp_folder_itself_is_never_the_target(monkeypatch):
-    from qcompiler.store import atomic
+    from qcompiler.files import atomic
 
     assert atomic._system_folder(Path("/var/tmp")) == "/var"  # the folder itself: a system folder
     assert atomic._system_folder(Path("/var/tmp/out")) is None  # a new folder inside it: allowed

@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from qcompiler.algorithms.packing import pack_cols, pack_rows, unpack_cols, unpack_rows
-from qcompiler.ir.ops import dequantize_gptq, pack_gptq
+from qcompiler.layouts.gptq import dequantize_gptq, pack_gptq
 
 
 @settings(max_examples=60, deadline=None)

@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 
 import qcompiler as qc
 from qcompiler import models
-from qcompiler.pipeline import weight_only
+from qcompiler.pipeline import block_walk as weight_only
 from qcompiler.pipeline.run_checkpoint import ProgressError, RunCheckpoint
 
 

@@ -10,7 +10,8 @@ import torch
 
 from qcompiler import passes as P
 from qcompiler.distributed.ranks import SWEEP, Piece, Ranks, SolveJob, row_ranges
-from qcompiler.pipeline.weight_only import SolvedLayer, _BlockQuantizer, join_rows
+from qcompiler.pipeline.block_walk import _BlockQuantizer
+from qcompiler.pipeline.solved import SolvedLayer, join_rows
 
 
 def _problem(out: int, n_in: int, seed: int = 0):

@@ -6,7 +6,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from qcompiler.store.safetensors_stream import StreamedTensor, write_streamed
+from qcompiler.files.safetensors_stream import StreamedTensor, write_streamed
 
 
 def _entries(tensors):

@@ -12,8 +12,8 @@ from qcompiler.algorithms.gptq import gptq_quantize, output_error
 from qcompiler.algorithms.quant_grid import fit_grid
 from qcompiler.algorithms.spqr import leave_one_out_reduction, quantize_stats, spqr_quantize, spqr_quantize_reference
 from qcompiler.evaluation.eval import bits_per_parameter
-from qcompiler.ir.ops import dequantize_spqr_dense, sparse_outlier_linear, spqr_dense_linear
-from qcompiler.passes.spqr import pack_spqr, stored_bits
+from qcompiler.layouts import stored_bits
+from qcompiler.layouts.spqr import dequantize_spqr_dense, pack_spqr, sparse_outlier_linear, spqr_dense_linear
 
 
 def problem(out=64, n=128, seed=0):

@@ -97,7 +97,7 @@ def test_finished_blocks_wait_on_disk_and_the_spill_is_removed(folder, tmp_path,
     folder is gone afterwards."""
     import tempfile
 
-    from qcompiler.store import spill
+    from qcompiler.files import spill
 
     parked, park = [], spill.Spill.park
     monkeypatch.setattr(
@@ -125,9 +125,9 @@ def test_streamed_experts_leave_memory_once_their_block_is_done(tmp_path, monkey
     The result is still the full load's."""
     import transformers as T
 
+    from qcompiler.files import spill
     from qcompiler.ir.tensors import get_raw_tensor
-    from qcompiler.pipeline import weight_only
-    from qcompiler.store import spill
+    from qcompiler.pipeline import block_walk as weight_only
 
     torch.manual_seed(0)
     config = T.MixtralConfig(
@@ -209,7 +209,7 @@ def test_a_streamed_save_holds_one_tensor_at_a_time(folder, streamed_gptq, tmp_p
     to one saved from a fully materialized compile. The spill folder goes once the model is read."""
     import tempfile
 
-    from qcompiler.store import spill
+    from qcompiler.files import spill
 
     x, recipe, want = load(folder).example_inputs(), "gptq-w4g128", streamed_gptq
     want.save(tmp_path / "want")
@@ -389,7 +389,7 @@ def test_a_killed_runs_spill_folder_is_swept_by_the_next_run(tmp_path, monkeypat
     import sys
     import tempfile
 
-    from qcompiler.store import spill
+    from qcompiler.files import spill
 
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)

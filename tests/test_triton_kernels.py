@@ -12,15 +12,10 @@ from qcompiler import kernels
 from qcompiler.algorithms.hadamard import random_signs
 from qcompiler.algorithms.int8 import quantize_per_token
 from qcompiler.algorithms.spqr import spqr_quantize
-from qcompiler.ir.ops import (
-    hadamard,
-    int8_linear,
-    quant_linear,
-    sparse_outlier_linear,
-    spqr_dense_linear,
-    to_csr,
-)
-from qcompiler.passes.spqr import pack_spqr
+from qcompiler.ir.ops import hadamard
+from qcompiler.layouts.gptq import quant_linear
+from qcompiler.layouts.int8 import int8_linear
+from qcompiler.layouts.spqr import pack_spqr, sparse_outlier_linear, spqr_dense_linear, to_csr
 
 FP32_TOL = dict(rtol=1e-5, atol=1e-4)
 HALF_TOL = {torch.float16: dict(rtol=2e-2, atol=2e-2), torch.bfloat16: dict(rtol=5e-2, atol=1e-1)}

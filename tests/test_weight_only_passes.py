@@ -7,7 +7,7 @@ import torch
 from tiny_models import Stack, example_inputs, main_output, make_model
 
 import qcompiler as qc
-from qcompiler.ir.ops import dequantize_gptq
+from qcompiler.layouts.gptq import dequantize_gptq
 
 QL = torch.ops.qc.quant_linear.default
 

@@ -15,8 +15,8 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from qcompiler.files.atomic import publish_directory
 from qcompiler.store.artifact import read_manifest, role_files
-from qcompiler.store.atomic import publish_directory
 from qcompiler.store.escaping import markdown_code, markdown_text, printable
 
 __all__ = ["write_report"]

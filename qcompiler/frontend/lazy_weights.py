@@ -7,7 +7,7 @@ tables) stay real. ``attach`` swaps the captured graph's fake tensors for ``meta
 records which checkpoint tensor each one is; ``graph.get_tensor`` then reads a placeholder's
 tensor from disk on every access, so the calibration engine holds one block's weights at a time
 and a pass's result, once stored, replaces the placeholder. A weight pass's results parked on
-disk while it ran (``store/spill.py``) become placeholders too (``adopt_parked``), read from their
+disk while it ran (``files/spill.py``) become placeholders too (``adopt_parked``), read from their
 files. ``materialize_all`` reads what is still a placeholder (embeddings, norms, layers kept in
 full precision, parked results) when the passes are done; ``compile(..., materialize=False)``
 leaves them on disk, and the artifact writer reads them one at a time.
@@ -28,9 +28,9 @@ from torch.fx import GraphModule
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
 from qcompiler.errors import PassError
+from qcompiler.files.spill import Parked, Spill
 from qcompiler.frontend.checkpoint_keys import Converted, Entry, checkpoint_keys
 from qcompiler.ir.tensors import LAZY_META_KEY, drop_tensor, get_raw_tensor, set_tensor
-from qcompiler.store.spill import Parked, Spill
 
 __all__ = [
     "Checkpoint",
@@ -185,7 +185,7 @@ def _check_against_checkpoint(model: torch.nn.Module, checkpoint: Checkpoint) ->
 @dataclass
 class LazySource:
     """Where each placeholder of a captured graph comes from: the model's checkpoint, or a pass's
-    results parked on disk (``store/spill.py``)."""
+    results parked on disk (``files/spill.py``)."""
 
     checkpoint: Checkpoint
     keys: dict[str, Entry] = field(default_factory=dict)  # graph target -> checkpoint tensor(s)

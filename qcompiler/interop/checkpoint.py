@@ -12,13 +12,13 @@ from safetensors.torch import save_file
 from torch.fx import GraphModule, Node
 
 from qcompiler.data import ByteTokenizer
-from qcompiler.errors import QCompilerError
+from qcompiler.errors import ExportError
+from qcompiler.files.atomic import publish_directory
+from qcompiler.files.sharding import DEFAULT_SHARD_BYTES, plan_shards, shard_names
 from qcompiler.ir.op_registry import OpArgs, args_of, implementation, quantized_layer_path, spec_of
-from qcompiler.ir.ops import GPTQ_TENSORS
 from qcompiler.ir.tensors import get_tensor
-from qcompiler.store.atomic import publish_directory
+from qcompiler.layouts.gptq import GPTQ_TENSORS
 from qcompiler.store.model_files import model_files
-from qcompiler.store.sharding import DEFAULT_SHARD_BYTES, plan_shards, shard_names
 
 __all__ = [
     "ONLINE_ROTATION",
@@ -42,10 +42,6 @@ ONLINE_ROTATION = (
     "an online Hadamard rotation (Rotate's online step), which checkpoint clients (transformers, vLLM, "
     "GPTQModel) cannot run; quantize with Rotate(online=False) for an ordinary checkpoint, or export to ONNX"
 )
-
-
-class ExportError(QCompilerError):
-    """The graph holds something the chosen checkpoint format cannot express (the message names it)."""
 
 
 @dataclass

@@ -39,7 +39,7 @@ from qcompiler.ir.op_registry import (
     register_target,
     spec_of,
 )
-from qcompiler.ir.ops import GPTQ_TENSORS
+from qcompiler.layouts.gptq import GPTQ_TENSORS
 
 __all__ = ["export_compressed_tensors"]
 

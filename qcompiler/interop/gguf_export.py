@@ -26,6 +26,7 @@ import torch
 from qcompiler.algorithms.gguf_bytes import pack
 from qcompiler.algorithms.gguf_grids import FORMATS, GRID_FALLBACK, fit_grid, quantize_codes
 from qcompiler.algorithms.packing import unpack_cols, unpack_rows
+from qcompiler.files.atomic import atomic_file, check_output_file
 from qcompiler.interop.checkpoint import (
     ONLINE_ROTATION,
     ExportError,
@@ -39,14 +40,8 @@ from qcompiler.interop.checkpoint import (
 from qcompiler.interop.gguf_blocks import BLOCK_TYPES, layer_fits, pack_blocks
 from qcompiler.interop.gguf_tokenizer import embed_tokenizer
 from qcompiler.ir.op_registry import args_of, implement, refuse, register_target, spec_of
-from qcompiler.ir.ops import (
-    GPTQ_TENSORS,
-    SPQR_DENSE_TENSORS,
-    dequantize_gptq,
-    dequantize_spqr_dense,
-    sparse_outlier_linear,
-)
-from qcompiler.store.atomic import atomic_file, check_output_file
+from qcompiler.layouts.gptq import GPTQ_TENSORS, dequantize_gptq
+from qcompiler.layouts.spqr import SPQR_DENSE_TENSORS, dequantize_spqr_dense, sparse_outlier_linear
 from qcompiler.store.model_files import model_files
 from qcompiler.version import __version__
 

@@ -37,10 +37,10 @@ from qcompiler.interop.checkpoint import (
     model_config_of,
     write_checkpoint,
 )
-from qcompiler.interop.gptq_format import SPLIT_PROJECTIONS, zeros_from_v1, zeros_to_v1
 from qcompiler.interop.moe_checkpoint import UNFUSED_NAMES, expert_layers, moe_checkpoint_names, split_outputs
 from qcompiler.ir.op_registry import args_of, implement, refuse, register_target
-from qcompiler.ir.ops import GPTQ_TENSORS
+from qcompiler.layouts.gptq import GPTQ_TENSORS
+from qcompiler.layouts.gptq_format import SPLIT_PROJECTIONS, zeros_from_v1, zeros_to_v1
 
 __all__ = ["export_gptq", "zeros_to_v1", "zeros_from_v1"]
 

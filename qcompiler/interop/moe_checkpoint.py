@@ -22,7 +22,7 @@ import torch
 from qcompiler.algorithms.packing import pack_cols, unpack_cols
 from qcompiler.interop.checkpoint import ExportError, QuantLayer
 from qcompiler.ir.experts import find_expert_linears
-from qcompiler.ir.ops import GPTQ_TENSORS
+from qcompiler.layouts.gptq import GPTQ_TENSORS
 
 __all__ = ["EXPERT_NAMES", "UNFUSED_NAMES", "split_outputs", "expert_layers", "moe_checkpoint_names", "block_path"]
 

@@ -25,8 +25,8 @@ from typing import Optional
 import onnx
 from onnx import TensorProto, helper
 
+from qcompiler.files.atomic import publish_directory
 from qcompiler.interop.checkpoint import ExportError, source_folder, write_tokenizer_files
-from qcompiler.store.atomic import publish_directory
 
 __all__ = ["export_onnx_genai", "genai_config"]
 

@@ -3,7 +3,7 @@
 Passes, backends, bit counting and exporters read a ``qc`` node through :func:`args_of`
 (``a.qweight``, ``a.bits``) and build one through :func:`call_op` (keyword arguments), so the
 argument order lives in exactly one place: the op's ``torch.library`` schema. A new op is
-defined in ``qcompiler/ir/ops.py`` (or a backend's lowering module) and registered here with the
+defined in its layout's file under ``qcompiler/layouts/`` (layout-free ops: ``qcompiler/ir/ops.py``; export-only ones: a backend's lowering module) and registered here with the
 names of its stored tensors, the number of weights it stands for and its capabilities; tests/test_op_registry.py
 fails on positional ``args[...]`` access to ``qc`` nodes anywhere else.
 
@@ -22,8 +22,8 @@ import torch
 from torch.fx import Graph, GraphModule, Node
 
 from qcompiler.ir.graph import module_path
+from qcompiler.ir.graph_property import GraphProperty
 from qcompiler.ir.tensors import get_raw_tensor, get_tensor
-from qcompiler.pipeline.pass_base import GraphProperty
 
 __all__ = [
     "OpSpec",

@@ -1,19 +1,15 @@
 """Graph rewrites that passes share: replacing a tensor, folding per-channel scales into a
-linear's weight columns or output rows, inserting an explicit scale multiply, and swapping a
-linear (or a grouped expert matmul) for a ``qc`` op whose tensors are stored beside it.
-Each keeps the graph valid; numerics are the caller's business."""
+linear's weight columns or output rows, inserting an explicit scale multiply (swapping a linear
+for a ``qc`` op is ``qcompiler/ir/node_swap.py``). Each keeps the graph valid; numerics are the
+caller's business."""
 
 from __future__ import annotations
-
-from typing import Callable
 
 import torch
 from torch.fx import GraphModule
 
-from qcompiler.ir.experts import ExpertLinear
 from qcompiler.ir.graph import LinearLayer, aten
-from qcompiler.ir.op_registry import call_op
-from qcompiler.ir.tensors import drop_attr_if_unused, get_tensor, set_tensor
+from qcompiler.ir.tensors import get_tensor, set_tensor
 from qcompiler.pipeline.smoothing_plan import SmoothingPlan
 
 __all__ = [
@@ -22,8 +18,6 @@ __all__ = [
     "scale_input_columns",
     "scale_output_rows",
     "insert_smoothing_multiply",
-    "replace_linear",
-    "replace_experts",
     "fold_channel_scales",
     "insert_pending_multiplies",
 ]
@@ -97,47 +91,3 @@ def insert_pending_multiplies(gm: GraphModule, pending: list) -> None:
         insert_smoothing_multiply(gm, group, inv, label)
         for layer in group:
             scale_input_columns(gm, layer, 1.0 / inv)
-
-
-def replace_experts(
-    gm: GraphModule, expert: ExpertLinear, op_name: str, tensors: dict[str, torch.Tensor], constants: dict
-) -> torch.fx.Node:
-    """Swap a grouped matmul over 3-D expert weights for ``qc.{op_name}`` on the stacked tensors
-    (stored beside the parameter, as ``{path}_qweight`` etc.) and ``constants`` (bits, ...)."""
-    graph = gm.graph
-    for name, tensor in tensors.items():
-        set_tensor(gm, f"{expert.path}_{name}", tensor)
-    with graph.inserting_before(expert.node):
-        attrs = {name: graph.get_attr(f"{expert.path}_{name}") for name in tensors}
-        new = call_op(graph, op_name, x=expert.input, offsets=expert.offsets, **attrs, **constants)
-    new.meta.update({k: v for k, v in expert.node.meta.items() if k in ("nn_module_stack", "val", "stack_trace")})
-    weight_user = expert.weight_user
-    expert.node.replace_all_uses_with(new)
-    graph.erase_node(expert.node)
-    if weight_user is not expert.weight_node and not weight_user.users:
-        graph.erase_node(weight_user)  # the transpose that read the FP weight
-    drop_attr_if_unused(gm, expert.weight_node)
-    return new
-
-
-def replace_linear(
-    gm: GraphModule,
-    layer: LinearLayer,
-    op_name: str,
-    tensors: dict[str, torch.Tensor],
-    make_args: Callable[[torch.fx.Node, dict], dict],
-) -> torch.fx.Node:
-    """Store ``tensors`` beside the layer (``{path}.{name}``; callers put them where the graph's
-    weights live) and swap its node for ``qc.{op_name}(**make_args(x, attrs))``."""
-    graph = gm.graph
-    base = layer.path or layer.node.name
-    for name, tensor in tensors.items():
-        set_tensor(gm, f"{base}.{name}", tensor)
-    with graph.inserting_before(layer.node):
-        attrs = {name: graph.get_attr(f"{base}.{name}") for name in tensors}
-        new = call_op(graph, op_name, **make_args(layer.input, attrs))
-    new.meta.update({k: v for k, v in layer.node.meta.items() if k in ("nn_module_stack", "val", "stack_trace")})
-    layer.node.replace_all_uses_with(new)
-    graph.erase_node(layer.node)
-    drop_attr_if_unused(gm, layer.weight_node)
-    return new

@@ -13,7 +13,6 @@ before anything runs, and checks each claimed property after its pass ran
 from __future__ import annotations
 
 import dataclasses
-import enum
 import sys
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Optional
@@ -22,19 +21,9 @@ import torch
 from torch.fx import GraphModule
 
 from qcompiler.distributed.ranks import current_ranks
+from qcompiler.ir.graph_property import GraphProperty
 
 __all__ = ["GraphProperty", "Pass", "PassContext", "PassRecord", "PassResult", "progress_line"]
-
-
-class GraphProperty(enum.Enum):
-    """Facts about a graph that passes establish and depend on."""
-
-    CAPTURED = "captured"  # an aten-level export graph (always true at start)
-    SMOOTHED = "smoothed"  # SmoothQuant scales folded in
-    ROTATED = "rotated"  # orthogonal rotations folded in (outputs unchanged)
-    QUANTIZED_WEIGHTS = "quantized_weights"  # linears replaced by weight-quantized ops
-    INT8_LOWERED = "int8_lowered"  # linears replaced by int8 x int8 ops
-    OUTLIERS_SPLIT = "outliers_split"  # SpQR dense + sparse branches
 
 
 @dataclass

@@ -1,7 +1,10 @@
-"""Built-in recipes: named, ordered lists of passes (list them with :func:`list_recipes`).
+"""Recipes: named, ordered lists of passes, and the registry ``compile(recipe=NAME)`` looks names up in.
 
 A recipe is data: a name, a description and the passes it runs. ``compile()`` accepts a recipe
-name, a :class:`Recipe`, or a plain list of passes (including user-written ones).
+name, a :class:`Recipe`, or a plain list of passes (including user-written ones). Names are
+registered one by one (:func:`register_recipe`) or as a family sharing a prefix whose rest is an
+argument (:func:`register_recipe_family`: ``auto:3.25``). The built-in table lives beside the
+passes it names (``passes/builtin_recipes.py``), registered when ``qcompiler.passes`` is imported.
 """
 
 from __future__ import annotations
@@ -10,11 +13,10 @@ import difflib
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-from qcompiler.algorithms.gguf_grids import FORMATS, GRID_FALLBACK
 from qcompiler.errors import RecipeError
 from qcompiler.pipeline.pass_base import Pass
 
-__all__ = ["Recipe", "register_recipe", "get_recipe", "list_recipes"]
+__all__ = ["Recipe", "register_recipe", "register_recipe_family", "get_recipe", "list_recipes", "recipe_families"]
 
 
 @dataclass(frozen=True)
@@ -27,6 +29,7 @@ class Recipe:
 
 
 _REGISTRY: dict[str, tuple[str, Callable[[], Sequence[Pass]]]] = {}
+_FAMILIES: dict[str, tuple[str, Callable[[str], Recipe]]] = {}
 
 
 def register_recipe(name: str, description: str, factory: Callable[[], Sequence[Pass]]) -> None:
@@ -34,249 +37,32 @@ def register_recipe(name: str, description: str, factory: Callable[[], Sequence[
     _REGISTRY[name] = (description, factory)
 
 
-AUTO_PREFIX = "auto:"  # auto:B — the AutoBits pass at a budget of B bits per parameter
-AUTO_SIGNROUND_PREFIX = "auto-signround:"  # auto-signround:B — auto:B's allocation, quantized by SignRound
-AUTO_GGUF_PREFIX = "auto-gguf:"  # auto-gguf:B — auto:B over llama.cpp's block types only (one GGUF file)
-ROTATE_PREFIX = "rotate-"  # rotate-auto:B — the Rotate pass, then auto:B (rotate-auto-signround:B likewise)
+def register_recipe_family(prefix: str, grammar: str, build: Callable[[str], Recipe]) -> None:
+    """Make every name ``prefix + ARG`` a recipe: ``build(name)`` makes it (fresh passes), raising a
+    RecipeError that names the argument when it cannot; ``grammar`` shows the form (``auto:B``)."""
+    _FAMILIES[prefix] = (grammar, build)
+
+
+def recipe_families() -> dict[str, str]:
+    """Each registered family's prefix and its grammar."""
+    return {prefix: grammar for prefix, (grammar, _) in _FAMILIES.items()}
 
 
 def get_recipe(name: str) -> Recipe:
-    """The built-in or registered recipe ``name`` (fresh pass instances), or an error suggesting a name.
-    ``auto:B`` is automatic mixed precision at ``B`` bits per parameter (passes/auto_bits.py);
-    ``rotate-auto:B`` the same after the Rotate pass (passes/rotate.py)."""
-    _register_builtins()
-    if name.startswith((AUTO_PREFIX, AUTO_SIGNROUND_PREFIX, AUTO_GGUF_PREFIX)):
-        return _auto_recipe(name)
-    if name.startswith((ROTATE_PREFIX + AUTO_PREFIX, ROTATE_PREFIX + AUTO_SIGNROUND_PREFIX)):
-        from qcompiler import passes as P
-
-        auto = _auto_recipe(name[len(ROTATE_PREFIX) :])
-        return Recipe(name, (P.Rotate(), *auto.passes), "randomized Hadamard rotations, then " + auto.description)
+    """The registered recipe ``name`` (fresh pass instances) — the longest registered family prefix
+    it starts with builds it — or an error suggesting a name."""
+    family = max((p for p in _FAMILIES if name.startswith(p)), key=len, default=None)
+    if family is not None:
+        return _FAMILIES[family][1](name)
     if name not in _REGISTRY:
         close = difflib.get_close_matches(name, _REGISTRY, n=1)
         hint = f"; did you mean {close[0]!r}?" if close else ""
-        raise RecipeError(f"unknown recipe {name!r}{hint} Known recipes: {', '.join(sorted(_REGISTRY))}")
+        forms = f" (and {', '.join(g for g, _ in _FAMILIES.values())})" if _FAMILIES else ""
+        raise RecipeError(f"unknown recipe {name!r}{hint} Known recipes: {', '.join(sorted(_REGISTRY))}{forms}")
     description, factory = _REGISTRY[name]
     return Recipe(name, tuple(factory()), description)
 
 
-def _auto_recipe(name: str) -> Recipe:
-    from qcompiler import passes as P
-
-    signround, gguf = name.startswith(AUTO_SIGNROUND_PREFIX), name.startswith(AUTO_GGUF_PREFIX)
-    text = name.split(":", 1)[1]
-    try:
-        budget = float(text)
-    except ValueError:
-        raise RecipeError(f"recipe {name!r}: {text!r} is not a number of bits per parameter (e.g. auto:3.25)") from None
-    if gguf:
-        from qcompiler.passes.auto_bits import GGUF_CANDIDATES
-
-        return Recipe(
-            name,
-            (P.AutoBits(budget=budget, candidates=GGUF_CANDIDATES),),
-            f"automatic mixed precision on llama.cpp's block types: per layer GPTQ on Q2_K/Q3_K/Q4_K/Q5_K/Q6_K/Q8_0, "
-            f"chosen from each layer's measured effect on the output to fit {budget:g} bits per parameter; "
-            "eager, ONNX Runtime and GGUF",
-        )
-    if signround:
-        return Recipe(
-            name,
-            (P.AutoBits(budget=budget, finish="signround"),),
-            f"automatic mixed precision by SignRound: per layer 2/3/4/8 bits x groups 32/64/128 chosen from each "
-            f"layer's measured effect on the output to fit {budget:g} bits per parameter, then every block's "
-            "rounding tuned jointly at those bits",
-        )
-    return Recipe(
-        name,
-        (P.AutoBits(budget=budget),),
-        f"automatic mixed precision: per layer GPTQ 2/3/4/8 bits x groups 32/64/128 or SpQR 3/4 bits, chosen from "
-        f"each layer's measured effect on the output to fit {budget:g} bits per parameter",
-    )
-
-
 def list_recipes() -> list[Recipe]:
-    """Every registered recipe."""
-    _register_builtins()
+    """Every registered recipe (families, which take an argument, are not listed)."""
     return [get_recipe(name) for name in _REGISTRY]
-
-
-_BUILTINS_DONE = False
-
-
-def _register_builtins() -> None:
-    """Built-ins are registered lazily so that importing qcompiler does not import every pass."""
-    global _BUILTINS_DONE
-    if _BUILTINS_DONE:
-        return
-    _BUILTINS_DONE = True
-    from qcompiler import passes as P
-
-    register_recipe("none", "no passes: the captured FP graph (a baseline)", lambda: [])
-    for name, (method, kw) in _WEIGHT_ONLY.items():
-        cls = getattr(P, method)
-        register_recipe(name, _describe(cls, kw), (lambda cls=cls, kw=kw: [cls(**kw)]))
-    register_recipe(
-        "spqr-w3g16",
-        "SpQR: 3-bit weights in groups of 16, 3-bit statistics (beta2=16), "
-        "act-order, outliers (relative tau 1.0) in fp16 CSR",
-        lambda: [P.SpQR()],
-    )
-    register_recipe(
-        "spqr-w4g16",
-        "SpQR, higher quality: 4-bit weights in groups of 16, 3-bit statistics, outliers (relative tau 1.0)",
-        lambda: [P.SpQR(bits=4)],
-    )
-    for bits in (4, 3):
-        register_recipe(
-            f"awq-w{bits}g128",
-            f"AWQ activation-aware scales (searched for {bits}-bit g128), then round-to-nearest W{bits}A16 g128",
-            (lambda bits=bits: [P.AWQ(bits=bits, group_size=128), P.RTN(bits=bits, group_size=128)]),
-        )
-        register_recipe(
-            f"awq-gptq-w{bits}g128",
-            f"AWQ activation-aware scales (searched for {bits}-bit g128), then GPTQ W{bits}A16 g128 (its defaults)",
-            (lambda bits=bits: [P.AWQ(bits=bits, group_size=128), P.GPTQ(bits=bits, group_size=128)]),
-        )
-    for bits in (4, 3):
-        register_recipe(
-            f"rotate-gptq-w{bits}g128",
-            f"randomized Hadamard rotations (residual stream where the norms allow, heads, online before the "
-            f"other linears), then GPTQ W{bits}A16 g128 (its defaults)",
-            (lambda bits=bits: [P.Rotate(), P.GPTQ(bits=bits, group_size=128)]),
-        )
-    for bits in (4, 3, 2):
-        register_recipe(
-            f"signround-w{bits}g128",
-            f"SignRound W{bits}A16 g128: rounding and clipping tuned per block against the block's output error "
-            "(200 signed-gradient steps, searched starting grid), stored like GPTQ",
-            (lambda bits=bits: [P.SignRound(bits=bits, group_size=128)]),
-        )
-    for bits in (4, 3):
-        register_recipe(
-            f"rotate-signround-w{bits}g128",
-            f"randomized Hadamard rotations, then SignRound W{bits}A16 g128",
-            (lambda bits=bits: [P.Rotate(), P.SignRound(bits=bits, group_size=128)]),
-        )
-    register_recipe(
-        "rotate-rtn-w4g128",
-        "randomized Hadamard rotations, then round-to-nearest W4A16 g128",
-        lambda: [P.Rotate(), P.RTN(bits=4, group_size=128)],
-    )
-    register_recipe(
-        "rotate-w8a8",
-        "randomized Hadamard rotations, then W8A8 (per-token dynamic activations), no smoothing",
-        lambda: [P.Rotate(), P.LowerInt8()],
-    )
-    register_recipe(
-        "w8a8", "int8 weights (per channel) and activations (per token, dynamic), no smoothing", lambda: [P.LowerInt8()]
-    )
-    register_recipe(
-        "w8a8-static",
-        "int8 weights (per channel), static per-tensor int8 activations",
-        lambda: [P.LowerInt8(activations="static_per_tensor")],
-    )
-    register_recipe(
-        "w8a8-smoothquant",
-        "SmoothQuant alpha=0.5, then W8A8 (per-token dynamic activations)",
-        lambda: [P.SmoothQuant(alpha=0.5), P.LowerInt8()],
-    )
-    register_recipe(
-        "w8a8-smoothquant-a0.8", "SmoothQuant alpha=0.8, then W8A8", lambda: [P.SmoothQuant(alpha=0.8), P.LowerInt8()]
-    )
-    register_recipe(
-        "w8a8-smoothquant-auto",
-        "SmoothQuant with alpha searched per producer group, then W8A8",
-        lambda: [P.SmoothQuant(alpha="auto"), P.LowerInt8()],
-    )
-
-
-def _describe(cls: type, kw: dict) -> str:
-    p = cls(**kw)  # the settings as they run: the recipe's, and the class defaults for the rest
-    method = "GPTQ" if cls.__name__ == "GPTQ" else "round-to-nearest"
-    group = "per channel" if p.group_size == -1 else f"groups of {p.group_size}"
-    order = getattr(p, "act_order", False)
-    extra = (
-        (", act-order" + (" (static groups)" if p.static_groups and p.group_size != -1 else " (g_idx)"))
-        if order
-        else ""
-    )
-    extra += ", lm_head in 4 bits (RTN)" if p.lm_head else ""
-    if p.grid in FORMATS:
-        fmt = FORMATS[p.grid]
-        if fmt.zero is not None:
-            kind = f"signed {'8' if fmt.sc_range[0] == -128 else '6'}-bit scales per super-block of 256"
-        elif fmt.super_block > fmt.sub_block:
-            kind = f"{fmt.sc_range[1].bit_length()}-bit scales and minima per super-block of 256"
-        else:
-            kind = "an fp16 scale and a free fp16 minimum each"
-        fallback = GRID_FALLBACK.get(p.grid)
-        fallback = f"; a width not a multiple of 256 on {fallback.upper()}" if fallback else ""
-        bpw = fmt.block_bytes * 8 / fmt.super_block
-        return (
-            f"{method} on llama.cpp's {fmt.name} grid ({fmt.bits}-bit codes in sub-blocks of {fmt.sub_block}, {kind}: "
-            f"{bpw:g} bits per weight, searched{fallback}){extra}; eager, ONNX Runtime and GGUF"
-        )
-    extra += ", searched (mse) grid" if p.grid == "mse" else ", min-max grid"
-    return f"{method} W{p.bits}A16, {group}, {'symmetric' if p.sym else 'asymmetric'}{extra}"
-
-
-# name -> (pass class in qcompiler.passes, its settings). Asymmetric grids: measured clearly better
-# than symmetric on MiniLM (docs/methods/gptq.md).
-_WEIGHT_ONLY = {
-    "rtn-w4g128": ("RTN", dict(bits=4, group_size=128, sym=False)),
-    "rtn-w3g128": ("RTN", dict(bits=3, group_size=128, sym=False)),
-    "rtn-w2g128": ("RTN", dict(bits=2, group_size=128, sym=False)),
-    "rtn-w3": ("RTN", dict(bits=3, group_size=-1, sym=False)),
-    "gptq-w4g128": ("GPTQ", dict(bits=4, group_size=128, sym=False)),
-    "gptq-w3g128": ("GPTQ", dict(bits=3, group_size=128, sym=False)),
-    "gptq-w2g128": ("GPTQ", dict(bits=2, group_size=128, sym=False)),
-    "gptq-w3": ("GPTQ", dict(bits=3, group_size=-1, sym=False)),
-    "gptq-w3-act": ("GPTQ", dict(bits=3, group_size=-1, sym=False, act_order=True, static_groups=False)),
-    # act-order with groups along the processing order (a g_idx gather at run time)
-    "gptq-w4g128-act": ("GPTQ", dict(bits=4, group_size=128, sym=False, act_order=True, static_groups=False)),
-    "gptq-w3g128-act": ("GPTQ", dict(bits=3, group_size=128, sym=False, act_order=True, static_groups=False)),
-    "gptq-w2g128-act": ("GPTQ", dict(bits=2, group_size=128, sym=False, act_order=True, static_groups=False)),
-    "gptq-w4g128-static": ("GPTQ", dict(bits=4, group_size=128, sym=False, act_order=True, static_groups=True)),
-    # the 2022 paper's settings (natural column order, min-max grids): the baseline the defaults are measured on
-    "gptq-w4g128-plain": (
-        "GPTQ",
-        dict(bits=4, group_size=128, sym=False, act_order=False, static_groups=False, grid="minmax"),
-    ),
-    "gptq-w3g128-plain": (
-        "GPTQ",
-        dict(bits=3, group_size=128, sym=False, act_order=False, static_groups=False, grid="minmax"),
-    ),
-    # symmetric grids, for clients that take no zero points (vLLM's CPU and Marlin GPTQ kernels)
-    "rtn-w4g128-sym": ("RTN", dict(bits=4, group_size=128, sym=True)),
-    "gptq-w4g128-sym": ("GPTQ", dict(bits=4, group_size=128, sym=True)),
-    "gptq-w3g128-sym": ("GPTQ", dict(bits=3, group_size=128, sym=True)),
-    # llama.cpp's Q4_0 / Q8_0 blocks (32 weights, one fp16 scale, symmetric): written to GGUF code for code
-    "rtn-q4_0": ("RTN", dict(bits=4, group_size=32, sym=True)),
-    "gptq-q4_0": ("GPTQ", dict(bits=4, group_size=32, sym=True)),
-    "rtn-q8_0": ("RTN", dict(bits=8, group_size=32, sym=True)),
-    "gptq-q8_0": ("GPTQ", dict(bits=8, group_size=32, sym=True)),
-    # llama.cpp's grids, stored as their own bytes (qc.gguf_linear): run in eager, ONNX Runtime (MatMulNBits)
-    # and llama.cpp. Q4_1 / Q5_1 (fp16 scale and minimum per 32, 5.0 / 6.0 bits per weight) on their own grid:
-    # longlm perplexity +0.30 % vs +0.79 % for an integer zero point (asymmetric groups of 32, written as Q4_1 too).
-    # Q4_K / Q5_K (super-blocks of 256: 6-bit scales and minima per 32, 4.5 / 5.5 bits per weight).
-    "rtn-q4_1": ("RTN", dict(bits=4, group_size=32, grid="q4_1")),
-    "gptq-q4_1": ("GPTQ", dict(bits=4, group_size=32, grid="q4_1")),
-    "rtn-q5_1": ("RTN", dict(bits=5, group_size=32, grid="q5_1")),
-    "gptq-q5_1": ("GPTQ", dict(bits=5, group_size=32, grid="q5_1")),
-    "rtn-q4_k": ("RTN", dict(bits=4, group_size=32, grid="q4_k")),
-    "gptq-q4_k": ("GPTQ", dict(bits=4, group_size=32, grid="q4_k")),
-    "rtn-q5_k": ("RTN", dict(bits=5, group_size=32, grid="q5_k")),
-    "gptq-q5_k": ("GPTQ", dict(bits=5, group_size=32, grid="q5_k")),
-    # Q6_K / Q3_K: symmetric, 6- / 3-bit codes per 16 with signed integer scales (6.5625 / 3.4375 bits per weight)
-    "rtn-q6_k": ("RTN", dict(bits=6, group_size=16, grid="q6_k")),
-    "gptq-q6_k": ("GPTQ", dict(bits=6, group_size=16, grid="q6_k")),
-    "rtn-q3_k": ("RTN", dict(bits=3, group_size=16, grid="q3_k")),
-    "gptq-q3_k": ("GPTQ", dict(bits=3, group_size=16, grid="q3_k")),
-    # Q2_K: 2-bit codes per 16 with 4-bit scales and minima (2.625 bits per weight)
-    "rtn-q2_k": ("RTN", dict(bits=2, group_size=16, grid="q2_k")),
-    "gptq-q2_k": ("GPTQ", dict(bits=2, group_size=16, grid="q2_k")),
-    # the output head in 4 bits too (RTN), as onnxruntime-genai's int4 builder: faster decoding
-    "rtn-w4g128-head": ("RTN", dict(bits=4, group_size=128, sym=False, lm_head=True)),
-    "gptq-w4g128-head": ("GPTQ", dict(bits=4, group_size=128, sym=False, lm_head=True)),
-}

@@ -29,9 +29,10 @@ from safetensors.torch import save_file
 from torch.fx import GraphModule
 
 from qcompiler.errors import QCompilerError
+from qcompiler.files.atomic import atomic_file, write_text_atomically
+from qcompiler.files.regular_files import read_regular_file, sha256_of
 from qcompiler.ir.tensors import get_raw_tensor
-from qcompiler.store.atomic import atomic_file, write_text_atomically
-from qcompiler.store.regular_files import read_regular_file, sha256_of
+from qcompiler.pipeline.solved import solved_from, solved_header, solved_tensors
 
 __all__ = ["ProgressError", "RunCheckpoint", "remove_progress", "run_fingerprint"]
 
@@ -165,11 +166,9 @@ class RunCheckpoint:
         return self.folder / f"pass{pass_index}-block{block}.safetensors"
 
     def recorded(self, pass_index: int, block: int) -> Optional[list]:
-        """The events (``weight_only._BlockQuantizer.journal``) an earlier run recorded for this block."""
+        """The events (``block_walk._BlockQuantizer.journal``) an earlier run recorded for this block."""
         if (pass_index, block) not in self._blocks:
             return None
-        from qcompiler.pipeline.weight_only import solved_from
-
         path = self._path(pass_index, block)
         try:
             with safe_open(str(path), framework="pt") as f:
@@ -196,8 +195,6 @@ class RunCheckpoint:
         """Write one solved block's events (rank 0; atomically)."""
         if not self.writer:
             return
-        from qcompiler.pipeline.weight_only import solved_header, solved_tensors
-
         meta, tensors = [], {}
         for i, (kind, path, data) in enumerate(events):
             if kind == "skip":
@@ -205,7 +202,7 @@ class RunCheckpoint:
                 continue
             headers = []
             for j, solved in enumerate([data] if kind == "linear" else data):
-                header = solved_header(solved, path)
+                header = solved_header(solved)
                 if header.get("error"):
                     raise ProgressError(header["error"])
                 headers.append(header)

@@ -3,7 +3,7 @@ GPTQ, SpQR, and yours).
 
 A subclass is a frozen dataclass that implements :meth:`quantize_layer` — one fp32 weight, and the
 Hessian of its inputs when calibrating, to a :class:`LayerQuant` — and inherits the rest: the
-block-sequential walk over calibration data (``weight_only.py``), the ``ignore`` filter, the output
+block-sequential walk over calibration data (``block_walk.py``), the ``ignore`` filter, the output
 head (:meth:`head_quantizer`), mixture-of-experts weights (:meth:`experts_format`), per-block
 hooks (:meth:`before_block` / :meth:`after_block`: where a scaling search such as AWQ's runs, with
 the block's inputs at hand), the report, and the contract (it provides ``QUANTIZED_WEIGHTS``).
@@ -19,9 +19,10 @@ import torch
 from torch.fx import GraphModule
 
 from qcompiler.ir.graph import LinearLayer
+from qcompiler.layouts import ExpertsFormat, LayerQuant, QuantizeFn
+from qcompiler.pipeline.block_walk import quantize_block_linears
 from qcompiler.pipeline.layer_filter import check_patterns
 from qcompiler.pipeline.pass_base import GraphProperty, Pass, PassContext
-from qcompiler.pipeline.weight_only import ExpertsFormat, LayerQuant, QuantizeFn, quantize_block_linears
 
 if TYPE_CHECKING:
     from qcompiler.calib.calibration import CalibrationEngine, Segment
@@ -90,5 +91,5 @@ class WeightQuantizer(Pass):
         return bool(getattr(self, "true_sequential", False))
 
     def run(self, gm: GraphModule, ctx: PassContext) -> bool:
-        """The block-by-block walk (``weight_only.quantize_block_linears``) with this quantizer."""
+        """The block-by-block walk (``block_walk.quantize_block_linears``) with this quantizer."""
         return quantize_block_linears(gm, ctx, self)

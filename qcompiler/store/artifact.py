@@ -31,6 +31,10 @@ from safetensors.torch import load as load_safetensors
 from safetensors.torch import save_file
 
 from qcompiler.errors import RecipeError
+from qcompiler.files.atomic import publish_directory
+from qcompiler.files.regular_files import open_regular, read_regular_file, sha256_of
+from qcompiler.files.safetensors_stream import StreamedTensor, write_streamed
+from qcompiler.files.sharding import DEFAULT_SHARD_BYTES, plan_shards, shard_names
 from qcompiler.frontend.capture import OPTIONAL_INPUTS, CaptureInfo
 from qcompiler.ir.model_size import model_size
 from qcompiler.ir.op_registry import spec_of
@@ -41,13 +45,9 @@ from qcompiler.pipeline.pass_registry import pass_name, resolve_pass
 from qcompiler.pipeline.recipe_files import recipe_from_dict
 from qcompiler.pipeline.recipes import Recipe
 from qcompiler.pipeline.report import Report
-from qcompiler.store.atomic import publish_directory
 from qcompiler.store.checkpoint_dtype import WIDEN_KEY, checkpoint_float_dtype, narrowing, widen
 from qcompiler.store.graph_format import ArtifactError, graph_from_data, graph_to_data
 from qcompiler.store.model_files import MAX_MODEL_FILE_BYTES, STORED_KEY, TOKENIZER_FILES, model_files
-from qcompiler.store.regular_files import open_regular, read_regular_file, sha256_of
-from qcompiler.store.safetensors_stream import StreamedTensor, write_streamed
-from qcompiler.store.sharding import DEFAULT_SHARD_BYTES, plan_shards, shard_names
 from qcompiler.version import __version__
 
 __all__ = [

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from torch.fx import GraphModule
 
-from qcompiler.store.regular_files import read_regular_file
+from qcompiler.files.regular_files import read_regular_file
 
 __all__ = ["TOKENIZER_FILES", "MAX_MODEL_FILE_BYTES", "model_files", "STORED_KEY"]
 

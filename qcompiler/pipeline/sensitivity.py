@@ -30,8 +30,8 @@ from qcompiler.calib.cpu_products import Float32Products
 from qcompiler.errors import QuantizationError
 from qcompiler.ir.graph import LinearLayer
 from qcompiler.ir.tensors import get_raw_tensor, get_tensor, set_tensor
+from qcompiler.layouts import LayerQuant, UnpackableLayer, store_dequantized, stored_bits
 from qcompiler.pipeline.pass_base import PassContext
-from qcompiler.pipeline.weight_only import LayerQuant, UnpackableLayer, store_dequantized, stored_bits
 
 __all__ = ["CandidateScore", "measure_sensitivities", "output_distance"]
 
@@ -133,7 +133,7 @@ def measure_sensitivities(
                 except (UnpackableLayer, QuantizationError):
                     continue  # this candidate cannot hold this layer's shape
                 store_dequantized(gm, layer, result.dequantized, stored)
-                row[name] = CandidateScore(stored_bits(result), distance())
+                row[name] = CandidateScore(stored_bits(result.tensors), distance())
             set_tensor(gm, layer.weight_node.target, original, parameter=isinstance(original, torch.nn.Parameter))
             if not row:
                 raise QuantizationError(f"layer {layer.path}: no candidate can quantize its shape {tuple(W.shape)}")

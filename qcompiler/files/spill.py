@@ -20,7 +20,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from qcompiler.store.atomic import left_by_dead_processes
+from qcompiler.files.atomic import left_by_dead_processes
 
 __all__ = ["Spill", "Parked"]
 

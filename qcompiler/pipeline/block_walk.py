@@ -1,4 +1,6 @@
-"""Plumbing shared by the weight-rewriting passes (RTN, GPTQ, SpQR): walk blocks, quantize, rewrite.
+"""The walk every weight-rewriting pass (RTN, GPTQ, SpQR, AWQ, SignRound, yours) runs: block by
+block, solve each linear (and expert matrix) with the pass's method, apply the result on every
+rank, rewrite the nodes into the result's storage layout at the end.
 
 During calibration a quantized layer's weight is replaced by its dequantized value, so later
 blocks see exactly the outputs the final quantized op produces (sequential calibration); once
@@ -7,212 +9,36 @@ every block is done, each linear node is swapped for the method's op(s).
 
 from __future__ import annotations
 
-import math
 import time
-from types import SimpleNamespace
-from typing import Callable, NamedTuple, Optional, Union
+from typing import Callable, Optional, Union
 
 import torch
 from torch.fx import GraphModule, Node
 
 from qcompiler.algorithms.finite import all_finite
-from qcompiler.algorithms.gguf_bytes import dequantize, pack
-from qcompiler.algorithms.gguf_grids import FORMATS, GRID_FALLBACK
-from qcompiler.algorithms.gptq import GGUF_GRIDS, QuantResult, output_error_terms, relative_error, rtn_quantize
-from qcompiler.algorithms.packing import packed_length
+from qcompiler.algorithms.gptq import output_error_terms, relative_error
 from qcompiler.calib.calibration import CalibrationEngine, LayerStats, RankWork
 from qcompiler.calib.host_memory import return_freed_memory
-from qcompiler.distributed.collectives import broadcast_json, broadcast_tensors
 from qcompiler.distributed.ranks import Piece, SolveJob, current_ranks
 from qcompiler.errors import QuantizationError
+from qcompiler.files.spill import Parked, Spill
 from qcompiler.frontend import lazy_weights
 from qcompiler.ir.experts import ExpertLinear, find_expert_linears
 from qcompiler.ir.graph import LinearLayer, block_of, find_linears, is_router
-from qcompiler.ir.op_registry import storage_ops
-from qcompiler.ir.ops import GPTQ_TENSORS, pack_gptq
+from qcompiler.ir.node_swap import replace_experts
 from qcompiler.ir.tensors import get_raw_tensor, set_tensor
-from qcompiler.pipeline.folding import replace_experts, replace_linear
+from qcompiler.layouts import ExpertsFormat, LayerQuant, LayerRewrite, QuantizeFn, UnpackableLayer, layout
 from qcompiler.pipeline.layer_filter import ignore_reason, report_unmatched
 from qcompiler.pipeline.pass_base import PassContext
-from qcompiler.store.spill import Parked, Spill
+from qcompiler.pipeline.solved import SolvedLayer, exchange, join_rows, moved_to
 
-__all__ = [
-    "LayerQuant",
-    "ExpertsFormat",
-    "quantize_block_linears",
-    "is_output_head",
-    "gptq_layer_quant",
-    "rtn_layer_quant",
-    "gptq_experts",
-    "check_packable",
-    "layer_grid",
-    "grid_settings",
-    "UnpackableLayer",
-    "skip_reason",
-    "store_dequantized",
-    "stored_bits",
-    "register_row_join",
-    "same_in_every_range",
-    "GPTQ_ROW_UNIT",
-]
-
-
-_REWRITES: dict[str, Callable] = {}
-
-
-def register_rewrite(kind: str):
-    """Register ``fn(gm, layer, tensors, **constants)`` as the rewrite named ``kind``."""
-
-    def add(fn: Callable) -> Callable:
-        _REWRITES[kind] = fn
-        return fn
-
-    return add
-
-
-_ROW_JOINS: dict[str, Callable] = {}
-
-# rows a GPTQ-layout layer may be split at: qzeros pack 32/bits rows per int32 word, 3-bit codes 32 per 3 words
-GPTQ_ROW_UNIT = 32
-
-
-def register_row_join(kind: str):
-    """Register ``fn(tensors: list[dict], constants: list[dict]) -> (tensors, constants, figures)``:
-    the stored tensors of a layer of rewrite ``kind`` solved in row ranges (in row order), joined
-    into the whole layer's, its rewrite constants, and report figures only the joined tensors give
-    (a distributed run splits a big layer's rows across ranks)."""
-
-    def add(fn: Callable) -> Callable:
-        _ROW_JOINS[kind] = fn
-        return fn
-
-    return add
-
-
-class LayerRewrite(NamedTuple):
-    """How the final rewrite swaps a solved layer's node: a rewrite registered by name and its
-    constants (JSON values). Data, not a closure, so a layer solved by one rank of a distributed
-    run can be rewritten on every rank; a closure still works in one process."""
-
-    kind: str
-    constants: dict
-
-    def __call__(self, gm: GraphModule, layer: LinearLayer, tensors: dict) -> None:
-        _REWRITES[self.kind](gm, layer, tensors, **self.constants)
-
-
-class LayerQuant(NamedTuple):
-    """What a method made of one layer (its tensors may live on the compute device: the caller moves
-    ``tensors`` to where the graph's weights live before ``rewrite`` stores them)."""
-
-    dequantized: torch.Tensor  # [out, in]: what the stored tensors stand for
-    figures: dict  # per-layer report entries
-    tensors: dict  # name -> tensor the rewrite stores
-    rewrite: Callable[[GraphModule, LinearLayer, dict], None]  # swaps the node for the method's op(s): a LayerRewrite
-    damped_error: Optional[tuple[float, float]] = None  # GPTQ's (‖E‖², λ): output_error without a GEMM
-
-
-class SolvedLayer(NamedTuple):
-    """One layer's solve as every rank applies it: the report figures, the stored tensors (on the
-    weights' device), the rewrite, and the dequantized weight as the graph stores it (its dtype and
-    layout; None when not stored back) — or only ``skipped``, why it stays in full precision."""
-
-    figures: dict = {}
-    tensors: dict = {}
-    rewrite: Optional[Callable] = None
-    weight: Optional[torch.Tensor] = None
-    skipped: Optional[str] = None
-    error: Optional[str] = None  # a QuantizationError on the owner rank, raised on every rank
-
-
-QuantizeFn = Callable[[LinearLayer, torch.Tensor, Optional[torch.Tensor]], LayerQuant]
-
-
-class ExpertsFormat(NamedTuple):
-    """How a method stores a mixture-of-experts layer: ``stack`` turns the experts' results (in
-    expert order) into one op — its name, the stored tensors, its constant arguments; ``no_tokens``
-    quantizes an expert that no calibration row reached, described as ``no_tokens_name``."""
-
-    stack: Callable[[list[LayerQuant]], tuple[str, dict, dict]]
-    no_tokens: QuantizeFn
-    no_tokens_name: str
-
-
-def solved_header(solved: SolvedLayer, pass_name: str) -> dict:
-    """``solved`` without its tensors, as JSON data (what crosses to other ranks and into a run's
-    checkpoint file); a rewrite that is a closure cannot be described and becomes an error."""
-    if solved.error is not None or solved.skipped is not None:
-        return {"error": solved.error, "skipped": solved.skipped}
-    if not isinstance(solved.rewrite, LayerRewrite):
-        return {
-            "error": f"{pass_name}: its layers' rewrite is a closure; distributed and resumable runs need a "
-            "LayerRewrite (qcompiler.pipeline.weight_only.register_rewrite)"
-        }
-    return {
-        "figures": solved.figures,
-        "rewrite": [solved.rewrite.kind, solved.rewrite.constants],
-        "tensors": list(solved.tensors),  # in order: the rewrite creates its get_attr nodes in it
-        "weight": solved.weight is not None,
-    }
-
-
-def solved_tensors(solved: SolvedLayer) -> dict[str, torch.Tensor]:
-    """Every tensor of ``solved`` by one name: the stored ones as ``t.NAME``, the weight as ``weight``."""
-    out = {f"t.{name}": t for name, t in solved.tensors.items()}
-    if solved.weight is not None:
-        out["weight"] = solved.weight
-    return out
-
-
-def solved_from(header: dict, tensors: dict[str, torch.Tensor]) -> SolvedLayer:
-    """The SolvedLayer ``solved_header`` and ``solved_tensors`` describe."""
-    if header.get("error"):
-        return SolvedLayer(error=header["error"])
-    if header.get("skipped"):
-        return SolvedLayer(skipped=header["skipped"])
-    kind, constants = header["rewrite"]
-    stored = {name: tensors[f"t.{name}"] for name in header["tensors"]}
-    return SolvedLayer(header["figures"], stored, LayerRewrite(kind, constants), tensors.get("weight"))
-
-
-def _moved(solved: SolvedLayer, device: torch.device) -> SolvedLayer:
-    weight = None if solved.weight is None else solved.weight.to(device)
-    return solved._replace(tensors={k: v.to(device) for k, v in solved.tensors.items()}, weight=weight)
+__all__ = ["quantize_block_linears", "is_output_head", "skip_reason"]
 
 
 def skip_reason(path: str, ignore: tuple[str, ...]) -> Optional[str]:
     """Why the layer at ``path`` is kept in full precision whatever its weight: a router, or
     matched by the pass's ``ignore`` patterns; None when it is quantized."""
     return "mixture-of-experts router" if is_router(path) else ignore_reason(path, ignore)
-
-
-class UnpackableLayer(QuantizationError):
-    """A layer whose shape the packed layout cannot hold: it is skipped with a note, the rest quantize."""
-
-
-def stored_bits(result: LayerQuant) -> float:
-    """Bits of the tensors a layer's result stores, counted as ``bits_per_parameter`` counts them
-    (the ops' storage arguments: codes, scales, zeros, outliers; not per-column indices)."""
-    storage = {name for spec in storage_ops() for name in spec.storage}
-    return float(sum(t.numel() * t.element_size() * 8 for k, t in result.tensors.items() if k in storage))
-
-
-def check_packable(layer: LinearLayer, W: torch.Tensor, bits: int) -> None:
-    """Raise UnpackableLayer when the packed layout cannot hold ``W`` at ``bits``."""
-    for dim, size in (("in_features", W.shape[1]), ("out_features", W.shape[0])):
-        try:
-            packed_length(size, bits)
-        except ValueError as exc:
-            raise UnpackableLayer(
-                f"layer {layer.path}: {dim}={size} cannot be stored in the GPTQ layout at {bits} bits ({exc})"
-            ) from None
-
-
-def store_dequantized(gm: GraphModule, layer: LinearLayer, W_hat: torch.Tensor, like: torch.Tensor) -> None:
-    """Quantization runs in fp32 (on the compute device); the stored weight keeps the model's dtype
-    (fp16/bf16 models) and stays where the model's weights live."""
-    W_hat = W_hat.t() if layer.transposed else W_hat
-    set_tensor(gm, layer.weight_node.target, W_hat.to(device=like.device, dtype=like.dtype).contiguous())
 
 
 def _check_finite(path: str, W: torch.Tensor) -> None:
@@ -304,6 +130,12 @@ class _BlockQuantizer:
             return None, str(exc).split(": ", 1)[-1]
         except QuantizationError as exc:
             raise QuantizationError(exc.args[0] if str(exc).startswith("layer ") else f"layer {path}: {exc}") from None
+        if not isinstance(result.rewrite, LayerRewrite):  # a closure would work here and fail across ranks or on resume
+            raise QuantizationError(
+                f"layer {path}: the method's result names no storage layout (LayerQuant.rewrite must be a "
+                f"LayerRewrite(layout, constants), got {type(result.rewrite).__name__})"
+            )
+        layout(result.rewrite.layout)  # an unknown name is one line now, not at the rewrite after every block
         figures = dict(result.figures)
         if H is not None:
             W_solved = W if rows is None else W[rows[0] : rows[1]]
@@ -454,21 +286,9 @@ class _BlockQuantizer:
             return solved
         began = time.perf_counter()
         try:
-            return self._exchange(solved, owner, home)
+            return exchange(solved, owner, home)
         finally:
             self.work.exchange_s += time.perf_counter() - began
-
-    def _exchange(self, solved: Optional[SolvedLayer], owner: int, home: torch.device) -> SolvedLayer:
-        header = None if solved is None else solved_header(solved, self.record.name)  # None: not the owner
-        header = broadcast_json(header, owner)
-        if header.get("error"):
-            raise QuantizationError(header["error"])
-        tensors = (
-            {}
-            if "figures" not in header
-            else broadcast_tensors(None if solved is None else solved_tensors(solved), owner, home)
-        )
-        return solved_from(header, tensors)
 
     def experts(self, expert: ExpertLinear, stats: Optional[dict], *, store: bool = True) -> None:
         """Quantize each expert matrix of one 3-D parameter (the experts shared out among the ranks);
@@ -507,7 +327,15 @@ class _BlockQuantizer:
             W_hat = torch.stack([part.weight for part in parts])  # [E, out, in]
             W_hat = W_hat if expert.transposed else W_hat.transpose(1, 2)
             set_tensor(self.gm, expert.weight_node.target, W_hat.contiguous())
-        op, tensors, constants = fmt.stack([LayerQuant(None, p.figures, p.tensors, p.rewrite) for p in parts])
+        stored_as = layout(parts[0].rewrite.layout)
+        if stored_as.experts_stack is None or any(p.rewrite.layout != stored_as.name for p in parts):
+            raise QuantizationError(
+                f"{expert.path}: the experts' results are in layout(s) "
+                f"{sorted({p.rewrite.layout for p in parts})}; one layout with an experts op is needed"
+            )
+        op, tensors, constants = stored_as.experts_stack(
+            [LayerQuant(None, p.figures, p.tensors, p.rewrite) for p in parts]
+        )
         self.experts_done.append((expert, op, {k: v.to(home) for k, v in tensors.items()}, constants))
         error = f", mean relative output error {sum(errors) / len(errors):.3g}" if errors else ""
         bits = parts[0].figures.get("bits", "?")
@@ -521,10 +349,10 @@ class _BlockQuantizer:
             if kind == "skip":
                 self.skip(path, solved)
             elif kind == "linear":
-                self.apply_linear(linears[path], _moved(solved, self._home(linears[path].weight_node)))
+                self.apply_linear(linears[path], moved_to(solved, self._home(linears[path].weight_node)))
             else:
                 home = self._home(experts[path].weight_node)
-                self.apply_experts(experts[path], [_moved(p, home) for p in solved], store=True, seconds=0.0)
+                self.apply_experts(experts[path], [moved_to(p, home) for p in solved], store=True, seconds=0.0)
 
     def _solve_expert(self, expert: ExpertLinear, stored: torch.Tensor, stats: Optional[dict], e: int) -> SolvedLayer:
         """One expert's matrix on this rank: its weight comes back ``[out, in]`` in the stored dtype."""
@@ -674,176 +502,3 @@ def _calibrated_walk(walk: _BlockQuantizer, engine: CalibrationEngine, quantizer
             expert.weight_node for expert, *_ in walk.experts_done[first_expert:]
         ]  # quantized, not skipped
         walk.block_done(first, first_expert)
-
-
-def join_rows(
-    layer: LinearLayer, parts: list[SolvedLayer], pieces: list[Piece], in_features: int, energy: Optional[float]
-) -> SolvedLayer:
-    """One layer solved in row ranges (in row order, on several ranks) as the whole layer's
-    result: the stored tensors joined by the rewrite's registered join (bit-identical to a whole
-    solve where the method's rows are independent), the graph's weight concatenated, the report's
-    figures combined (output error from the summed terms, per-weight figures weighted by rows)."""
-    if failed := next((p for p in parts if p.error is not None or p.skipped is not None), None):
-        return failed
-    kind = parts[0].rewrite.kind
-    if kind not in _ROW_JOINS:
-        raise QuantizationError(f"layer {layer.path}: rewrite {kind!r} has no row join (register_row_join)")
-    tensors, constants, joined = _ROW_JOINS[kind]([p.tensors for p in parts], [p.rewrite.constants for p in parts])
-    rows = [piece.stop - piece.start for piece in pieces]
-    figures = {k: v for k, v in parts[0].figures.items() if k != "_error"}
-    if "outlier_fraction" in figures:  # per weight: every row has the layer's width
-        figures["outlier_fraction"] = sum(p.figures["outlier_fraction"] * n for p, n in zip(parts, rows)) / sum(rows)
-    if "bits_per_weight" in figures:  # what is stored counts once (a CSR's row pointers end once)
-        figures["bits_per_weight"] = stored_bits(SimpleNamespace(tensors=tensors)) / (sum(rows) * in_features)
-    if "_error" in parts[0].figures:
-        num = math.fsum(p.figures["_error"][0] for p in parts)
-        den = energy if energy is not None else math.fsum(p.figures["_error"][1] for p in parts)
-        figures["rel_error"] = relative_error(num, den)
-    figures["seconds"] = max(p.figures.get("seconds", 0.0) for p in parts)
-    figures["row_ranks"] = len({piece.rank for piece in pieces})
-    figures.update(joined)
-    weight = None
-    if parts[0].weight is not None:
-        weight = torch.cat([p.weight for p in parts], dim=1 if layer.transposed else 0)
-    return SolvedLayer(figures, tensors, LayerRewrite(kind, constants), weight)
-
-
-def same_in_every_range(name: str, parts: list[dict]) -> torch.Tensor:
-    """A tensor every row range stores alike (per input column: g_idx, perm)."""
-    first = parts[0][name]
-    if any(not torch.equal(first, t[name]) for t in parts[1:]):
-        raise QuantizationError(f"row ranges of one layer disagree on {name}")
-    return first
-
-
-@register_row_join("quant_linear")
-def _join_quant_linear(parts: list[dict], constants: list[dict]) -> tuple[dict, dict]:
-    """GPTQ layout: qweight, qzeros (packed along the outputs: ranges are whole words) and scales
-    are ``[…, out]``; g_idx is per input column."""
-    joined = {name: torch.cat([t[name] for t in parts], dim=1) for name in ("qweight", "qzeros", "scales")}
-    return {**joined, "g_idx": same_in_every_range("g_idx", parts)}, constants[0], {}
-
-
-@register_row_join("gguf_linear")
-def _join_gguf_linear(parts: list[dict], constants: list[dict]) -> tuple[dict, dict]:
-    """llama.cpp's blocks: one byte row per output row."""
-    return {"blocks": torch.cat([t["blocks"] for t in parts], dim=0)}, constants[0], {}
-
-
-def grid_settings(grid: str, bits: int, group_size: int) -> tuple[int, int]:
-    """``(bits, group_size)`` a layer on ``grid`` is solved with: a llama.cpp grid's own (a fallback's
-    may differ from the recipe's: Q3_K's 3 bits per 16 columns fall back to Q4_0's 4 per 32)."""
-    return (FORMATS[grid].bits, FORMATS[grid].sub_block) if grid in FORMATS else (bits, group_size)
-
-
-def layer_grid(layer: LinearLayer, W: torch.Tensor, grid: str) -> str:
-    """The grid ``layer`` is quantized on: ``grid``, or where a llama.cpp super-block grid cannot hold
-    ``W``'s width, its 32-column fallback (``GRID_FALLBACK``); UnpackableLayer, before any solve,
-    when neither holds it."""
-    if grid not in GGUF_GRIDS or W.shape[1] % FORMATS[grid].super_block == 0:
-        return grid
-    fallback = GRID_FALLBACK.get(grid)
-    if fallback is not None and W.shape[1] % FORMATS[fallback].super_block == 0:
-        return fallback
-    fmt = FORMATS[grid]
-    raise UnpackableLayer(
-        f"layer {layer.path}: in_features={W.shape[1]} is not a multiple of {fmt.super_block}, "
-        f"llama.cpp's {fmt.name} block"
-    )
-
-
-def gptq_layer_quant(
-    layer: LinearLayer, W: torch.Tensor, res: QuantResult, bits: int, group_size: int, grid: str = "minmax"
-) -> LayerQuant:
-    """A GPTQ/RTN result as a layer rewrite to ``qc.quant_linear`` (GPTQ checkpoint layout), or to
-    ``qc.gguf_linear`` (llama.cpp's bytes) for a llama.cpp grid (``gguf_grids.FORMATS``).
-    ``group_size`` is the recipe's, also when the width is not a multiple of it (the last group
-    is shorter) or is one group: every layer of a recipe records the same setting."""
-    if res.gguf_grid is not None:
-        return _gguf_layer_quant(res, grid, layer_grid(layer, W, grid))
-    check_packable(layer, W, bits)
-    packed = pack_gptq(res.codes, res.scales, res.zeros, res.g_idx, bits, group_size)
-    figures = {"bits": bits}
-    if res.damp:
-        figures.update(damp=res.damp, damp_steps=res.damp_steps)
-
-    return LayerQuant(
-        res.dequantized,
-        figures,
-        {f: getattr(packed, f) for f in GPTQ_TENSORS},
-        LayerRewrite("quant_linear", {"bits": packed.bits, "group_size": packed.group_size}),
-        res.damped_error,
-    )
-
-
-def _gguf_layer_quant(res: QuantResult, asked: str, grid: str) -> LayerQuant:
-    """A llama.cpp grid's result as its block bytes; the dequantized weight is read back
-    from them, so calibration of later blocks sees exactly what the op computes. ``grid``: the one
-    used, ``asked``'s fallback where the width needed one (the report notes it)."""
-    block_type = FORMATS[grid].name
-    blocks = pack(grid, res.codes, res.gguf_grid)
-    n_in = res.codes.shape[1]
-    figures = {"bits": FORMATS[grid].bits, "grid": block_type}
-    if grid != asked:
-        fmt = FORMATS[asked]
-        figures["grid_fallback"] = (
-            f"{block_type} for {fmt.name} (in_features={n_in} is not a multiple of {fmt.super_block})"
-        )
-    if res.damp:
-        figures.update(damp=res.damp, damp_steps=res.damp_steps)
-    rewrite = LayerRewrite("gguf_linear", {"block_type": block_type, "in_features": n_in})
-    return LayerQuant(dequantize(block_type, blocks, n_in), figures, {"blocks": blocks}, rewrite, res.damped_error)
-
-
-@register_rewrite("gguf_linear")
-def _gguf_linear(gm: GraphModule, layer: LinearLayer, tensors: dict, block_type: str, in_features: int) -> None:
-    replace_linear(
-        gm,
-        layer,
-        "gguf_linear",
-        tensors,
-        lambda x, a: dict(x=x, **a, bias=layer.bias_node, block_type=block_type, in_features=in_features),
-    )
-
-
-@register_rewrite("quant_linear")
-def _quant_linear(gm: GraphModule, layer: LinearLayer, tensors: dict, bits: int, group_size: int) -> None:
-    replace_linear(
-        gm,
-        layer,
-        "quant_linear",
-        tensors,
-        lambda x, a: dict(x=x, **a, bias=layer.bias_node, bits=bits, group_size=group_size),
-    )
-
-
-def rtn_layer_quant(
-    layer: LinearLayer,
-    W: torch.Tensor,
-    bits: int,
-    group_size: int,
-    sym: bool,
-    grid: str = "minmax",
-    H: Optional[torch.Tensor] = None,
-) -> LayerQuant:
-    """Round-to-nearest on the GPTQ grid, stored like GPTQ: RTN's layers, and GPTQ's head and its
-    experts that no calibration row reached. An "mse" grid weighs each column by ``diag(H)`` when
-    there is an ``H`` (plain squared error without)."""
-    importance = None if H is None else torch.diagonal(H).float()
-    used = layer_grid(layer, W, grid)
-    bits_used, group_used = grid_settings(used, bits, group_size)
-    res = rtn_quantize(W, bits=bits_used, group_size=group_used, sym=sym, grid=used, importance=importance)
-    return gptq_layer_quant(layer, W, res, bits, group_size, grid)
-
-
-def gptq_experts(no_tokens: QuantizeFn) -> ExpertsFormat:
-    """GPTQ-layout experts (``qc.quant_experts_linear``: each ``quant_linear`` tensor stacked on a
-    leading expert dim); an expert without calibration rows is quantized by ``no_tokens`` (RTN)."""
-
-    def stack(results: list[LayerQuant]) -> tuple[str, dict, dict]:
-        if any(getattr(r.rewrite, "kind", None) != "quant_linear" for r in results):
-            raise QuantizationError("an expert's result is not in the GPTQ layout")
-        tensors = {f: torch.stack([r.tensors[f] for r in results]) for f in GPTQ_TENSORS}
-        return "quant_experts_linear", tensors, dict(results[0].rewrite.constants)
-
-    return ExpertsFormat(stack, no_tokens, "RTN")

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Callable, Iterable, Iterator
 
 from qcompiler.errors import QCompilerError
-from qcompiler.store.regular_files import read_regular_file
+from qcompiler.files.regular_files import read_regular_file
 
 __all__ = [
     "write_text_atomically",

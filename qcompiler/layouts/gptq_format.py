@@ -22,8 +22,8 @@ import torch
 from safetensors import safe_open
 
 from qcompiler.algorithms.packing import pack_cols, unpack_cols
-from qcompiler.interop.checkpoint import ExportError
-from qcompiler.ir.ops import GPTQ_TENSORS
+from qcompiler.errors import ExportError
+from qcompiler.layouts.gptq import GPTQ_TENSORS
 
 __all__ = ["GPTQCheckpoint", "read_gptq_checkpoint", "zeros_to_v1", "zeros_from_v1", "SPLIT_PROJECTIONS"]
 

@@ -1,0 +1,22 @@
+"""The facts about a graph that passes establish and depend on.
+
+They live in ``ir/`` because ops witness them (an op spec says which properties a node of it
+establishes) and ops sit below the pass machinery; ``pipeline/pass_base.py`` re-exports them for
+passes."""
+
+from __future__ import annotations
+
+import enum
+
+__all__ = ["GraphProperty"]
+
+
+class GraphProperty(enum.Enum):
+    """Facts about a graph that passes establish and depend on."""
+
+    CAPTURED = "captured"  # an aten-level export graph (always true at start)
+    SMOOTHED = "smoothed"  # SmoothQuant scales folded in
+    ROTATED = "rotated"  # orthogonal rotations folded in (outputs unchanged)
+    QUANTIZED_WEIGHTS = "quantized_weights"  # linears replaced by weight-quantized ops
+    INT8_LOWERED = "int8_lowered"  # linears replaced by int8 x int8 ops
+    OUTLIERS_SPLIT = "outliers_split"  # SpQR dense + sparse branches
