@@ -135,7 +135,10 @@ class _BlockQuantizer:
                 f"layer {path}: the method's result names no storage layout (LayerQuant.rewrite must be a "
                 f"LayerRewrite(layout, constants), got {type(result.rewrite).__name__})"
             )
-        layout(result.rewrite.layout)  # an unknown name is one line now, not at the rewrite after every block
+        try:
+            layout(result.rewrite.layout)  # an unknown name is one line now, not at the rewrite after every block
+        except QuantizationError as exc:
+            raise QuantizationError(f"layer {path}: {exc}") from None
         figures = dict(result.figures)
         if H is not None:
             W_solved = W if rows is None else W[rows[0] : rows[1]]
