@@ -20,7 +20,7 @@ from qcompiler.algorithms.awq import AWQ_ALPHAS, search_awq_scales
 from qcompiler.algorithms.gptq import check_spec
 from qcompiler.calib.calibration import CalibrationEngine
 from qcompiler.errors import QuantizationError
-from qcompiler.ir.graph import LinearLayer, find_linears
+from qcompiler.ir.graph import LinearLayer, find_linears, is_router
 from qcompiler.pipeline.folding import fold_channel_scales, insert_pending_multiplies
 from qcompiler.pipeline.layer_filter import check_patterns, report_unmatched
 from qcompiler.pipeline.pass_base import GraphProperty, Pass, PassContext
@@ -71,6 +71,8 @@ class AWQ(Pass):
         return changed
 
     def _plan(self, group: list[LinearLayer], all_layers: list[LinearLayer]) -> SmoothingPlan:
+        if all(is_router(layer.path) for layer in group):  # scaling it would only add a multiply
+            return SmoothingPlan("none", reason="a mixture-of-experts router, which no weight quantizer quantizes")
         plan = plan_smoothing(group, all_layers, self.ignore)
         if plan.form == "explicit" and not self.explicit:
             return SmoothingPlan("none", reason=f"{plan.reason} (explicit multiplies are off)")

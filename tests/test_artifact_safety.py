@@ -95,10 +95,14 @@ ROUTES = {
 
 
 def test_the_untampered_copy_loads_and_runs(saved, tmp_path):
-    """The control for every attack below: only the tampering makes loading fail."""
+    """The control for every attack below: only the tampering makes loading fail. The rewritten,
+    re-signed copy computes the saved model's logits bit for bit (so the rewriting itself, which
+    every attack goes through, changes nothing by accident)."""
     path = _copy(saved, tmp_path)
     _tamper_graph(path, lambda g: None)  # rewritten and re-signed, unchanged
-    _load_and_call(path)
+    inputs = example_inputs("llama", batch=1, seq=4)
+    with torch.no_grad():
+        assert torch.equal(_load_and_call(path)(**inputs).logits, qc.load(saved)(**inputs).logits)
 
 
 def test_a_loaded_model_does_not_depend_on_its_files(saved, tmp_path):

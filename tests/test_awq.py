@@ -63,6 +63,10 @@ def test_awq_runs_on_a_mixture_of_experts_model_and_keeps_its_outputs():
     ids = prompt(2, 7, seed=3)
     ref, got = model(input_ids=ids).logits, cm(input_ids=ids).logits
     assert ((got - ref).abs().max() / ref.abs().max()).item() <= 1e-4
+    record = cm.report.passes[0]
+    assert any(f["alpha"] > 0 for f in record.layers.values())  # it scaled something: the check above means it
+    assert not any(f["consumers"] == "gate" for f in record.layers.values())  # routers: never quantized, never scaled
+    assert any("mixture-of-experts router" in note for note in record.notes)
 
 
 @pytest.mark.slow  # 20 s: CI runs it with -m slow

@@ -5,7 +5,7 @@ import torch
 from tiny_models import ARCHS, example_inputs, main_output, make_model
 
 import qcompiler as qc
-from qcompiler.ir.graph import module_path
+from qcompiler.ir.graph import find_linears, module_path
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -41,9 +41,18 @@ def test_plain_module_positional_inputs():
 
 
 def test_every_node_keeps_its_module_path():
-    gm = qc.capture(make_model("llama"), example_inputs("llama"))
+    """Every module with parameters of its own is named by some node, and each linear's node, its
+    weight and the layer the passes see agree on the path (what ignore patterns, reports and
+    exporters key on)."""
+    model = make_model("llama")
+    gm = qc.capture(model, example_inputs("llama"))
     paths = {module_path(n) for n in gm.graph.nodes if n.op == "call_function"}
-    assert "model.layers.1.self_attn.q_proj" in paths and "model.layers.0.mlp.down_proj" in paths
+    owners = {name for name, m in model.named_modules() if name and next(m.parameters(recurse=False), None) is not None}
+    assert len(owners) > 20 and owners <= paths, sorted(owners - paths)
+    linears = find_linears(gm)
+    assert len(linears) == 15  # 7 per block and the head
+    for layer in linears:
+        assert module_path(layer.node) == layer.path == module_path(layer.weight_node), layer.path
 
 
 def test_sliced_example_inputs_still_accept_contiguous_calls():
