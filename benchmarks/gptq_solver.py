@@ -22,7 +22,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from qcompiler.algorithms.gptq import gptq_quantize, output_error  # noqa: E402
+from qcompiler.algorithms.gptq import gptq_quantize
+from qcompiler.algorithms.output_error import output_error
 
 RESULTS = Path(__file__).resolve().parent / "results" / "gptq_solver.json"
 

@@ -34,7 +34,8 @@ PROBE_HIDDEN, PROBE_FFN, PROBE_WINDOWS, PROBE_SEQ = 512, 2048, 64, 512
 
 
 def layer_speed(n: int, device: str = "cpu") -> dict:
-    from qcompiler.algorithms.gptq import gptq_quantize, gptq_quantize_reference, output_error
+    from qcompiler.algorithms.gptq import gptq_quantize, gptq_quantize_reference
+    from qcompiler.algorithms.output_error import output_error
 
     gen = torch.Generator().manual_seed(0)
     X = torch.randn(2 * n, n, generator=gen)

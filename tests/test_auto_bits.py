@@ -11,7 +11,8 @@ from tiny_models import example_inputs, main_output, make_model
 
 import qcompiler as qc
 from qcompiler.algorithms.allocation import allocate, allocate_reference
-from qcompiler.algorithms.gptq import gptq_quantize, gptq_quantize_reference, output_error, rtn_quantize
+from qcompiler.algorithms.gptq import gptq_quantize, gptq_quantize_reference, rtn_quantize
+from qcompiler.algorithms.output_error import output_error
 from qcompiler.algorithms.quant_grid import _row_error, fit_grid, search_grid
 from qcompiler.errors import QCompilerError, QuantizationError, RecipeError
 from qcompiler.evaluation.eval import bits_per_parameter

@@ -5,7 +5,8 @@ import torch
 from tiny_models import Stack, example_inputs, make_model
 
 import qcompiler as qc
-from qcompiler.calib.calibration import CalibrationEngine, LayerStats
+from qcompiler.calib.calibration import CalibrationEngine
+from qcompiler.calib.layer_stats import LayerStats
 from qcompiler.compiler import normalize_calibration
 from qcompiler.ir.tensors import set_tensor
 

@@ -14,7 +14,8 @@ import transformers
 import qcompiler as qc
 from qcompiler.algorithms.gguf_bytes import dequantize, pack
 from qcompiler.algorithms.gguf_grids import FORMATS, BlockGrid, fit_grid, quantize_codes, sub_block_grid
-from qcompiler.algorithms.gptq import gptq_quantize, gptq_quantize_reference, output_error, rtn_quantize
+from qcompiler.algorithms.gptq import gptq_quantize, gptq_quantize_reference, rtn_quantize
+from qcompiler.algorithms.output_error import output_error
 from qcompiler.errors import QuantizationError
 from qcompiler.evaluation.eval import bits_per_parameter
 from qcompiler.interop import export_compressed_tensors, export_gptq

@@ -11,9 +11,9 @@ from qcompiler.algorithms.gptq import (
     hessian_factor,
     inverse_hessian_cholesky,
     invert_lower_triangular_,
-    output_error,
     rtn_quantize,
 )
+from qcompiler.algorithms.output_error import output_error
 from qcompiler.algorithms.quant_grid import fake_quantize, fit_grid
 from qcompiler.errors import QuantizationError
 

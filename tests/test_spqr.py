@@ -8,7 +8,8 @@ import torch
 from tiny_models import example_inputs, main_output, make_model
 
 import qcompiler as qc
-from qcompiler.algorithms.gptq import gptq_quantize, output_error
+from qcompiler.algorithms.gptq import gptq_quantize
+from qcompiler.algorithms.output_error import output_error
 from qcompiler.algorithms.quant_grid import fit_grid
 from qcompiler.algorithms.spqr import leave_one_out_reduction, quantize_stats, spqr_quantize, spqr_quantize_reference
 from qcompiler.evaluation.eval import bits_per_parameter

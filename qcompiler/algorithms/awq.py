@@ -18,7 +18,8 @@ from typing import Optional, Sequence
 
 import torch
 
-from qcompiler.algorithms.gptq import quadratic_form, rtn_quantize
+from qcompiler.algorithms.gptq import rtn_quantize
+from qcompiler.algorithms.output_error import quadratic_form
 
 __all__ = ["AWQ_ALPHAS", "awq_scales", "scaled_output_error", "scaled_output_error_reference", "search_awq_scales"]
 

@@ -3,8 +3,9 @@
 Passes, backends, bit counting and exporters read a ``qc`` node through :func:`args_of`
 (``a.qweight``, ``a.bits``) and build one through :func:`call_op` (keyword arguments), so the
 argument order lives in exactly one place: the op's ``torch.library`` schema. A new op is
-defined in its layout's file under ``qcompiler/layouts/`` (layout-free ops: ``qcompiler/ir/ops.py``; export-only ones: a backend's lowering module) and registered here with the
-names of its stored tensors, the number of weights it stands for and its capabilities; tests/test_op_registry.py
+defined in its layout's file under ``qcompiler/layouts/`` (layout-free ops: ``qcompiler/ir/ops.py``;
+export-only ones: a backend's lowering module) and registered here with the names of its stored
+tensors, the number of weights it stands for and its capabilities; tests/test_op_registry.py
 fails on positional ``args[...]`` access to ``qc`` nodes anywhere else.
 
 Each backend and exporter (a *target*) registers, per op, its implementation (:func:`implement`)

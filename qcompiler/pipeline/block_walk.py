@@ -16,9 +16,10 @@ import torch
 from torch.fx import GraphModule, Node
 
 from qcompiler.algorithms.finite import all_finite
-from qcompiler.algorithms.gptq import output_error_terms, relative_error
-from qcompiler.calib.calibration import CalibrationEngine, LayerStats, RankWork
+from qcompiler.algorithms.output_error import output_error_terms, relative_error
+from qcompiler.calib.calibration import CalibrationEngine, RankWork
 from qcompiler.calib.host_memory import return_freed_memory
+from qcompiler.calib.layer_stats import LayerStats
 from qcompiler.distributed.ranks import Piece, SolveJob, current_ranks
 from qcompiler.errors import QuantizationError
 from qcompiler.files.spill import Parked, Spill

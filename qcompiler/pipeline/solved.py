@@ -10,7 +10,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from qcompiler.algorithms.gptq import relative_error
+from qcompiler.algorithms.output_error import relative_error
 from qcompiler.distributed.collectives import broadcast_json, broadcast_tensors
 from qcompiler.distributed.ranks import Piece
 from qcompiler.errors import QuantizationError
