@@ -66,7 +66,8 @@ def _rotated(name: str) -> Recipe:
     return Recipe(name, (Rotate(), *auto.passes), "randomized Hadamard rotations, then " + auto.description)
 
 
-def _register() -> None:
+def _register_weight_only() -> None:
+    """The GPTQ / RTN table, llama.cpp's grids, SpQR and AWQ."""
     register_recipe("none", "no passes: the captured FP graph (a baseline)", lambda: [])
     for name, (method, kw) in _WEIGHT_ONLY.items():
         cls = _PASSES[method]
@@ -93,6 +94,10 @@ def _register() -> None:
             f"AWQ activation-aware scales (searched for {bits}-bit g128), then GPTQ W{bits}A16 g128 (its defaults)",
             (lambda bits=bits: [AWQ(bits=bits, group_size=128), GPTQ(bits=bits, group_size=128)]),
         )
+
+
+def _register_rotated_and_signround() -> None:
+    """Rotations before GPTQ, SignRound, RTN and W8A8; SignRound alone."""
     for bits in (4, 3):
         register_recipe(
             f"rotate-gptq-w{bits}g128",
@@ -123,6 +128,10 @@ def _register() -> None:
         "randomized Hadamard rotations, then W8A8 (per-token dynamic activations), no smoothing",
         lambda: [Rotate(), LowerInt8()],
     )
+
+
+def _register_w8a8() -> None:
+    """W8A8: dynamic and static activations, with and without SmoothQuant."""
     register_recipe(
         "w8a8", "int8 weights (per channel) and activations (per token, dynamic), no smoothing", lambda: [LowerInt8()]
     )
@@ -144,6 +153,10 @@ def _register() -> None:
         "SmoothQuant with alpha searched per producer group, then W8A8",
         lambda: [SmoothQuant(alpha="auto"), LowerInt8()],
     )
+
+
+def _register_families() -> None:
+    """``auto:B`` and its kin: names that carry a budget."""
     for prefix in (AUTO_PREFIX, AUTO_SIGNROUND_PREFIX, AUTO_GGUF_PREFIX):
         register_recipe_family(prefix, f"{prefix}B", _auto_recipe)
     for prefix in (AUTO_PREFIX, AUTO_SIGNROUND_PREFIX):
@@ -241,4 +254,7 @@ _WEIGHT_ONLY = {
 }
 
 
-_register()
+_register_weight_only()
+_register_rotated_and_signround()
+_register_w8a8()
+_register_families()

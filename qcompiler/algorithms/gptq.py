@@ -324,6 +324,41 @@ def lazy_sweep(W: torch.Tensor, U: torch.Tensor, block_size: int, step) -> None:
         W[:, i2:] -= Err1 @ U[i1:i2, i2:]
 
 
+def _sweep_block(
+    WT: torch.Tensor,
+    U: torch.Tensor,
+    i1: int,
+    i2: int,
+    groups: "_Groups",
+    QT: torch.Tensor,
+    codesT: torch.Tensor,
+    diag: list[float],
+    group_size: int,
+) -> torch.Tensor:
+    """GPTQ's sweep over columns ``[i1, i2)`` of one lazy block (rows of ``WT``): quantize each,
+    write its codes and dequantized value, spread its scaled error over the block's later columns;
+    returns the block's scaled errors ``E`` (the caller spreads them past the block)."""
+    W1, U1 = WT[i1:i2], U[i1:i2, i1:i2]
+    Err1 = torch.empty(i2 - i1, WT.shape[1], device=WT.device)
+    gguf_grid = groups.gguf_grid is not None
+    for i in range(i2 - i1):
+        j = i1 + i
+        upcoming = lambda: W1[i:].t() if group_size != -1 else WT[j:].t()  # noqa: E731
+        if gguf_grid:  # value = scale · code − offset, the offset a free value (not an integer zero)
+            scale, offset, divisor = groups.gguf_rows(j, upcoming)
+            q = torch.add(W1[i], offset, out=codesT[j]).div_(divisor).round_().clamp_(0, groups.maxq)
+            torch.mul(q, scale, out=QT[j]).sub_(offset)
+        else:
+            scale, low, high = groups.sweep_rows(j, upcoming)
+            # clamp(round(w/s), −z, maxq − z) + z is clamp(round(w/s) + z, 0, maxq) exactly (integers):
+            # the zero is added to all codes at once below, and the dequantized value needs no subtraction
+            q = torch.div(W1[i], scale, out=codesT[j]).round_().clamp_(low, high)
+            torch.mul(q, scale, out=QT[j])
+        err = torch.sub(W1[i], QT[j], out=Err1[i]).div_(diag[j])
+        W1[i + 1 :].addr_(U1[i, i + 1 :], err, alpha=-1)
+    return Err1
+
+
 def gptq_quantize(
     W: torch.Tensor,
     H: Optional[torch.Tensor],
@@ -359,39 +394,22 @@ def gptq_quantize(
     # ``W``'s own storage when ``W`` is a transposed view (a GPT-2 Conv1D weight: the sweep overwrote the
     # user's parameter)
     WT = W.t().clone(memory_format=torch.contiguous_format) if perm is None else W.t().contiguous()[perm]
-    n_out, n_in = W.shape
+    n_in = W.shape[1]
     groups = _Groups(WT.t(), bits, group_size, sym, static_groups, perm, W, grid, _column_cost(U, grid))
     del W
     if group_size != -1 and not groups.static:  # blocks hold whole groups (llama.cpp grids: whole stored blocks)
         unit = groups.block if groups.gguf_grid is not None else group_size
         block_size = max(unit, block_size // unit * unit)
-    gguf_grid = groups.gguf_grid is not None
     QT = torch.empty_like(WT)  # dequantized weight, transposed
     codesT = torch.empty_like(WT)  # integer codes as floats until the end
     diag = torch.diagonal(U).tolist()  # one sync per layer, not one per column
     error_sq = torch.zeros((), dtype=torch.float64, device=WT.device)  # ‖E‖², read once at the end (no sync per block)
     for i1 in range(0, n_in, block_size):
         i2 = min(i1 + block_size, n_in)
-        W1, U1 = WT[i1:i2], U[i1:i2, i1:i2]
-        Err1 = torch.empty(i2 - i1, n_out, device=WT.device)
-        for i in range(i2 - i1):
-            j = i1 + i
-            upcoming = lambda: W1[i:].t() if group_size != -1 else WT[j:].t()  # noqa: E731
-            if gguf_grid:  # value = scale · code − offset, the offset a free value (not an integer zero)
-                scale, offset, divisor = groups.gguf_rows(j, upcoming)
-                q = torch.add(W1[i], offset, out=codesT[j]).div_(divisor).round_().clamp_(0, groups.maxq)
-                torch.mul(q, scale, out=QT[j]).sub_(offset)
-            else:
-                scale, low, high = groups.sweep_rows(j, upcoming)
-                # clamp(round(w/s), −z, maxq − z) + z is clamp(round(w/s) + z, 0, maxq) exactly (integers):
-                # the zero is added to all codes at once below, and the dequantized value needs no subtraction
-                q = torch.div(W1[i], scale, out=codesT[j]).round_().clamp_(low, high)
-                torch.mul(q, scale, out=QT[j])
-            err = torch.sub(W1[i], QT[j], out=Err1[i]).div_(diag[j])
-            W1[i + 1 :].addr_(U1[i, i + 1 :], err, alpha=-1)
+        Err1 = _sweep_block(WT, U, i1, i2, groups, QT, codesT, diag, group_size)
         WT[i2:].addmm_(U[i1:i2, i2:].t(), Err1, alpha=-1)
         error_sq += torch.linalg.vector_norm(Err1).double() ** 2
-    WT = W1 = None  # the swept weights: freed before the outputs are converted
+    WT = None  # the swept weights: freed before the outputs are converted
     codesT += groups.zeros[torch.tensor(groups.col_group, device=codesT.device)]  # each processed column's zero
     if perm is not None:  # back to the original column order: whole rows of the transposed tensors
         inv = torch.argsort(perm)

@@ -266,6 +266,42 @@ def export_gguf(cm, path, *, requantize: Optional[str] = None, protect=(), progr
 
     writer = gguf.GGUFWriter(None, gguf.MODEL_ARCH_NAMES[arch])
     recipe = getattr(getattr(cm, "recipe", None), "name", None) or gm.meta.get("qcompiler_recipe", "")
+    _write_hparams(writer, config, model_type, recipe, (heads, kv_heads, head_dim), progress)
+    if model_type == "gemma2" and any(layer.path == "lm_head" for layer in layers):
+        raise ExportError("gemma2: llama.cpp reads the output head from the token embeddings; quantize without lm_head")
+    tokenizer = embed_tokenizer(writer, model_files(gm), config)
+
+    counts: Counter = Counter()  # (GGUF type, "exact" | "re-rounded") -> layers
+    for layer in layers:
+        data, qtype, how = _quant_tensor(layer, requantize)
+        order = rows(layer.path)
+        if order is not None:
+            data = data[order.numpy()]
+        writer.add_tensor(gguf_name(layer.path + ".weight"), data, raw_dtype=qtype)
+        counts[qtype.name, how] += 1
+    _write_fp_tensors(writer, fp_tensors(gm, consumed), model_type, gguf_name, rows)
+    main = counts.most_common(1)[0][0][0] if counts else "F16"
+    writer.add_file_type(_FILE_TYPES.get(main, gguf.LlamaFileType.MOSTLY_F16))
+    writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    summary = ", ".join(f"{n} {name} ({how})" for (name, how), n in counts.items()) or "no quantized layers (F16)"
+    progress(f"GGUF ({gguf.MODEL_ARCH_NAMES[arch]}): {summary}; tokenizer {tokenizer}")
+    if any(how == "re-rounded" for _, how in counts):
+        how = "llama.cpp's round-to-nearest" if requantize in BLOCK_TYPES else "qcompiler's fitted grid, uncalibrated"
+        progress(
+            f"re-quantized to {requantize.upper()} by {how}: those layers' codes are not the ones the recipe chose"
+        )
+    with atomic_file(path) as tmp:
+        writer.write_header_to_file(tmp)
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+    return path
+
+
+def _write_hparams(writer, config: dict, model_type: str, recipe: str, shape: tuple[int, int, int], progress) -> None:
+    """The model's hyperparameters as llama.cpp's keys (and qcompiler's recipe and version)."""
+    heads, kv_heads, head_dim = shape
+    hidden, n_layers = int(config["hidden_size"]), int(config["num_hidden_layers"])
     writer.add_string(RECIPE_KEY, recipe)
     writer.add_string("qcompiler.version", __version__)
     writer.add_name(str(config.get("_name_or_path") or model_type))
@@ -289,25 +325,13 @@ def export_gguf(cm, path, *, requantize: Optional[str] = None, protect=(), progr
         )
     if model_type == "gemma2":
         _gemma2_metadata(writer, config, n_layers, hidden, heads, head_dim)
-        if any(layer.path == "lm_head" for layer in layers):
-            raise ExportError(
-                "gemma2: llama.cpp reads the output head from the token embeddings; quantize without lm_head"
-            )
     writer.add_rope_freq_base(_rope_theta(config, model_type))
     writer.add_layer_norm_rms_eps(float(config.get("rms_norm_eps", 1e-6)))
-    vocab_size = int(config["vocab_size"])
-    writer.add_vocab_size(vocab_size)
-    tokenizer = embed_tokenizer(writer, model_files(gm), config)
+    writer.add_vocab_size(int(config["vocab_size"]))
 
-    counts: Counter = Counter()  # (GGUF type, "exact" | "re-rounded") -> layers
-    for layer in layers:
-        data, qtype, how = _quant_tensor(layer, requantize)
-        order = rows(layer.path)
-        if order is not None:
-            data = data[order.numpy()]
-        writer.add_tensor(gguf_name(layer.path + ".weight"), data, raw_dtype=qtype)
-        counts[qtype.name, how] += 1
-    fp = fp_tensors(gm, consumed)
+
+def _write_fp_tensors(writer, fp: dict, model_type: str, gguf_name, rows) -> None:
+    """The unquantized tensors: vectors as F32, matrices as F16 (Gemma-2's norms as llama.cpp scales)."""
     for hf_name, value in fp.items():
         value = value.float()
         if model_type == "gemma2" and hf_name == "lm_head.weight":  # llama.cpp's gemma2 has no head of its own
@@ -325,19 +349,3 @@ def export_gguf(cm, path, *, requantize: Optional[str] = None, protect=(), progr
             writer.add_tensor(gguf_name(hf_name), value.numpy())
         else:
             writer.add_tensor(gguf_name(hf_name), value.half().numpy())
-    main = counts.most_common(1)[0][0][0] if counts else "F16"
-    writer.add_file_type(_FILE_TYPES.get(main, gguf.LlamaFileType.MOSTLY_F16))
-    writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
-    summary = ", ".join(f"{n} {name} ({how})" for (name, how), n in counts.items()) or "no quantized layers (F16)"
-    progress(f"GGUF ({gguf.MODEL_ARCH_NAMES[arch]}): {summary}; tokenizer {tokenizer}")
-    if any(how == "re-rounded" for _, how in counts):
-        how = "llama.cpp's round-to-nearest" if requantize in BLOCK_TYPES else "qcompiler's fitted grid, uncalibrated"
-        progress(
-            f"re-quantized to {requantize.upper()} by {how}: those layers' codes are not the ones the recipe chose"
-        )
-    with atomic_file(path) as tmp:
-        writer.write_header_to_file(tmp)
-        writer.write_kv_data_to_file()
-        writer.write_tensors_to_file()
-        writer.close()
-    return path

@@ -71,6 +71,21 @@ def _for_loaders(layer: QuantLayer, model_type) -> list[QuantLayer]:
     return split_outputs(layer, [f"{base}.{part}" for part in parts or (name,)])
 
 
+def _base_setting(layers: list) -> tuple[int, int, dict]:
+    """One base ``(bits, group_size)`` — the one holding the most weights — and the other layers'
+    settings as GPTQModel's per-module ``dynamic`` overrides (regular expressions of their paths)."""
+    weights = Counter()
+    for layer in layers:
+        weights[(layer.bits, layer.group_size)] += layer.tensors["g_idx"].numel() * layer.tensors["scales"].shape[1]
+    bits, group_size = weights.most_common(1)[0][0]
+    dynamic = {
+        f"+:{re.escape(layer.path)}$": {"bits": layer.bits, "group_size": layer.group_size}
+        for layer in layers
+        if (layer.bits, layer.group_size) != (bits, group_size)
+    }
+    return bits, group_size, dynamic
+
+
 def export_gptq(
     cm,
     out_dir,
@@ -92,16 +107,7 @@ def export_gptq(
     layers = [part for layer in layers for part in _for_loaders(layer, config.get("model_type"))]
     if not layers:
         raise ExportError("the graph has no GPTQ/RTN layer (qc.quant_linear) to write")
-    # One base setting (the one holding the most weights); the others as GPTQModel's per-module overrides.
-    weights = Counter()
-    for layer in layers:
-        weights[(layer.bits, layer.group_size)] += layer.tensors["g_idx"].numel() * layer.tensors["scales"].shape[1]
-    bits, group_size = weights.most_common(1)[0][0]
-    dynamic = {
-        f"+:{re.escape(layer.path)}$": {"bits": layer.bits, "group_size": layer.group_size}
-        for layer in layers
-        if (layer.bits, layer.group_size) != (bits, group_size)
-    }
+    bits, group_size, dynamic = _base_setting(layers)
 
     def zeros(layer) -> torch.Tensor:
         return unpack_cols(layer.tensors["qzeros"], layer.bits, layer.tensors["scales"].shape[1])

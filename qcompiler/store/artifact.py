@@ -91,6 +91,26 @@ def _graph_summary(gm, narrow: dict) -> dict:
     }
 
 
+def _example_tensors(args: tuple, kwargs: dict) -> tuple[dict[str, torch.Tensor], dict]:
+    """The example inputs as named tensors and the JSON layout that puts them back (a KV cache's
+    tensors one by one; constants as JSON values)."""
+    examples, layout = {}, {"args": [], "kwargs": {}}
+    for i, a in enumerate(args):
+        examples[f"args.{i}"] = a.contiguous()
+        layout["args"].append(f"args.{i}")
+    for k, v in kwargs.items():
+        if isinstance(v, torch.Tensor):
+            examples[f"kwargs.{k}"] = v.contiguous()
+            layout["kwargs"][k] = {"tensor": f"kwargs.{k}"}
+        elif isinstance(v, (tuple, list)) and v and all(isinstance(t, torch.Tensor) for t in v):  # a KV cache
+            for i, t in enumerate(v):
+                examples[f"kwargs.{k}.{i}"] = t.contiguous()
+            layout["kwargs"][k] = {"tensors": [f"kwargs.{k}.{i}" for i in range(len(v))]}
+        else:
+            layout["kwargs"][k] = {"value": _json_safe(v)}
+    return examples, layout
+
+
 def save(
     cm,
     path,
@@ -115,21 +135,7 @@ def save(
     )
     if narrow:  # stored as the checkpoint had them, widened again on load
         structure[WIDEN_KEY] = sorted(narrow)
-    args, kwargs = cm.example_inputs
-    examples, example_layout = {}, {"args": [], "kwargs": {}}
-    for i, a in enumerate(args):
-        examples[f"args.{i}"] = a.contiguous()
-        example_layout["args"].append(f"args.{i}")
-    for k, v in kwargs.items():
-        if isinstance(v, torch.Tensor):
-            examples[f"kwargs.{k}"] = v.contiguous()
-            example_layout["kwargs"][k] = {"tensor": f"kwargs.{k}"}
-        elif isinstance(v, (tuple, list)) and v and all(isinstance(t, torch.Tensor) for t in v):  # a KV cache
-            for i, t in enumerate(v):
-                examples[f"kwargs.{k}.{i}"] = t.contiguous()
-            example_layout["kwargs"][k] = {"tensors": [f"kwargs.{k}.{i}" for i in range(len(v))]}
-        else:
-            example_layout["kwargs"][k] = {"value": _json_safe(v)}
+    examples, example_layout = _example_tensors(*cm.example_inputs)
     shards = plan_shards(tensors, max_shard_bytes)
     names = shard_names("tensors", len(shards))
     manifest = {
