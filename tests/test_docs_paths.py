@@ -83,3 +83,27 @@ def test_architecture_md_draws_every_room_and_its_files():
             if f.name != "__init__.py" and f"`{f.name}`" not in text
         ]
     assert not missing, "docs/architecture.md does not draw: " + ", ".join(missing)
+
+
+def test_architecture_md_lists_what_each_built_in_pass_provides():
+    import re
+
+    import qcompiler as qc
+    from qcompiler.pipeline.pass_base import Pass
+
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    section = text.split("## Graph properties", 1)[1].split("\n## ", 1)[0]
+    listed = dict(re.findall(r"^- `(\w+)`: (.+)$", section, flags=re.M))
+
+    def subclasses(cls):
+        for sub in cls.__subclasses__():
+            yield sub
+            yield from subclasses(sub)
+
+    built_in = {c for c in subclasses(Pass) if c.__module__.startswith("qcompiler.passes.")}
+    for prop in qc.GraphProperty:
+        providers = sorted(c.__name__ for c in built_in if prop in getattr(c, "provides", ()))
+        if prop is qc.GraphProperty.CAPTURED:
+            assert listed.get(prop.name) == "every captured graph"
+        else:
+            assert listed.get(prop.name) == ", ".join(providers), prop.name
