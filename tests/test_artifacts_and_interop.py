@@ -140,8 +140,8 @@ def test_v1_zero_points_round_trip(bits):
     "recipe,zero_format,desc_act",
     [
         ([qc.passes.GPTQ(bits=4, group_size=32, act_order=True, static_groups=False)], "auto", True),
-        ("rtn-w3g128", "v2", False),
-        ("gptq-w2g128", "auto", False),
+        pytest.param("rtn-w3g128", "v2", False, marks=pytest.mark.slow),
+        pytest.param("gptq-w2g128", "auto", False, marks=pytest.mark.slow),
     ],
 )
 def test_gptq_checkpoint_round_trip_is_bit_identical(recipe, zero_format, desc_act, tmp_path):

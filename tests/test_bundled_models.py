@@ -18,8 +18,14 @@ def layer_errors(loaded, recipe, calib):
     return {k: v["rel_error"] for k, v in cm.report.passes[0].layers.items()}
 
 
-@pytest.mark.parametrize("bits", [4, 3])
-@pytest.mark.parametrize("name", ["tinylm", "minilm"])
+@pytest.mark.parametrize(
+    "name,bits",
+    [
+        pytest.param(name, bits, id=f"{name}-{bits}", marks=[] if (name, bits) == ("tinylm", 4) else [pytest.mark.slow])
+        for name in ("tinylm", "minilm")
+        for bits in (4, 3)
+    ],
+)  # tinylm-4 asserts it in the default run; the other model and width in the slow tier
 def test_gptq_beats_rtn_on_every_linear(name, bits, tinylm, minilm):
     loaded = tinylm if name == "tinylm" else minilm
     calib = loaded.calibration(16, 128)

@@ -183,6 +183,7 @@ def test_export_checkpoints_from_the_cli(artifact, tmp_path):
     assert torch.equal(imported.generate(ids, max_new_tokens=8), saved.generate(ids, max_new_tokens=8))
 
 
+@pytest.mark.slow
 def test_report_of_spqr_has_the_outlier_heat_map(tmp_path):
     art = tmp_path / "spqr"
     assert main(["quantize", "bundled:tinylm", "--recipe", "spqr-w3g16", "--samples", "4", "--out", str(art)]) == 0

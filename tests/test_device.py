@@ -39,8 +39,19 @@ def test_each_block_onloads_only_its_own_weights(llama):
         assert not outside, f"running block {seg.name} would onload {outside}"
 
 
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.parametrize(
+    "recipe,device",
+    [
+        pytest.param(
+            recipe,
+            device,
+            id=f"{recipe}-{device}",  # on the CPU, GPTQ's case in the default run covers the path; the rest slow
+            marks=[pytest.mark.slow] if device == "cpu" and recipe != "gptq-w4g128-act" else [],
+        )
+        for recipe in RECIPES
+        for device in DEVICES
+    ],
+)
 def test_onloaded_compile_matches_in_place_compile(llama, recipe, device):
     """Same recipe, same calibration: solving on ``device`` (with the block-input cache offloaded or
     not) gives the model the in-place run gives (bit-identical on the CPU; on a GPU within a small

@@ -105,8 +105,17 @@ def test_fitted_grid_beats_the_min_max_grid():
     assert error(fitted) <= 0.85 * error(plain)
 
 
-@pytest.mark.parametrize("kind", ["q4_k", "q5_k", "q6_k", "q3_k", "q2_k", "q4_1"])
-@pytest.mark.parametrize("act_order,static", [(False, False), (True, True), (False, True)])
+GRIDS = ["q4_k", "q5_k", "q6_k", "q3_k", "q2_k", "q4_1"]
+
+
+@pytest.mark.parametrize(
+    "act_order,static,kind",
+    [
+        pytest.param(a, s, k, id=f"{a}-{s}-{k}", marks=[pytest.mark.slow] if k in ("q5_k", "q6_k") else [])
+        for a, s in [(False, False), (True, True), (False, True)]
+        for k in GRIDS
+    ],
+)
 def test_gptq_on_the_grid_is_the_straightforward_algorithm(kind, act_order, static):
     """The lazy-batch sweep picks the codes the column-by-column reference picks (static grids: the
     same grid exactly; grids fitted as the sweep goes see weights that differ by float32 summation
@@ -184,8 +193,19 @@ def _llama256(intermediate_size: int = 512) -> torch.nn.Module:
     return transformers.LlamaForCausalLM(cfg).eval()
 
 
-@pytest.fixture(scope="module", params=["q4_k", "q5_k", "q6_k", "q3_k", "q2_k", "q4_1"])
+def _grids(slow: set[str]) -> list:
+    """Every grid, the ones in ``slow`` marked for the slow tier."""
+    return [pytest.param(kind, marks=pytest.mark.slow) if kind in slow else kind for kind in GRIDS]
+
+
+# Q5_K is Q4_K's code with a fifth bit, Q6_K Q3_K's with other widths: their bytes
+# (test_packed_bytes_are_llama_cpp_blocks) stay in the default run, the whole-model checks go slow
+_SLOW_GRIDS = {"q5_k", "q6_k", "q2_k"}
+
+
+@pytest.fixture(scope="module")
 def compiled(request, tmp_path_factory):
+    """The tiny LLaMA compiled on grid ``request.param`` (each test parametrizes it indirectly)."""
     model = _llama256()
     calib = [{"input_ids": torch.randint(3, 128, (4, 64), generator=torch.Generator().manual_seed(1))}]
     ids = torch.randint(3, 128, (1, 12), generator=torch.Generator().manual_seed(2))
@@ -199,6 +219,7 @@ def _layers(cm) -> dict:
     return {quantized_layer_path(args_of(n)): args_of(n) for n in gm.graph.nodes if spec_of(n) is not None}
 
 
+@pytest.mark.parametrize("compiled", _grids(_SLOW_GRIDS), indirect=True)
 def test_every_layer_is_on_the_grid_at_its_exact_bits(compiled):
     """Q4_K: (2 + 2 + 12 + 128) bytes per 256 weights = 4.5 bits; Q5_K: (2 + 2 + 12 + 32 + 128) per
     256 = 5.5; Q6_K: (128 + 64 + 16 + 2) per 256 = 6.5625; Q3_K: (32 + 64 + 12 + 2) per 256 = 3.4375;
@@ -214,6 +235,7 @@ def test_every_layer_is_on_the_grid_at_its_exact_bits(compiled):
     )
 
 
+@pytest.mark.parametrize("compiled", _grids(_SLOW_GRIDS), indirect=True)
 def test_gguf_file_holds_the_graphs_weights_bit_for_bit(compiled):
     model, cm, _, tmp, block_type = compiled
     path = cm.export_gguf(tmp / "m.gguf", progress=lambda s: None)
@@ -231,6 +253,7 @@ def test_gguf_file_holds_the_graphs_weights_bit_for_bit(compiled):
         assert torch.equal(back, dequantize_gguf(a.tensor(cm.graph_module, "blocks"), block_type, a.in_features))
 
 
+@pytest.mark.parametrize("compiled", _grids(set(GRIDS) - {"q4_k"}), indirect=True)  # the round trip is grid-blind
 def test_artifact_round_trip_onnx_runtime_and_refusals_by_name(compiled):
     """The artifact reloads bit-identically; ONNX Runtime runs it (MatMulNBits with an integer zero
     point per sub-block and a per-block correction for the rest of the offset) within 1e-5 of the

@@ -118,7 +118,11 @@ def test_bundled_lm_through_the_cli_generates_what_qcompiler_generates(tinylm_q4
     assert llm.detokenize(want.tolist()) == bytes(want.tolist())
 
 
-@pytest.mark.parametrize("recipe", ["gptq-q4_k", "gptq-q5_k", "gptq-q6_k", "gptq-q3_k", "gptq-q2_k"])
+@pytest.mark.parametrize(
+    "recipe",
+    ["gptq-q4_k", *(pytest.param(r, marks=pytest.mark.slow) for r in ("gptq-q5_k", "gptq-q6_k")), "gptq-q3_k"]
+    + [pytest.param("gptq-q2_k", marks=pytest.mark.slow)],
+)
 def test_llama_cpp_runs_k_quants_as_the_graph_does(recipe, tmp_path):
     """gptq-q4_k / -q5_k / -q6_k / -q3_k / -q2_k (llama.cpp's own super-block bytes, stored as they are) on the bundled
     LM, whose widths are multiples of 256: llama.cpp's logits within the bound of the graph's, and its

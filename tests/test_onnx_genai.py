@@ -55,6 +55,7 @@ def test_onnxruntime_genai_generates_the_same_32_greedy_tokens(recipe, tinylm, t
     assert tokenizer.decode(np.asarray(tinylm.tokenize(text), dtype=np.int32)) == text
 
 
+@pytest.mark.slow
 def test_cli_export_onnx_genai_from_an_artifact(tinylm, tmp_path, capsys):
     cm = qc.compile(tinylm.model, tinylm.example_inputs(), recipe="rtn-w4g128", progress=False)
     cm.save(tmp_path / "art", metadata={"source": "bundled:tinylm"})

@@ -81,7 +81,7 @@ def test_tuning_equals_the_algorithm_written_plainly():
     assert (tuned["w"].v - ref_v).abs().le(1e-5).float().mean() >= 0.99
 
 
-@pytest.mark.parametrize("sym", [False, True])
+@pytest.mark.parametrize("sym", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_step_zero_is_round_to_nearest_and_the_best_step_is_never_worse(sym):
     W, X = _layer_problem(seed=1)
     rtn = rtn_quantize(W, bits=3, group_size=32, sym=sym).dequantized
@@ -118,7 +118,10 @@ def _logit_error(model, cm, arch="llama"):
     return ((main_output(cm(**inputs)) - ref).pow(2).mean() / ref.pow(2).mean()).item()
 
 
-@pytest.mark.parametrize("rotate", [False, True], ids=["plain", "rotated"])
+@pytest.mark.parametrize(
+    "rotate",  # through the online rotations: qc.hadamard's gradient is test_rotate's twin
+    [pytest.param(False, id="plain"), pytest.param(True, id="rotated", marks=pytest.mark.slow)],
+)
 def test_the_pass_lowers_the_models_output_error_below_round_to_nearest(rotate):
     """On a rotated graph too: the block's gradients flow through the online ``qc.hadamard`` ops."""
     model = make_model("llama")

@@ -64,7 +64,14 @@ def streamed_gptq(folder):
     return qc.compile(streamed.model, x, recipe="gptq-w4g128", calibration=_calibration(), progress=False, device=None)
 
 
-@pytest.mark.parametrize("recipe", ["gptq-w4g128", "spqr-w3g16", "w8a8-smoothquant"])
+@pytest.mark.parametrize(
+    "recipe",
+    [
+        "gptq-w4g128",
+        pytest.param("spqr-w3g16", marks=pytest.mark.slow),
+        pytest.param("w8a8-smoothquant", marks=pytest.mark.slow),
+    ],
+)
 def test_streamed_compile_equals_full_load(folder, recipe, streamed_gptq):
     full, streamed = load(folder), load(folder, stream=True)
     x = full.example_inputs()
@@ -317,6 +324,7 @@ def test_every_dense_architecture_streams(tmp_path, arch):
     assert torch.equal(main_output(got(**x)), main_output(want(**x)))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe"])
 def test_moe_checkpoints_transformers_converts_stream_and_compile_like_a_full_load(tmp_path, arch):
     """Mixtral / Qwen2-MoE checkpoints store one linear per expert; the model stacks them
