@@ -32,7 +32,7 @@ from rich.table import Table
 
 from qcompiler.backends import available_backends
 from qcompiler.evaluation.quality import REPORTED_WINDOWS
-from qcompiler.export_formats import ExportOptions, export_format, export_format_names
+from qcompiler.export_formats import ExportOptions, export_format, export_format_names, readers_of
 from qcompiler.interop.gguf_export import REQUANTIZE_TYPES
 from qcompiler.pipeline.heartbeat import heartbeat
 from qcompiler.store.escaping import printable
@@ -478,13 +478,13 @@ def evaluate(
 
 _SHARD_GB = 5.0  # export's --max-shard-gb default
 
-# which built-in formats read each export option (a format registered by a user reads them all)
-_OPTION_FORMATS = {
-    "--zero-format": ("gptq",),
-    "--max-shard-gb": ("gptq", "compressed-tensors"),
-    "--accuracy-level": ("onnx", "onnx-genai"),
-    "--plain-attention": ("onnx", "onnx-genai"),
-    "--requantize": ("gguf",),
+# the ExportOptions field each export flag sets (which formats read it: ExportFormat.reads)
+_OPTION_FIELDS = {
+    "--zero-format": "zero_format",
+    "--max-shard-gb": "max_shard_bytes",
+    "--accuracy-level": "accuracy_level",
+    "--plain-attention": "fused_attention",
+    "--requantize": "requantize",
 }
 
 
@@ -524,11 +524,10 @@ def export(
         "--plain-attention": plain_attention,
         "--requantize": requantize is not None,
     }
-    builtin = {f for formats in _OPTION_FORMATS.values() for f in formats}
-    for option in (o for o, on in given.items() if on and fmt.name in builtin and fmt.name not in _OPTION_FORMATS[o]):
-        raise typer.BadParameter(
-            f"{option} applies to --format {' / '.join(_OPTION_FORMATS[option])}, not {fmt.name}: it would do nothing"
-        )
+    for option in (o for o, on in given.items() if on):
+        if fmt.reads is not None and _OPTION_FIELDS[option] not in fmt.reads:
+            readers = " / ".join(readers_of(_OPTION_FIELDS[option]))
+            raise typer.BadParameter(f"{option} applies to --format {readers}, not {fmt.name}: it would do nothing")
     _check_export_target(fmt, dest, overwrite, [artifact])  # refuse a bad target before the work
     options = ExportOptions(
         overwrite=overwrite,

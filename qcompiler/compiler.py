@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Optional
 
 import torch
@@ -10,6 +11,7 @@ from torch.fx import GraphModule
 
 from qcompiler.distributed.ranks import current_ranks
 from qcompiler.errors import CalibrationError
+from qcompiler.export_formats import ExportOptions, export_format
 from qcompiler.frontend import lazy_weights
 from qcompiler.frontend.capture import CaptureInfo, capture, fill_optional_inputs, normalize_inputs
 from qcompiler.frontend.causal_lm import CacheLayout, example_graph_inputs, graph_inputs, wrap_output
@@ -237,6 +239,20 @@ class CompiledModel:
         self.materialize()
         report = Report([p for p in self.report.passes if not p.name.startswith("backend:")])
         return on_backend(self.graph_module, self.recipe, report, backend, self.example_inputs, options)
+
+    def export(self, format: str, path, options=None, **settings):
+        """Write this model in a registered export format (``qcompiler.export_formats``: onnx,
+        onnx-genai, gptq, compressed-tensors, gguf, or one of yours) to ``path``, a file or a folder
+        as the format writes: ``options`` an ``ExportOptions``, or its fields as keywords
+        (``cm.export("gptq", "out/ckpt", zero_format="v2")``); a setting the format does not read
+        is refused. Returns what the writer returns (the path written)."""
+        fmt = export_format(format)
+        if options is not None and settings:
+            raise TypeError("give options or settings as keywords, not both")
+        if options is None:
+            fmt.check_settings(settings)
+            options = ExportOptions(**settings)
+        return fmt.write(self, Path(path), options)
 
     def export_onnx(self, path, *, accuracy_level: Optional[int] = None, fused_attention: bool = True, protect=()):
         """Write the graph as an ONNX model that ONNX Runtime runs (see docs/backends/onnx.md); an

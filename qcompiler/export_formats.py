@@ -10,11 +10,18 @@ from __future__ import annotations
 import importlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Iterable, Optional
 
 from qcompiler.files.sharding import DEFAULT_SHARD_BYTES
 
-__all__ = ["ExportFormat", "ExportOptions", "register_export_format", "export_format", "export_format_names"]
+__all__ = [
+    "ExportFormat",
+    "ExportOptions",
+    "register_export_format",
+    "export_format",
+    "export_format_names",
+    "readers_of",
+]
 
 
 @dataclass(frozen=True)
@@ -31,6 +38,9 @@ class ExportOptions:
     progress: Callable[[str], None] = print
 
 
+GENERAL_OPTIONS = ("overwrite", "protect", "progress")  # every format takes these
+
+
 @dataclass(frozen=True)
 class ExportFormat:
     """A named export: ``write(cm, dest, options)`` makes ``dest``, a file or a folder (``writes``)."""
@@ -41,6 +51,21 @@ class ExportFormat:
     description: str
     target: str = ""  # the op-registry target whose implement/refuse lines say which qc ops it writes
     writer_module: str = ""  # the module that holds the writer and registers that target
+    reads: Optional[tuple[str, ...]] = None  # the format's own ExportOptions fields (None: all of them)
+
+    def check_settings(self, given: Iterable[str]) -> None:
+        """Refuse settings this format does not read (they would do nothing), naming who reads them."""
+        if self.reads is None:
+            return
+        for name in given:
+            if name not in GENERAL_OPTIONS and name not in self.reads:
+                readers = " / ".join(readers_of(name)) or "no registered format"
+                raise ValueError(f"export option {name} applies to {readers}, not {self.name}: it would do nothing")
+
+
+def readers_of(option: str) -> list[str]:
+    """The registered formats that read ExportOptions field ``option`` (by their ``reads``)."""
+    return [name for name, fmt in _FORMATS.items() if fmt.reads is not None and option in fmt.reads]
 
     def load_target(self) -> Optional[str]:
         """Import the writer's module (registering its target's implementations) and name the target."""
@@ -120,10 +145,22 @@ def _gguf(cm, dest, o: ExportOptions):
 
 for _fmt in (
     ExportFormat(
-        "onnx", "file", _onnx, "one ONNX model file for ONNX Runtime", "onnx", "qcompiler.backends.onnx_export"
+        "onnx",
+        "file",
+        _onnx,
+        "one ONNX model file for ONNX Runtime",
+        "onnx",
+        "qcompiler.backends.onnx_export",
+        ("accuracy_level", "fused_attention"),
     ),
     ExportFormat(
-        "onnx-genai", "folder", _onnx_genai, "an onnxruntime-genai model folder", "onnx", "qcompiler.interop.onnx_genai"
+        "onnx-genai",
+        "folder",
+        _onnx_genai,
+        "an onnxruntime-genai model folder",
+        "onnx",
+        "qcompiler.interop.onnx_genai",
+        ("accuracy_level", "fused_attention"),
     ),
     ExportFormat(
         "gptq",
@@ -132,6 +169,7 @@ for _fmt in (
         "a GPTQ checkpoint (transformers, GPTQModel, vLLM)",
         "gptq",
         "qcompiler.interop.gptq_checkpoint",
+        ("zero_format", "max_shard_bytes"),
     ),
     ExportFormat(
         "compressed-tensors",
@@ -140,6 +178,7 @@ for _fmt in (
         "a compressed-tensors checkpoint (transformers, vLLM)",
         "compressed-tensors",
         "qcompiler.interop.compressed_tensors",
+        ("max_shard_bytes",),
     ),
     ExportFormat(
         "gguf",
@@ -148,6 +187,7 @@ for _fmt in (
         "one GGUF file for llama.cpp / Ollama (GPTQ on Q4_0 ... Q8_0 and Q2_K ... Q6_K blocks; F16 / F32 elsewhere)",
         "gguf",
         "qcompiler.interop.gguf_export",
+        ("requantize",),
     ),
 ):
     register_export_format(_fmt)
