@@ -28,6 +28,18 @@ from qcompiler.store import artifact
 __all__ = ["compile", "load", "CompiledModel", "normalize_calibration"]
 
 
+def _sampling(
+    sampling: Optional[SamplingConfig], do_sample: bool, temperature: float, top_k: int, top_p: float
+) -> SamplingConfig:
+    """One ``SamplingConfig`` from either the object or its fields as keywords (both: an error)."""
+    fields = SamplingConfig(do_sample, temperature, top_k, top_p)
+    if sampling is None:
+        return fields
+    if fields != SamplingConfig():
+        raise TypeError("give sampling=SamplingConfig(...) or do_sample/temperature/top_k/top_p, not both")
+    return sampling
+
+
 class CompiledModel:
     """A quantized model: call it like the original; inspect ``graph_module`` and ``report``."""
 
@@ -120,6 +132,7 @@ class CompiledModel:
         input_ids: torch.Tensor,
         max_new_tokens: int = 32,
         *,
+        sampling: Optional[SamplingConfig] = None,
         do_sample: bool = False,
         temperature: float = 1.0,
         top_k: int = 0,
@@ -138,16 +151,15 @@ class CompiledModel:
         ``cache``: ``"dynamic"`` feeds each step's grown cache back; ``"static"`` decodes over a
         preallocated one (:class:`qcompiler.frontend.static_cache.StaticCache`: fixed shapes, captured as a
         CUDA graph on a GPU); ``"auto"`` takes static on the triton backend's GPU, else dynamic.
+        ``sampling``: a :class:`qcompiler.generation.SamplingConfig` (greedy by default), or its
+        fields as the keywords ``do_sample``, ``temperature``, ``top_k``, ``top_p`` — not both.
         """
         self.materialize()
         tokens = []
         for token in self.stream(
             input_ids,
             max_new_tokens,
-            do_sample=do_sample,
-            temperature=temperature,
-            top_k=top_k,
-            top_p=top_p,
+            sampling=_sampling(sampling, do_sample, temperature, top_k, top_p),
             eos_token_id=eos_token_id,
             pad_token_id=pad_token_id,
             attention_mask=attention_mask,
@@ -164,6 +176,7 @@ class CompiledModel:
         input_ids: torch.Tensor,
         max_new_tokens: int = 32,
         *,
+        sampling: Optional[SamplingConfig] = None,
         do_sample: bool = False,
         temperature: float = 1.0,
         top_k: int = 0,
@@ -187,7 +200,7 @@ class CompiledModel:
         config = self.capture_info.model_config or {}
         if eos_token_id is None:
             eos_token_id = config.get("eos_token_id")
-        sampling = SamplingConfig(do_sample, temperature, top_k, top_p)
+        sampling = _sampling(sampling, do_sample, temperature, top_k, top_p)
 
         def step(inputs):
             with torch.no_grad():

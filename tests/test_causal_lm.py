@@ -9,6 +9,7 @@ from causal_lms import ARCHITECTURES, calibration, causal_lm, prompt
 
 import qcompiler as qc
 from qcompiler.frontend import causal_lm as cache_graph
+from qcompiler.generation import SamplingConfig
 
 # The default suite runs four families (LLaMA-style GQA, GPT-2 Conv1D, Falcon, MoE); `pytest -m slow`
 # (run by .ci/run) runs all thirteen.
@@ -147,6 +148,11 @@ def test_streaming_sampling_and_eos(llama_w4):
     assert torch.equal(llama_w4.generate(ids, 9, do_sample=True, top_k=1, seed=5), out)  # top-1 sampling = greedy
     a = llama_w4.generate(ids, 9, do_sample=True, temperature=1.5, top_p=0.9, seed=11)
     assert torch.equal(a, llama_w4.generate(ids, 9, do_sample=True, temperature=1.5, top_p=0.9, seed=11))
+    sampling = SamplingConfig(do_sample=True, temperature=1.5, top_p=0.9)  # one object for generate and stream
+    assert torch.equal(a, llama_w4.generate(ids, 9, sampling=sampling, seed=11))
+    assert torch.equal(torch.stack(list(llama_w4.stream(ids, 9, sampling=sampling, seed=11)), 1), a[:, 6:])
+    with pytest.raises(TypeError, match="not both"):
+        llama_w4.generate(ids, 2, sampling=sampling, top_k=3)
     eos = int(out[0, 8])  # the third generated token
     stopped = llama_w4.generate(ids, 9, eos_token_id=eos)
     assert stopped.shape[1] == 9 and int(stopped[0, -1]) == eos
