@@ -70,8 +70,6 @@ class AutoBits(WeightQuantizer):
     ignore: tuple[str, ...] = ()  # module paths kept in full precision: globs, or 're:' + a regex
     finish: str = "gptq"  # what quantizes the plan: "gptq" (each candidate's own method) or "signround"
 
-    requires = frozenset()
-    provides = WeightQuantizer.provides
     needs_calibration: ClassVar = True
     needs_hessian: ClassVar = True
 

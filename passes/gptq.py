@@ -60,8 +60,6 @@ class GPTQ(WeightQuantizer):
     lm_head: bool = False  # also the output head, by RTN on the same grid (it has no block Hessian)
     ignore: tuple[str, ...] = ()  # module paths kept in full precision: globs, or 're:' + a regex
 
-    requires = frozenset()
-    provides = WeightQuantizer.provides
     needs_calibration: ClassVar = True
     needs_hessian: ClassVar = True
     config_version: ClassVar = 2  # 2: the grid field (version 1 artifacts were made with min-max grids)

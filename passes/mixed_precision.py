@@ -73,8 +73,6 @@ class MixedPrecision(WeightQuantizer):
     default: str = ""  # candidate for layers the plan does not name; "" = a layer it misses is an error
     true_sequential: bool = False  # True: q/k/v, o, gate/up, down calibrated in turn (measured: no gain)
 
-    requires = frozenset()
-    provides = WeightQuantizer.provides
     needs_calibration: ClassVar = True
     needs_hessian: ClassVar = True
 

@@ -53,9 +53,6 @@ class RTN(WeightQuantizer):
     lm_head: bool = False  # also the output head (RTN), as onnxruntime-genai's int4 builder does
     ignore: tuple[str, ...] = ()  # module paths kept in full precision: globs, or 're:' + a regex
 
-    requires = frozenset()
-    provides = WeightQuantizer.provides
-
     def __post_init__(self):
         check_spec(self.bits, self.group_size, self.grid)
         super().__post_init__()

@@ -51,8 +51,6 @@ class SignRound(WeightQuantizer):
     # ``bits`` / ``group_size`` (a mixed-precision plan: ``AutoBits(finish="signround")``)
     plan: tuple[tuple[str, str], ...] = ()
 
-    requires = frozenset()
-    provides = WeightQuantizer.provides
     needs_calibration: ClassVar = True
     needs_hessian: ClassVar = True
 

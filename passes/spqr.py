@@ -43,7 +43,6 @@ class SpQR(WeightQuantizer):
     true_sequential: bool = True
     ignore: tuple[str, ...] = ()  # module paths kept in full precision: globs, or 're:' + a regex
 
-    requires = frozenset()
     provides = frozenset({GraphProperty.QUANTIZED_WEIGHTS, GraphProperty.OUTLIERS_SPLIT})
     needs_calibration: ClassVar = True
     needs_hessian: ClassVar = True

@@ -62,11 +62,6 @@ class ExportFormat:
                 readers = " / ".join(readers_of(name)) or "no registered format"
                 raise ValueError(f"export option {name} applies to {readers}, not {self.name}: it would do nothing")
 
-
-def readers_of(option: str) -> list[str]:
-    """The registered formats that read ExportOptions field ``option`` (by their ``reads``)."""
-    return [name for name, fmt in _FORMATS.items() if fmt.reads is not None and option in fmt.reads]
-
     def load_target(self) -> Optional[str]:
         """Import the writer's module (registering its target's implementations) and name the target."""
         if self.writer_module:
@@ -75,6 +70,11 @@ def readers_of(option: str) -> list[str]:
 
 
 _FORMATS: dict[str, ExportFormat] = {}
+
+
+def readers_of(option: str) -> list[str]:
+    """The registered formats that read ExportOptions field ``option`` (by their ``reads``)."""
+    return [name for name, fmt in _FORMATS.items() if fmt.reads is not None and option in fmt.reads]
 
 
 def register_export_format(fmt: ExportFormat) -> ExportFormat:
