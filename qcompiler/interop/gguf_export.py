@@ -27,6 +27,7 @@ from qcompiler.algorithms.gguf_bytes import pack
 from qcompiler.algorithms.gguf_grids import FORMATS, GRID_FALLBACK, fit_grid, quantize_codes
 from qcompiler.algorithms.packing import unpack_cols, unpack_rows
 from qcompiler.files.atomic import atomic_file, check_output_file
+from qcompiler.interop.arch_specs import GGUFArch, gguf_arch
 from qcompiler.interop.checkpoint import (
     ONLINE_ROTATION,
     ExportError,
@@ -45,7 +46,7 @@ from qcompiler.layouts.spqr import SPQR_DENSE_TENSORS, dequantize_spqr_dense, sp
 from qcompiler.store.model_files import model_files
 from qcompiler.version import __version__
 
-__all__ = ["export_gguf", "GGUF_ARCHITECTURES", "is_qcompiler_gguf"]
+__all__ = ["export_gguf", "is_qcompiler_gguf"]
 
 register_target("gguf", "exporter: GGUF files for llama.cpp")
 implement("gguf", "quant_linear", gptq_layer, kind="writer", label="Q8_0/Q4_0/Q4_1 blocks")
@@ -88,18 +89,6 @@ for _op in ("int8_linear", "spqr_experts_linear"):
 refuse("gguf", "quant_experts_linear", "GGUF files of mixture-of-experts models are not written yet")
 refuse("gguf", "hadamard", ONLINE_ROTATION.replace("checkpoint clients (transformers, vLLM, GPTQModel)", "llama.cpp"))
 
-# model_type -> (llama.cpp architecture, query/key rows reordered for its rotary pairs)
-GGUF_ARCHITECTURES = {
-    "llama": (gguf.MODEL_ARCH.LLAMA, True),
-    "mistral": (gguf.MODEL_ARCH.LLAMA, True),
-    "qwen2": (gguf.MODEL_ARCH.QWEN2, False),
-    "qwen3": (gguf.MODEL_ARCH.QWEN3, False),
-    # fused qkv_proj / gate_up_proj are llama.cpp's attn_qkv / ffn_up as they are (gate first, as
-    # its SwiGLU splits them); its rotary embedding is NEOX-style there: rows stay in HF order
-    "phi3": (gguf.MODEL_ARCH.PHI3, False),
-    # norms stored as 1 + weight (HF's Gemma2RMSNorm scales by 1 + w), the head read from the embeddings
-    "gemma2": (gguf.MODEL_ARCH.GEMMA2, False),
-}
 _FILE_TYPES = {
     "Q8_0": gguf.LlamaFileType.MOSTLY_Q8_0,
     "Q4_0": gguf.LlamaFileType.MOSTLY_Q4_0,
@@ -229,12 +218,9 @@ def export_gguf(cm, path, *, requantize: Optional[str] = None, protect=(), progr
     gm = cm.graph_module if hasattr(cm, "graph_module") else cm
     config = model_config_of(gm)
     model_type = config.get("model_type")
-    if model_type not in GGUF_ARCHITECTURES:
-        raise ExportError(
-            f"model type {model_type!r} is not written to GGUF yet; supported: {', '.join(GGUF_ARCHITECTURES)}"
-        )
+    spec = gguf_arch(model_type)
     path = check_output_file(Path(path), "GGUF", ours=is_qcompiler_gguf, protect=(*protect, *source_folder(gm)))
-    arch, pairs_rotary = GGUF_ARCHITECTURES[model_type]
+    arch = spec.arch
     written = [write(gm, a, path) for a, path, write in layer_writers(gm, "gguf", "GGUF", require_any=False)]
     layers = [layer for layer in written if layer is not None]  # SpQR's outliers: folded into their dense branch
     consumed = {  # every stored tensor a quantized op reads, but its bias (written as the layer's F32 bias)
@@ -257,7 +243,7 @@ def export_gguf(cm, path, *, requantize: Optional[str] = None, protect=(), progr
         return name
 
     def rows(hf_name: str) -> Optional[torch.Tensor]:
-        if not pairs_rotary:
+        if not spec.rotary_pairs:
             return None
         for proj, n in (("q_proj", heads), ("k_proj", kv_heads)):
             if f".self_attn.{proj}." in hf_name or hf_name.endswith(f".self_attn.{proj}"):
@@ -267,8 +253,10 @@ def export_gguf(cm, path, *, requantize: Optional[str] = None, protect=(), progr
     writer = gguf.GGUFWriter(None, gguf.MODEL_ARCH_NAMES[arch])
     recipe = getattr(getattr(cm, "recipe", None), "name", None) or gm.meta.get("qcompiler_recipe", "")
     _write_hparams(writer, config, model_type, recipe, (heads, kv_heads, head_dim), progress)
-    if model_type == "gemma2" and any(layer.path == "lm_head" for layer in layers):
-        raise ExportError("gemma2: llama.cpp reads the output head from the token embeddings; quantize without lm_head")
+    if spec.head_from_embeddings and any(layer.path == "lm_head" for layer in layers):
+        raise ExportError(
+            f"{model_type}: llama.cpp reads the output head from the token embeddings; quantize without lm_head"
+        )
     tokenizer = embed_tokenizer(writer, model_files(gm), config)
 
     counts: Counter = Counter()  # (GGUF type, "exact" | "re-rounded") -> layers
@@ -279,7 +267,7 @@ def export_gguf(cm, path, *, requantize: Optional[str] = None, protect=(), progr
             data = data[order.numpy()]
         writer.add_tensor(gguf_name(layer.path + ".weight"), data, raw_dtype=qtype)
         counts[qtype.name, how] += 1
-    _write_fp_tensors(writer, fp_tensors(gm, consumed), model_type, gguf_name, rows)
+    _write_fp_tensors(writer, fp_tensors(gm, consumed), spec, model_type, gguf_name, rows)
     main = counts.most_common(1)[0][0][0] if counts else "F16"
     writer.add_file_type(_FILE_TYPES.get(main, gguf.LlamaFileType.MOSTLY_F16))
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
@@ -330,18 +318,18 @@ def _write_hparams(writer, config: dict, model_type: str, recipe: str, shape: tu
     writer.add_vocab_size(int(config["vocab_size"]))
 
 
-def _write_fp_tensors(writer, fp: dict, model_type: str, gguf_name, rows) -> None:
-    """The unquantized tensors: vectors as F32, matrices as F16 (Gemma-2's norms as llama.cpp scales)."""
+def _write_fp_tensors(writer, fp: dict, spec: GGUFArch, model_type: str, gguf_name, rows) -> None:
+    """The unquantized tensors: vectors as F32, matrices as F16 (Gemma's norms as llama.cpp scales)."""
     for hf_name, value in fp.items():
         value = value.float()
-        if model_type == "gemma2" and hf_name == "lm_head.weight":  # llama.cpp's gemma2 has no head of its own
+        if spec.head_from_embeddings and hf_name == "lm_head.weight":  # llama.cpp has no head of its own there
             if not torch.equal(value, fp["model.embed_tokens.weight"].float()):
                 raise ExportError(
-                    "gemma2: llama.cpp reads the output head from the token embeddings; this head differs"
+                    f"{model_type}: llama.cpp reads the output head from the token embeddings; this head differs"
                 )
             continue
-        if model_type == "gemma2" and hf_name.endswith("norm.weight"):
-            value = value + 1  # Gemma2RMSNorm scales by 1 + w; llama.cpp by the stored w
+        if spec.norm_plus_one and hf_name.endswith("norm.weight"):
+            value = value + 1  # Gemma's RMSNorm scales by 1 + w; llama.cpp by the stored w
         order = rows(hf_name)
         if order is not None:
             value = value[order]

@@ -20,18 +20,15 @@ import re
 import torch
 
 from qcompiler.algorithms.packing import pack_cols, unpack_cols
+from qcompiler.interop.arch_specs import arch_specs
 from qcompiler.interop.checkpoint import ExportError, QuantLayer
 from qcompiler.ir.experts import find_expert_linears
 from qcompiler.layouts.gptq import GPTQ_TENSORS
 
 __all__ = ["EXPERT_NAMES", "UNFUSED_NAMES", "split_outputs", "expert_layers", "moe_checkpoint_names", "block_path"]
 
-# model_type -> (the MoE block's checkpoint name, the gate / up / down projection names)
-EXPERT_NAMES = {
-    "mixtral": ("block_sparse_moe", ("w1", "w3", "w2")),
-    "qwen2_moe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
-    "qwen3_moe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
-}
+# model_type -> (the MoE block's checkpoint name, the gate / up / down projection names): arch_specs.py
+EXPERT_NAMES = {t: spec.experts for t, spec in arch_specs().items() if spec.experts is not None}
 # GPTQModel (7.x, on transformers 5) unfuses every family's experts into modules
 # ``mlp.experts.{e}.gate_proj / up_proj / down_proj`` and reads the GPTQ tensors under those names
 # ("Missing required quantized weights ... mlp.experts.1.gate_proj.qweight" for Mixtral's w1)

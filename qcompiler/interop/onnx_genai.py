@@ -26,14 +26,10 @@ import onnx
 from onnx import TensorProto, helper
 
 from qcompiler.files.atomic import publish_directory
+from qcompiler.interop.arch_specs import arch_spec
 from qcompiler.interop.checkpoint import ExportError, source_folder, write_tokenizer_files
 
 __all__ = ["export_onnx_genai", "genai_config"]
-
-# genai picks its runtime by model type; these decoder-only types share the contract above. Any
-# other model is declared "llama", the generic decoder: genai's own "gpt2" type wants other input
-# names ("Model input was not found"), while GPT-2 and OPT graphs run as "llama" (slow test).
-_GENAI_TYPES = {"llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2"}
 
 
 def cache_window(config: dict) -> Optional[int]:
@@ -75,7 +71,7 @@ def genai_config(cm) -> dict:
     hidden = config.get("hidden_size") or config.get("n_embd")
     heads = config.get("num_attention_heads") or config.get("n_head") or layout.heads[0]
     eos = config.get("eos_token_id")
-    model_type = config.get("model_type") if config.get("model_type") in _GENAI_TYPES else "llama"
+    model_type = arch_spec(config.get("model_type")).genai_type  # genai picks its runtime by it
     return {
         "model": {
             "type": model_type,
