@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Optional
 
@@ -73,7 +72,7 @@ class CompiledModel:
 
     def materialize(self) -> "CompiledModel":
         """Read the tensors a ``compile(..., materialize=False)`` left on disk (nothing otherwise)."""
-        lazy_weights.materialize_all(self.graph_module, lambda m: print(f"[qcompiler] {m}", file=sys.stderr))
+        lazy_weights.materialize_all(self.graph_module, progress_line)
         return self
 
     @property

@@ -30,3 +30,21 @@ def test_a_failing_block_stops_beating_and_says_no_done():
     with pytest.raises(ValueError), heartbeat(lines.append, "loading", every=0.01):
         raise ValueError("bad folder")
     assert lines == ["loading"]
+
+
+def test_progress_goes_through_the_qcompiler_logger(capsys):
+    """Progress lines are the standard logger's: on stderr by default, silenced by its level."""
+    import logging
+
+    from qcompiler.pipeline.pass_base import progress_line
+
+    progress_line("block 1/2 done")
+    assert capsys.readouterr().err == "[qcompiler] block 1/2 done\n"
+    logger = logging.getLogger("qcompiler")
+    level = logger.level
+    logger.setLevel(logging.WARNING)
+    try:
+        progress_line("block 2/2 done")
+    finally:
+        logger.setLevel(level)
+    assert capsys.readouterr().err == ""

@@ -13,6 +13,7 @@ before anything runs, and checks each claimed property after its pass ran
 from __future__ import annotations
 
 import dataclasses
+import logging
 import sys
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Optional
@@ -48,11 +49,36 @@ class PassResult:
     record: PassRecord
 
 
+class _StderrHandler(logging.StreamHandler):
+    """Writes to the ``sys.stderr`` of the moment (a redirected stream, pytest's capture), not the
+    one there was at import."""
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, _value) -> None:
+        pass
+
+
+# Progress goes through the standard "qcompiler" logger, on stderr as "[qcompiler] ..." by default:
+# logging.getLogger("qcompiler").setLevel(logging.WARNING) silences it, and an application may
+# replace its handler (it does not propagate to the root logger, so a root handler shows no copy).
+LOG = logging.getLogger("qcompiler")
+if not LOG.handlers:
+    _handler = _StderrHandler()
+    _handler.setFormatter(logging.Formatter("[qcompiler] %(message)s"))
+    LOG.addHandler(_handler)
+    LOG.setLevel(logging.INFO)
+    LOG.propagate = False
+
+
 def progress_line(message: str) -> None:
-    """A ``[qcompiler]`` progress line on stderr; in a distributed run only rank 0 prints (every
-    rank computes the same report)."""
+    """A progress line on the "qcompiler" logger (stderr by default); in a distributed run only
+    rank 0 logs (every rank computes the same report)."""
     if current_ranks().is_root:
-        print(f"[qcompiler] {message}", file=sys.stderr, flush=True)
+        LOG.info(message)
 
 
 @dataclass
