@@ -540,3 +540,26 @@ def test_the_reliability_page_lists_every_case():
     page = (Path(__file__).resolve().parents[1] / "docs" / "reliability.md").read_text()
     for case in [r[0] for r in CLI_ROWS] + [r[0] for r in API_ROWS]:
         assert f"| {case} |" in page, f"docs/reliability.md does not list {case!r}"
+
+
+def test_a_recipe_file_that_is_not_a_regular_file_is_named_as_such(tmp_path):
+    """A device, a FIFO or a folder given as --recipe is one line saying what it is, never opened (a
+    FIFO would block the reader, /dev/zero never end); a link to a real recipe still reads."""
+    import os
+
+    from qcompiler.pipeline.recipe_files import MAX_RECIPE_BYTES, resolve_recipe
+
+    (tmp_path / "zero.yaml").symlink_to("/dev/zero")
+    os.mkfifo(tmp_path / "fifo.yaml")
+    (tmp_path / "folder.yaml").mkdir()
+    (tmp_path / "big.yaml").write_text("#" * (MAX_RECIPE_BYTES + 1))
+    for name, kind in (("zero", "character device"), ("fifo", "FIFO"), ("folder", "folder")):
+        with pytest.raises(
+            qc.RecipeError, match=rf"recipe file \S+/{name}\.yaml is not a regular file \(it is a {kind}\)"
+        ):
+            resolve_recipe(str(tmp_path / f"{name}.yaml"))
+    with pytest.raises(qc.RecipeError, match=rf"big\.yaml is over {MAX_RECIPE_BYTES} bytes, the limit for a recipe"):
+        resolve_recipe(str(tmp_path / "big.yaml"))
+    (tmp_path / "real.yaml").write_text("name: mine\npasses:\n  - pass: RTN\n    bits: 4\n")
+    (tmp_path / "link.yaml").symlink_to(tmp_path / "real.yaml")
+    assert resolve_recipe(str(tmp_path / "link.yaml")).passes[0].bits == 4
