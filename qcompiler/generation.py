@@ -97,6 +97,12 @@ def generate_tokens(
     generator = torch.Generator().manual_seed(seed) if seed is not None else None
     inputs = graph_inputs(layout, input_ids, attention_mask)
     mask = inputs["attention_mask"]
+    right = (mask[:, -1] == 0).nonzero().flatten().tolist()
+    if right:  # its new tokens would follow padding: transformers warns, the output is silently wrong
+        raise ValueError(
+            f"prompt {right[0]} is right-padded (its last position is padding); generate needs prompts "
+            "padded on the left (attention_mask zeros first)"
+        )
     finished = torch.zeros(input_ids.shape[0], dtype=torch.bool)
     static = static_cache(input_ids.shape[0], total) if static_cache is not None and max_new_tokens else None
     token = input_ids[:, -1]  # the decode steps' input: each step's sampled token

@@ -178,6 +178,14 @@ def test_explicit_use_cache_false_keeps_the_plain_graph(llama):
             "masks every token of sequence 0",
         ),
         (lambda cm: cm(input_ids=prompt(), attention_mask=torch.ones(1, 3)), "must be (1, 6)"),
+        (
+            lambda cm: cm(input_ids=prompt(1, 3), attention_mask=torch.tensor([[1, 2, 1]])),
+            "attention_mask holds 2 at (0, 1); it must be 0 (padding) or 1 (a token)",
+        ),
+        (
+            lambda cm: cm.generate(prompt(2, 3), 2, attention_mask=torch.tensor([[1, 1, 0], [1, 1, 1]])),
+            "prompt 0 is right-padded (its last position is padding); generate needs prompts padded on the left",
+        ),
     ],
 )
 def test_bad_generation_inputs_are_one_line_errors(call, words, llama_w4):

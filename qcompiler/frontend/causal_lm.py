@@ -221,6 +221,12 @@ def graph_inputs(
             f"attention_mask has shape {tuple(attention_mask.shape)}; with {length} cached and {new} "
             f"new tokens it must be ({batch}, {length + new})"
         )
+    odd = ((attention_mask != 0) & (attention_mask != 1)).nonzero()
+    if len(odd):  # a 2 or a 0.5 would count as a token (or as padding) without a word
+        r, c = odd[0].tolist()
+        raise ValueError(
+            f"attention_mask holds {attention_mask[r, c].item():g} at ({r}, {c}); it must be 0 (padding) or 1 (a token)"
+        )
     attention_mask = attention_mask.long()
     empty = (~attention_mask.bool().any(-1)).nonzero().flatten().tolist()
     if empty:
