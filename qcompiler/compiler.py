@@ -98,10 +98,20 @@ class CompiledModel:
         if isinstance(ids, torch.Tensor):
             self._check_token_ids(ids)
         layout = self.cache_layout
-        with torch.no_grad():
-            if layout is None:
-                return self._runner(*args, **kwargs)
-            return wrap_output(self._runner(**self._cache_inputs(layout, args, kwargs)))
+        try:
+            with torch.no_grad():
+                if layout is None:
+                    return self._runner(*args, **kwargs)
+                return wrap_output(self._runner(**self._cache_inputs(layout, args, kwargs)))
+        except AssertionError as exc:  # torch.export's shape guards: say which limit, as one line
+            guard = str(exc).strip()
+            if not guard.startswith("Guard failed"):
+                raise
+            raise ValueError(
+                f"these inputs break a shape limit of the captured {self.capture_info.model_class}: "
+                f"{guard.removeprefix('Guard failed:').strip()} (a model with learned positions takes at most "
+                "max_position_embeddings tokens)"
+            ) from None
 
     def _cache_inputs(self, layout: CacheLayout, args: tuple, kwargs: dict) -> dict:
         kwargs = dict(kwargs)

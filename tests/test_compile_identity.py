@@ -61,3 +61,14 @@ def test_sliced_example_inputs_still_accept_contiguous_calls():
     cm = qc.compile(model, {"input_ids": big[:2, :8], "use_cache": False}, progress=False)  # a strided view
     ids = torch.randint(0, 96, (3, 12))
     assert torch.allclose(cm(input_ids=ids).logits, model(input_ids=ids).logits, atol=1e-5)
+
+
+def test_inputs_past_a_captured_shape_limit_are_one_line(minilm):
+    """BERT's learned positions stop at 512: torch.export's guard becomes a one-line ValueError naming
+    the limit, not an AssertionError from generated code."""
+    cm = qc.compile(minilm.model, minilm.example_inputs(2, 16), recipe=[], progress=False)
+    ids = torch.randint(1000, 2000, (1, 600))
+    with pytest.raises(
+        ValueError, match=r"break a shape limit of the captured BertModel: input_ids.size\(\)\[1\] <= 512"
+    ):
+        cm(input_ids=ids, attention_mask=torch.ones_like(ids))
