@@ -375,3 +375,19 @@ def test_report_and_inspect_escape_every_string_from_the_manifest(hostile, saved
     for raw in ("<script", "<img", "<iframe", "](javascript:", "](http://evil"):
         assert raw not in page, raw
     assert page.count("<code>") == page.count("</code>")  # no code span closed early by the name
+
+
+def test_a_graph_without_its_output_node_is_refused(saved, tmp_path):
+    """It would load and return None from every call."""
+    path = _copy(saved, tmp_path)
+    _tamper_graph(path, lambda g: g.__setitem__("nodes", [n for n in g["nodes"] if n["op"] != "output"]))
+    with pytest.raises(ArtifactError, match="the graph has 0 output nodes; a graph ends in exactly one"):
+        qc.load(path)
+
+
+def test_json_nested_past_any_artifact_is_refused_not_a_recursion_error(saved, tmp_path):
+    path = _copy(saved, tmp_path)
+    (path / "graph.json").write_text("[" * 100_000 + "]" * 100_000)
+    _resign(path)
+    with pytest.raises(ArtifactError, match=r"graph\.json nests deeper than any artifact does"):
+        qc.load(path)

@@ -274,6 +274,8 @@ def _parse_json(data: bytes, where: Path):
         return json.loads(data)
     except (ValueError, UnicodeDecodeError) as err:
         raise ArtifactError(f"{where} is not valid JSON: {err}") from None
+    except RecursionError:  # [[[[...: no artifact nests that deep
+        raise ArtifactError(f"{where} nests deeper than any artifact does (refused)") from None
 
 
 def report_from_manifest(manifest: dict) -> Report:
@@ -406,10 +408,7 @@ def read(path) -> StoredModel:
     calibration, no original model code."""
     path = Path(path)
     manifest, blobs = _read_all(path)
-    try:
-        structure = json.loads(blobs["graph"])
-    except (ValueError, UnicodeDecodeError) as err:
-        raise ArtifactError(f"{path / manifest['files']['graph']} is not valid JSON: {err}") from None
+    structure = _parse_json(blobs["graph"], path / manifest["files"]["graph"])
     if isinstance(structure, dict):
         widen(structure, blobs["tensors"])
     gm = graph_from_data(structure, blobs["tensors"])

@@ -339,6 +339,9 @@ def _graph_from_data(structure: dict, tensors: dict[str, torch.Tensor]) -> fx.Gr
             raise ArtifactError(f"node {name}: unsupported op kind {short(op)}")
         node = graph.create_node(op, target, args, kwargs, name=name)  # registers the name in the namespace
         nodes[name] = node
+    outputs = [n for n in graph.nodes if n.op == "output"]
+    if len(outputs) != 1 or outputs[0] is not list(graph.nodes)[-1]:
+        raise ArtifactError(f"the graph has {len(outputs)} output nodes; a graph ends in exactly one")
     spec = structure.get("pytree")
     if spec is not None:
         graph.set_codegen(call_structure(spec, placeholders))
