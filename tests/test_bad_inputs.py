@@ -55,7 +55,7 @@ def inputs(tmp_path_factory):
     good = root / "model"
     model.save_pretrained(good)
     files["model"] = good
-    for name in ("nocfg", "pickle", "missing", "custom", "manylayers", "truncw"):
+    for name in ("nocfg", "pickle", "missing", "custom", "manylayers", "truncw", "badtok"):
         shutil.copytree(good, root / name)
         files[name] = root / name
     (root / "nocfg" / "config.json").unlink()
@@ -69,6 +69,7 @@ def inputs(tmp_path_factory):
     config = json.loads((root / "manylayers" / "config.json").read_text())
     config["num_hidden_layers"] = 1_000_000
     (root / "manylayers" / "config.json").write_text(json.dumps(config))
+    (root / "badtok" / "tokenizer.json").write_text("{not json")
     weights = next((root / "truncw").glob("*.safetensors"))
     weights.write_bytes(weights.read_bytes()[:5000])
     config = json.loads((root / "custom" / "config.json").read_text())
@@ -219,6 +220,12 @@ CLI_ROWS = [
     ),
     # model folders
     ("model: missing folder", ["quantize", "{root}/nothing", "--out", "{root}/o"], 2, "does not exist"),
+    (
+        "model: tokenizer.json not JSON",
+        ["quantize", "{badtok}", "--recipe", "rtn-w4g128", "--out", "{root}/o"],
+        2,
+        "badtok are not valid JSON (Expecting property name enclosed in double quotes at line 1, column 2)",
+    ),
     ("model: no config.json", ["quantize", "{nocfg}", "--out", "{root}/o"], 2, "no config.json"),
     ("model: pickle weights only", ["quantize", "{pickle}", "--out", "{root}/o"], 2, "pickle checkpoints"),
     (

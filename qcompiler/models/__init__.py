@@ -19,6 +19,7 @@ from typing import Any, Optional
 import torch
 
 from qcompiler.data import ByteTokenizer, random_windows, stdlib_sentences, stdlib_text, stdlib_tokens
+from qcompiler.store.escaping import printable
 
 __all__ = ["LoadedModel", "load", "tokenizer_for", "TINYLM_DIR", "LONGLM_DIR", "BUNDLED_LMS", "minilm_dir"]
 
@@ -208,7 +209,13 @@ def _tokenizer_of(path: Path, config, trust_remote_code: bool = False) -> Option
     from transformers import AutoTokenizer
 
     if (path / "tokenizer.json").is_file() or (path / "tokenizer_config.json").is_file():
-        return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+        try:
+            return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+        except json.JSONDecodeError as exc:  # the parser's message alone names no file
+            raise ValueError(
+                f"the tokenizer files in {printable(str(path))} are not valid JSON ({exc.msg} at line {exc.lineno}, "
+                f"column {exc.colno}): tokenizer.json / tokenizer_config.json are damaged"
+            ) from None
     return ByteTokenizer() if config.vocab_size == ByteTokenizer.vocab_size else None
 
 
