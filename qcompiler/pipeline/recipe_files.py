@@ -169,7 +169,9 @@ def load_recipe_file(path) -> Recipe:
     except ValueError as e:
         if isinstance(e, UnicodeDecodeError):
             raise RecipeError(f"recipe file {path} is not UTF-8 text (byte {e.start})") from None
-        raise RecipeError(f"recipe file {path} is over {MAX_RECIPE_BYTES} bytes, the limit for a recipe") from None
+        raise RecipeError(
+            f"recipe file {path} is larger than recipes are limited to ({MAX_RECIPE_BYTES} bytes)"
+        ) from None
     except OSError as e:
         raise RecipeError(f"recipe file {path} cannot be read: {e.strerror}") from None
     try:
