@@ -14,6 +14,7 @@ __all__ = [
     "QuantizationError",
     "ArtifactError",
     "ExportError",
+    "DistributedError",
 ]
 
 
@@ -60,3 +61,7 @@ class QuantizationError(QCompilerError, ValueError):
 class ExportError(QCompilerError):
     """The graph holds something the chosen checkpoint format cannot express, or a checkpoint read
     back is not what its format says (the message names it)."""
+
+
+class DistributedError(QCompilerError):
+    """A distributed run could not form: its ranks did not all join (the message says who waited where)."""

@@ -197,3 +197,20 @@ def _alive(pid: int) -> bool:
             return f.read().split(")")[-1].split()[0] != "Z"
     except FileNotFoundError:
         return False
+
+
+def test_a_rank_whose_peers_never_join_is_one_line_naming_the_rendezvous(monkeypatch):
+    """WORLD_SIZE=2 with no second rank: after the rank timeout, who waited where and what to do
+    (was an internal DistStoreError)."""
+    import socket
+
+    from qcompiler.distributed.ranks import join_from_environment
+    from qcompiler.errors import DistributedError
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    for key, value in {"WORLD_SIZE": "2", "RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}.items():
+        monkeypatch.setenv(key, value)
+    with pytest.raises(DistributedError, match=rf"rank 0 of WORLD_SIZE=2 waited 3 s at 127.0.0.1:{port} and the other"):
+        join_from_environment(None, 3.0)

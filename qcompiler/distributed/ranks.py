@@ -13,6 +13,8 @@ from typing import Hashable, NamedTuple, Optional, Sequence, TypeVar
 import torch
 import torch.distributed as dist
 
+from qcompiler.errors import DistributedError
+
 __all__ = ["Ranks", "SolveJob", "Piece", "current_ranks", "join_from_environment", "leave", "solve_cost"]
 
 T = TypeVar("T")
@@ -187,7 +189,15 @@ def join_from_environment(device: Optional[torch.device], timeout_s: float) -> R
     cuda = device is not None and device.type == "cuda"
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
-    dist.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(seconds=timeout_s))
+    try:
+        dist.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(seconds=timeout_s))
+    except dist.DistStoreError as exc:  # the rendezvous never filled: say who waited for whom
+        where = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
+        raise DistributedError(
+            f"rank {os.environ.get('RANK', '?')} of WORLD_SIZE={world} waited {timeout_s:g} s at {where} and "
+            f"the other ranks did not all join ({str(exc).split('. ', 1)[-1].rstrip('.')}): start every rank "
+            "(torchrun, or --nproc), or leave WORLD_SIZE unset for one process"
+        ) from None
     return current_ranks()
 
 
