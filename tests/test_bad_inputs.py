@@ -55,7 +55,7 @@ def inputs(tmp_path_factory):
     good = root / "model"
     model.save_pretrained(good)
     files["model"] = good
-    for name in ("nocfg", "pickle", "missing", "custom", "manylayers", "truncw", "badtok"):
+    for name in ("nocfg", "pickle", "missing", "custom", "manylayers", "truncw", "badtok", "wshape"):
         shutil.copytree(good, root / name)
         files[name] = root / name
     (root / "nocfg" / "config.json").unlink()
@@ -70,6 +70,10 @@ def inputs(tmp_path_factory):
     config["num_hidden_layers"] = 1_000_000
     (root / "manylayers" / "config.json").write_text(json.dumps(config))
     (root / "badtok" / "tokenizer.json").write_text("{not json")
+    weights = next((root / "wshape").glob("*.safetensors"))
+    tensors = load_file(weights)
+    tensors["model.layers.0.mlp.up_proj.weight"] = torch.zeros(5, 5)
+    save_file(tensors, str(weights), metadata={"format": "pt"})
     weights = next((root / "truncw").glob("*.safetensors"))
     weights.write_bytes(weights.read_bytes()[:5000])
     config = json.loads((root / "custom" / "config.json").read_text())
@@ -220,6 +224,18 @@ CLI_ROWS = [
     ),
     # model folders
     ("model: missing folder", ["quantize", "{root}/nothing", "--out", "{root}/o"], 2, "does not exist"),
+    (
+        "model: wrong-shape tensor, streamed",
+        ["quantize", "{wshape}", "--recipe", "rtn-w4g128", "--out", "{root}/o"],
+        2,
+        "wrong shape for model.layers.0.mlp.up_proj.weight ([5, 5], the model expects [128, 64])",
+    ),
+    (
+        "model: wrong-shape tensor, --no-stream",
+        ["quantize", "{wshape}", "--recipe", "rtn-w4g128", "--no-stream", "--out", "{root}/o"],
+        2,
+        "the checkpoint has the wrong shape for model.layers.0.mlp.up_proj.weight",
+    ),
     (
         "model: tokenizer.json not JSON",
         ["quantize", "{badtok}", "--recipe", "rtn-w4g128", "--out", "{root}/o"],
