@@ -55,7 +55,18 @@ def inputs(tmp_path_factory):
     good = root / "model"
     model.save_pretrained(good)
     files["model"] = good
-    for name in ("nocfg", "pickle", "missing", "custom", "manylayers", "truncw", "badtok", "wshape"):
+    for name in (
+        "nocfg",
+        "pickle",
+        "missing",
+        "custom",
+        "manylayers",
+        "truncw",
+        "badtok",
+        "wshape",
+        "vocab0",
+        "heads0",
+    ):
         shutil.copytree(good, root / name)
         files[name] = root / name
     (root / "nocfg" / "config.json").unlink()
@@ -70,6 +81,10 @@ def inputs(tmp_path_factory):
     config["num_hidden_layers"] = 1_000_000
     (root / "manylayers" / "config.json").write_text(json.dumps(config))
     (root / "badtok" / "tokenizer.json").write_text("{not json")
+    for name, key in (("vocab0", "vocab_size"), ("heads0", "num_attention_heads")):
+        config = json.loads((root / name / "config.json").read_text())
+        config[key] = 0
+        (root / name / "config.json").write_text(json.dumps(config))
     weights = next((root / "wshape").glob("*.safetensors"))
     tensors = load_file(weights)
     tensors["model.layers.0.mlp.up_proj.weight"] = torch.zeros(5, 5)
@@ -235,6 +250,18 @@ CLI_ROWS = [
         ["quantize", "{wshape}", "--recipe", "rtn-w4g128", "--no-stream", "--out", "{root}/o"],
         2,
         "the checkpoint has the wrong shape for model.layers.0.mlp.up_proj.weight",
+    ),
+    (
+        "model: vocab_size 0",
+        ["quantize", "{vocab0}", "--out", "{root}/o"],
+        2,
+        "config.json has vocab_size=0; it must be a positive integer",
+    ),
+    (
+        "model: num_attention_heads 0",
+        ["quantize", "{heads0}", "--out", "{root}/o"],
+        2,
+        "transformers cannot build its config from config.json (ZeroDivisionError",
     ),
     (
         "model: tokenizer.json not JSON",

@@ -152,9 +152,41 @@ def _checked_folder(name_or_path: str | Path, trust_remote_code: bool = False) -
     _check_folder(path)
     if not trust_remote_code:
         _refuse_custom_code(path)
-    config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    try:
+        config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except (ArithmeticError, TypeError) as exc:  # a config class computing from a zero or a wrong type
+        raise ValueError(
+            f"model folder {path}: transformers cannot build its config from config.json "
+            f"({type(exc).__name__}: {exc}); check its sizes and counts"
+        ) from None
+    _check_sizes(path, config)
     _check_layer_count(path, config)
     return path, label, config
+
+
+# config fields that count or size something: a zero or negative one builds no model (a division by
+# zero or a negative-size tensor deep inside transformers)
+_POSITIVE_FIELDS = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "max_position_embeddings",
+    "n_embd",
+    "n_layer",
+    "n_head",
+    "ffn_dim",
+)
+
+
+def _check_sizes(path: Path, config) -> None:
+    for name in _POSITIVE_FIELDS:
+        value = getattr(config, name, None)
+        if isinstance(value, int) and not isinstance(value, bool) and value <= 0:
+            raise ValueError(f"model folder {path}: config.json has {name}={value}; it must be a positive integer")
 
 
 _LAYER_INDEX = re.compile(r"(?:^|\.)(?:layers|layer|h|blocks)\.(\d+)\.")
