@@ -10,6 +10,7 @@ from qcompiler import (
     passes,  # qcompiler.passes, mapped from the top-level passes/ folder
 )
 from qcompiler.checkpoint_import import import_gptq
+from qcompiler.compile_options import CompileOptions
 from qcompiler.compiler import CompiledModel, compile, load
 from qcompiler.errors import (
     BackendError,
@@ -39,6 +40,7 @@ __all__ = [
     "load",
     "import_gptq",
     "CompiledModel",
+    "CompileOptions",
     "Pass",
     "PassContext",
     "PassRecord",

@@ -13,6 +13,7 @@ Errors are one line on stderr (exit 2: bad arguments or inputs; 1: system or int
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import itertools
 import json
@@ -31,6 +32,7 @@ from rich.console import Console
 from rich.table import Table
 
 from qcompiler.backends import available_backends
+from qcompiler.compile_options import CompileOptions
 from qcompiler.evaluation.quality import REPORTED_WINDOWS
 from qcompiler.export_formats import ExportOptions, export_format, export_format_names, readers_of
 from qcompiler.interop.gguf_export import REQUANTIZE_TYPES
@@ -266,15 +268,19 @@ def quantize(
             seed=seed,
             packing=packing.value,
             calib_field=calib_field,
-            compute=compute,
-            offload=offload,
+            options=CompileOptions(
+                device=compute,
+                offload=offload,
+                checkpoint=checkpoint,
+                resume=resume,
+                keep_checkpoint=True,  # until the artifact is saved
+                materialize=False,  # a streamed model's results stay on disk: the save writes one tensor at a time
+            ),
             stream=stream,
             trust_remote_code=trust_remote_code,
             out_dir=out_dir,
             overwrite=overwrite,
             protect=tuple(protect),
-            checkpoint=checkpoint,
-            resume=resume,
             export_format=None if format is None else format.value,
             export_to=export_to,
         )
@@ -308,15 +314,12 @@ class _QuantizeJob:
     seed: int
     packing: str
     calib_field: str
-    compute: object  # the resolved device (each rank takes its own GPU of that kind)
-    offload: bool
+    options: CompileOptions  # how compile runs; its device: each rank takes its own GPU of that kind
     stream: bool
     trust_remote_code: bool
     out_dir: Path
     overwrite: bool
     protect: tuple
-    checkpoint: Optional[Path]
-    resume: bool
     export_format: Optional[str] = None  # --format: exported from the saved artifact
     export_to: Optional[Path] = None
 
@@ -343,12 +346,7 @@ def _quantize_on_rank(ranks, job: _QuantizeJob) -> None:
         loaded.example_inputs(),
         recipe=job.recipe,
         calibration=calibration,
-        device=ranks.device(job.compute),
-        offload=job.offload,
-        checkpoint=job.checkpoint,
-        resume=job.resume,
-        keep_checkpoint=True,  # until the artifact is saved
-        materialize=False,  # a streamed model's results stay on disk: the save writes one tensor at a time
+        options=dataclasses.replace(job.options, device=ranks.device(job.options.device)),
     )
     seconds = time.perf_counter() - start
     if not ranks.is_root:  # every rank holds the same model; one writes it
@@ -366,8 +364,8 @@ def _quantize_on_rank(ranks, job: _QuantizeJob) -> None:
         overwrite=job.overwrite,
         protect=job.protect,
     )
-    if job.checkpoint is not None:
-        remove_progress(job.checkpoint)
+    if job.options.checkpoint is not None:
+        remove_progress(job.options.checkpoint)
     where = f" on {ranks.world} ranks" if ranks.distributed else ""  # the per-layer lines came as each finished
     out.print(
         f"{job.recipe.name}: {len(cm.report.layer_table())} layer records, {seconds:.1f}s{where}; saved to "

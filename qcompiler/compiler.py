@@ -8,6 +8,7 @@ from typing import Any, Callable, Iterable, Iterator, Optional
 import torch
 from torch.fx import GraphModule
 
+from qcompiler.compile_options import CompileOptions, compile_options
 from qcompiler.distributed.ranks import current_ranks
 from qcompiler.errors import CalibrationError
 from qcompiler.export_formats import ExportOptions, export_format
@@ -421,45 +422,30 @@ def compile(
     recipe="none",
     calibration: Optional[Iterable] = None,
     backend: str = "eager",
-    *,
-    backend_options: Optional[dict] = None,
-    progress: bool = True,
-    device="auto",
-    offload: bool = False,
-    checkpoint=None,
-    resume: bool = False,
-    keep_checkpoint: bool = False,
-    materialize: bool = True,
+    options: Optional[CompileOptions] = None,
+    **settings,
 ) -> CompiledModel:
     """Capture ``model``, apply ``recipe``'s passes in order, and prepare ``backend`` to run it.
 
     ``recipe``: a built-in name (see ``qc.list_recipes()``), a ``qc.Recipe``, or a list of passes.
     ``calibration``: an iterable of inputs shaped like ``example_inputs`` (needed by data-driven passes).
     ``backend``: ``eager`` (reference ops), ``triton`` (GPU kernels; CPU only under TRITON_INTERPRET=1) or
-    ``onnxruntime``. ``backend_options``: passed to the backend (onnxruntime: ``path``, ``threads``, ``accuracy_level``,
-    ``fused_attention``).
-    ``device``: where calibration and the solvers run, one block at a time (``auto``: the GPU when
-    there is one); the model's weights stay where they are. ``offload``: keep the cached block inputs
-    on the CPU (for calibration sets larger than the device's memory).
-    ``checkpoint``: a folder where each finished block of a weight-quantizing pass is recorded;
-    ``resume=True`` continues a run killed with the same model, recipe and calibration (the result's
-    tensors equal an uninterrupted run's); the folder is removed when compile returns, unless
-    ``keep_checkpoint`` (qcompiler/pipeline/run_checkpoint.py).
-    ``materialize=False`` (a streamed model, eager backend): leave the tensors that wait on disk —
-    weights no pass changed, a weight pass's parked results — there, so that ``save`` writes them
-    one at a time and the whole model is never resident; the first call (or ``materialize()``)
-    reads them.
+    ``onnxruntime``. How it runs — ``device``, ``offload``, ``progress``, ``backend_options``,
+    ``checkpoint`` / ``resume`` / ``keep_checkpoint``, ``materialize`` — is a
+    :class:`qcompiler.compile_options.CompileOptions`, given as ``options=`` or as its fields by
+    keyword (``compile(..., device="cpu", progress=False)``), not both.
     """
     from qcompiler.backends import get_backend  # qcompiler.backends imports this module's package
 
+    o = compile_options(options, settings)
     resolved = resolve_recipe(recipe)
     get_backend(backend)  # an unknown backend fails before any work
-    if not materialize and backend != "eager":
+    if not o.materialize and backend != "eager":
         raise ValueError(f"materialize=False leaves weights on disk; backend {backend!r} needs them: use 'eager'")
-    compute = current_ranks().device(resolve_device(device))  # a rank of a distributed run: its own GPU
+    compute = current_ranks().device(resolve_device(o.device))  # a rank of a distributed run: its own GPU
     manager = PassManager(resolved.passes)
     manager.validate(has_calibration=calibration is not None)
-    log = progress_line if progress else (lambda _message: None)
+    log = progress_line if o.progress else (lambda _message: None)
     with heartbeat(log, f"capturing {type(model).__name__} with torch.export"):
         gm = capture(model, example_inputs)
     info: CaptureInfo = gm.meta["qcompiler"]
@@ -474,22 +460,22 @@ def compile(
     ctx = PassContext(
         example_inputs=examples,
         calibration=normalize_calibration(calibration, info),
-        progress=progress,
+        progress=o.progress,
         device=compute,
-        offload=offload,
+        offload=o.offload,
     )
-    if checkpoint is not None:
+    if o.checkpoint is not None:
         ctx.checkpoint = RunCheckpoint(
-            checkpoint,
+            o.checkpoint,
             run_fingerprint(gm, resolved.passes, ctx.calibration),
-            resume=resume,
+            resume=o.resume,
             writer=current_ranks().is_root,
             log=ctx.log,
         )
     gm, report = manager.run(gm, ctx)
-    if ctx.checkpoint is not None and not keep_checkpoint:
+    if ctx.checkpoint is not None and not o.keep_checkpoint:
         ctx.checkpoint.remove()
-    if materialize:
+    if o.materialize:
         lazy_weights.materialize_all(gm, ctx.log)  # streamed weights no pass replaced, parked results
     refuse_non_finite(gm)  # one tensor at a time: placeholders are read and dropped
-    return on_backend(gm, resolved, report, backend, ctx.example_inputs, backend_options)
+    return on_backend(gm, resolved, report, backend, ctx.example_inputs, o.backend_options)

@@ -128,6 +128,7 @@ def test_the_package_is_grouped_into_rooms():
         "__main__",
         "checkpoint_import",
         "cli",
+        "compile_options",
         "compiler",
         "data",
         "errors",
