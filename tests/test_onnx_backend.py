@@ -308,3 +308,24 @@ def test_int32_ids_and_a_left_out_mask_work_on_onnxruntime_as_on_eager():
     assert torch.equal(cm(input_ids=ids).last_hidden_state, reference)
     for out in (ort(input_ids=ids).last_hidden_state, ort(input_ids=ids.int()).last_hidden_state):
         assert (out - reference).abs().max() < 1e-5
+
+
+def test_a_bfloat16_checkpoint_exports_and_runs_in_float32(tmp_path):
+    """Most real checkpoints are bf16; ONNX Runtime has no bf16 MatMulNBits (the export used to fail
+    at its end). The export copy is widened to float32: no bf16 type is left in the file, the note
+    says so, and ONNX Runtime's logits stay within bf16 rounding of the bf16 graph's (measured 0.5 %
+    of the largest logit on this model; bound 2 %)."""
+    model = make_model("llama").to(torch.bfloat16)
+    cm = qc.compile(model, example_inputs("llama"), recipe="rtn-w4g128", progress=False)
+    path = cm.export("onnx", tmp_path / "bf16.onnx", accuracy_level=0)
+    proto = onnx.load(str(path))
+    bf16 = onnx.TensorProto.BFLOAT16
+    assert all(t.data_type != bf16 for t in proto.graph.initializer)
+    assert all(v.type.tensor_type.elem_type != bf16 for v in [*proto.graph.input, *proto.graph.output])
+    notes = {p.key: p.value for p in proto.metadata_props}["qcompiler.notes"]
+    assert "a bfloat16 graph, exported in float32" in notes
+    x = strip(example_inputs("llama", 2, 7, seed=3))
+    with torch.no_grad():
+        ref = cm(**x).logits.float()
+        got = cm.with_backend("onnxruntime", accuracy_level=0)(**x).logits.float()
+    assert ((got - ref).abs().max() / ref.abs().max()).item() < 0.02

@@ -138,3 +138,20 @@ def test_other_decoders_run_as_genais_generic_llama_type(arch, tmp_path):
     ids = prompt(1, 5, seed=3)
     expected = model.generate(ids, max_new_tokens=16, do_sample=False)[0, 5:].tolist()
     assert genai_tokens(tmp_path / "g", ids[0].tolist(), 16) == expected
+
+
+def test_a_bfloat16_checkpoint_exports_for_genai_and_generates(tmp_path):
+    """A bf16 model's genai folder is written in float32 (genai's runtime has no bf16
+    GroupQueryAttention bias or MatMulNBits; the export used to fail after all its work) and
+    generates: no bf16 tensor in model.onnx, and its first greedy token is the bf16 graph's (a
+    clear argmax on this model; later ones may part by bf16 rounding)."""
+    from causal_lms import causal_lm, prompt
+
+    model = causal_lm("llama").to(torch.bfloat16)
+    cm = qc.compile(model, {"input_ids": prompt()}, recipe="rtn-w4g128", progress=False)
+    export_onnx_genai(cm, tmp_path / "g", accuracy_level=0, progress=lambda _: None)
+    proto = onnx.load(str(tmp_path / "g" / "model.onnx"))
+    assert all(t.data_type != onnx.TensorProto.BFLOAT16 for t in proto.graph.initializer)
+    ids = prompt(1, 6)
+    tokens = genai_tokens(tmp_path / "g", ids[0].tolist(), 8)
+    assert len(tokens) == 8 and tokens[0] == int(cm.generate(ids, 1)[0, -1])
