@@ -32,7 +32,7 @@ import torch
 from torch.fx import GraphModule
 
 from qcompiler.backends.onnx_attention import fuse_kv_cache_attention
-from qcompiler.backends.onnx_dtype import widen_bfloat16, widened_inputs
+from qcompiler.backends.onnx_dtype import widen_half_floats, widened_inputs
 from qcompiler.backends.onnx_layout import lower_for_onnx
 from qcompiler.backends.onnx_translations import MSFT_OPSET
 from qcompiler.errors import BackendError
@@ -119,7 +119,7 @@ def export_onnx(
     table = _translation_table(level)
     with _quiet():  # deep-copying torch.export's pytree specs warns about LeafSpec (torch's own deprecation)
         lowered, notes = lower_for_onnx(gm)
-    notes += widen_bfloat16(lowered)
+    notes += widen_half_floats(lowered)
     _check_mappable(lowered, table)
     args, kwargs = widened_inputs(tuple(example_inputs[0])), widened_inputs(dict(example_inputs[1]))
     info = gm.meta["qcompiler"]

@@ -324,6 +324,10 @@ def test_a_bfloat16_checkpoint_exports_and_runs_in_float32(tmp_path):
     assert all(v.type.tensor_type.elem_type != bf16 for v in [*proto.graph.input, *proto.graph.output])
     notes = {p.key: p.value for p in proto.metadata_props}["qcompiler.notes"]
     assert "a bfloat16 graph, exported in float32" in notes
+    half = qc.compile(make_model("llama").half(), example_inputs("llama"), recipe="rtn-w4g128", progress=False)
+    with torch.no_grad():  # float16 too (its MatMulNBits wanted float16 scales)
+        want, fast = half(**strip(example_inputs("llama"))).logits.float(), half.with_backend("onnxruntime")
+        assert ((fast(**strip(example_inputs("llama"))).logits - want).abs().max() / want.abs().max()).item() < 0.02
     x = strip(example_inputs("llama", 2, 7, seed=3))
     with torch.no_grad():
         ref = cm(**x).logits.float()
