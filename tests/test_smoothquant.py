@@ -146,3 +146,45 @@ def test_model_without_foldable_producer_is_reported_not_crashed():
         "nothing .*no producer group could be smoothed",
     ):
         qc.compile(m, (x,), recipe=[qc.passes.SmoothQuant()], calibration=[(x,)], progress=False)
+
+
+@pytest.mark.parametrize("recipe", ["smoothquant", "awq"])
+def test_gemma_norms_absorb_the_scales_at_all_three_sites_of_a_block(recipe):
+    """Gemma's RMSNorm computes in float32, scales by 1 + w and casts back with type_as: SmoothQuant
+    and AWQ fold 1/s into that weight (w' = (1 + w)/s - 1) at input_layernorm -> q/k/v and
+    pre_feedforward_layernorm -> gate/up, and into up_proj's rows for down_proj — every site of every
+    block (they used to be skipped: "type_as has no norm or linear producer") — and the scaled model
+    computes the FP model's logits."""
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.Gemma3TextConfig(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=128,
+        sliding_window=16,
+    )
+    model = transformers.Gemma3ForCausalLM(config).eval()
+    with torch.no_grad():  # non-trivial norm weights: a wrong fold (w/s instead of (1+w)/s - 1) shows
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.normal_(0, 0.3)
+    passes = [qc.passes.SmoothQuant(alpha=0.5)] if recipe == "smoothquant" else [qc.passes.AWQ(bits=4, group_size=32)]
+    calibration = [
+        {"input_ids": torch.randint(0, 128, (4, 16), generator=torch.Generator().manual_seed(s))} for s in range(2)
+    ]
+    cm = qc.compile(
+        model, {"input_ids": torch.randint(0, 128, (2, 8))}, recipe=passes, calibration=calibration, progress=False
+    )
+    forms = {path.split(".", 3)[-1]: figures["form"] for path, figures in cm.report.passes[0].layers.items()}
+    assert forms == {"input_layernorm": "norm", "pre_feedforward_layernorm": "norm", "mlp.up_proj": "linear"}
+    assert len(cm.report.passes[0].layers) == 6  # three sites x two blocks
+    ids = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        ref, got = model(input_ids=ids).logits, cm(input_ids=ids).logits
+    assert ((got - ref).abs().max() / ref.abs().max()).item() < 1e-5

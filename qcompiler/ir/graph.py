@@ -46,6 +46,7 @@ _PASSTHROUGH = {
     aten.to.dtype,
     aten._to_copy.default,
     aten.to.dtype_layout,
+    aten.type_as.default,  # Gemma's RMSNorm casts back with x.type_as(input)
 }
 _FLATTEN = {aten.view.default, aten.reshape.default, aten._unsafe_view.default}
 
@@ -195,6 +196,7 @@ class NormInfo:
     weight_node: Optional[Node]
     bias_node: Optional[Node]
     path: str
+    offset: float = 0.0  # the norm scales by offset + weight (Gemma's RMSNorm: 1 + w)
 
 
 def _rms_core(node: Node) -> bool:
@@ -226,10 +228,22 @@ def find_producing_norm(node_or_layer) -> Optional[NormInfo]:
         return NormInfo("rms_norm", src, weight, None, module_path(src))
     if src.target is aten.mul.Tensor and len(src.args) == 2:
         a, b = src.args
-        for weight, core in ((a, b), (b, a)):
-            if _is_attr(weight) and isinstance(core, Node) and _rms_core(core):
-                return NormInfo("rms_norm", src, weight, None, module_path(src))
+        for scale, core in ((a, b), (b, a)):
+            weight, offset = _affine_weight(scale)
+            if weight is not None and isinstance(core, Node) and _rms_core(core):
+                return NormInfo("rms_norm", src, weight, None, module_path(src), offset)
     return None
+
+
+def _affine_weight(node) -> tuple[Optional[Node], float]:
+    """``(w, c)`` when ``node`` is a stored weight ``w`` scaled as ``c + w`` — ``w`` itself (c = 0),
+    cast to float32, or ``add(w, c)`` as Gemma's ``1.0 + weight.float()`` — else ``(None, 0)``."""
+    offset = 0.0
+    if _is_call(node, aten.add.Tensor, 2) and isinstance(node.args[1], float):
+        node, offset = node.args[0], node.args[1]
+    if _is_call(node, aten.to.dtype, 2):
+        node = node.args[0]
+    return (node, offset) if _is_attr(node) else (None, 0.0)
 
 
 def _is_call(node, target, n_args: int) -> bool:

@@ -71,8 +71,12 @@ def fold_channel_scales(gm: GraphModule, group: list[LinearLayer], plan: Smoothi
     calibrate on a fixed node list, so new nodes go in once they are done)."""
     inv = 1.0 / s
     if plan.form == "norm":
-        weight = plan.norm.weight_node.target
-        replace_tensor(gm, weight, get_tensor(gm, weight).detach() * inv)
+        weight, offset = plan.norm.weight_node.target, plan.norm.offset
+        stored = get_tensor(gm, weight).detach()
+        if offset:  # the norm scales by offset + w (Gemma: 1 + w): w' with offset + w' = (offset + w) / s
+            replace_tensor(gm, weight, ((offset + stored.float()) * inv - offset).to(stored.dtype))
+        else:
+            replace_tensor(gm, weight, stored * inv)
         if plan.norm.bias_node is not None:
             bias = plan.norm.bias_node.target
             replace_tensor(gm, bias, get_tensor(gm, bias).detach() * inv)

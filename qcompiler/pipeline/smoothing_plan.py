@@ -108,6 +108,11 @@ def _channel_producer(node: Node, layers_by_node: dict[Node, LinearLayer]) -> tu
             return None, path
 
 
+def _value_users(node) -> list:
+    """``node``'s users that read its value (not torch.export's dtype / shape assertions on it)."""
+    return [u for u in node.users if u.target is not aten._assert_tensor_metadata.default]
+
+
 def plan_smoothing(
     consumers: Sequence[LinearLayer], all_layers: Sequence[LinearLayer], ignore: Sequence[str] = ()
 ) -> SmoothingPlan:
@@ -122,7 +127,7 @@ def plan_smoothing(
     norm = find_producing_norm(consumers[0])
     if norm is not None:
         outside = _terminal_users(norm.output) - consumer_nodes
-        weight_shared = norm.weight_node is not None and len(norm.weight_node.users) > 1
+        weight_shared = norm.weight_node is not None and len(_value_users(norm.weight_node)) > 1
         if norm.weight_node is None:
             return SmoothingPlan(
                 "explicit", f"{norm.path} has no affine weight to absorb 1/s", norm=norm, label=norm.path
