@@ -522,10 +522,9 @@ def export(
         "--plain-attention": plain_attention,
         "--requantize": requantize is not None,
     }
-    for option in (o for o, on in given.items() if on):
-        if fmt.reads is not None and _OPTION_FIELDS[option] not in fmt.reads:
-            readers = " / ".join(readers_of(_OPTION_FIELDS[option]))
-            raise typer.BadParameter(f"{option} applies to --format {readers}, not {fmt.name}: it would do nothing")
+    for option in (o for o, on in given.items() if on and fmt.unread([_OPTION_FIELDS[o]])):
+        readers = " / ".join(readers_of(_OPTION_FIELDS[option]))
+        raise typer.BadParameter(f"{option} applies to --format {readers}, not {fmt.name}: it would do nothing")
     _check_export_target(fmt, dest, overwrite, [artifact])  # refuse a bad target before the work
     options = ExportOptions(
         overwrite=overwrite,

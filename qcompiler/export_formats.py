@@ -53,14 +53,18 @@ class ExportFormat:
     writer_module: str = ""  # the module that holds the writer and registers that target
     reads: Optional[tuple[str, ...]] = None  # the format's own ExportOptions fields (None: all of them)
 
-    def check_settings(self, given: Iterable[str]) -> None:
-        """Refuse settings this format does not read (they would do nothing), naming who reads them."""
+    def unread(self, given: Iterable[str]) -> list[str]:
+        """The settings in ``given`` this format does not read (they would do nothing)."""
         if self.reads is None:
-            return
-        for name in given:
-            if name not in GENERAL_OPTIONS and name not in self.reads:
-                readers = " / ".join(readers_of(name)) or "no registered format"
-                raise ValueError(f"export option {name} applies to {readers}, not {self.name}: it would do nothing")
+            return []
+        return [name for name in given if name not in GENERAL_OPTIONS and name not in self.reads]
+
+    def check_settings(self, given: Iterable[str]) -> None:
+        """Refuse settings this format does not read, naming who reads them."""
+        unread = self.unread(given)
+        if unread:
+            readers = " / ".join(readers_of(unread[0])) or "no registered format"
+            raise ValueError(f"export option {unread[0]} applies to {readers}, not {self.name}: it would do nothing")
 
     def load_target(self) -> Optional[str]:
         """Import the writer's module (registering its target's implementations) and name the target."""

@@ -18,6 +18,7 @@ from qcompiler.layouts.base import (
     check_packable,
     layout,
     layouts,
+    linear_rewrite,
     register_layout,
     same_in_every_range,
     store_dequantized,
@@ -38,4 +39,5 @@ __all__ = [
     "store_dequantized",
     "check_packable",
     "same_in_every_range",
+    "linear_rewrite",
 ]

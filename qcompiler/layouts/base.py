@@ -20,6 +20,7 @@ from torch.fx import GraphModule
 from qcompiler.algorithms.packing import packed_length
 from qcompiler.errors import QuantizationError
 from qcompiler.ir.graph import LinearLayer
+from qcompiler.ir.node_swap import replace_linear
 from qcompiler.ir.op_registry import spec, storage_ops
 from qcompiler.ir.tensors import set_tensor
 
@@ -37,6 +38,7 @@ __all__ = [
     "store_dequantized",
     "check_packable",
     "same_in_every_range",
+    "linear_rewrite",
 ]
 
 # (tensors of each row range in row order, their rewrite constants) -> (tensors, constants, figures)
@@ -131,6 +133,17 @@ class ExpertsFormat(NamedTuple):
 
 class UnpackableLayer(QuantizationError):
     """A layer whose shape the packed layout cannot hold: it is skipped with a note, the rest quantize."""
+
+
+def linear_rewrite(op_name: str) -> Callable[..., None]:
+    """The rewrite of a layout whose one op takes the linear's input, its stored tensors, the
+    linear's bias and the rewrite's constants by name (GPTQ's, llama.cpp's): ``op_name`` in the
+    linear's place, its tensors stored beside it."""
+
+    def rewrite(gm: GraphModule, layer: LinearLayer, tensors: dict, **constants) -> None:
+        replace_linear(gm, layer, op_name, tensors, lambda x, a: dict(x=x, **a, bias=layer.bias_node, **constants))
+
+    return rewrite
 
 
 def stored_bits(tensors: dict[str, torch.Tensor]) -> int:

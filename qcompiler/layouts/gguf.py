@@ -14,7 +14,6 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-from torch.fx import GraphModule
 
 from qcompiler.algorithms.gguf_bytes import dequantize as dequantize_blocks
 from qcompiler.algorithms.gguf_bytes import pack
@@ -22,9 +21,8 @@ from qcompiler.algorithms.gguf_grids import FORMATS, GRID_FALLBACK
 from qcompiler.algorithms.gptq import GGUF_GRIDS, QuantResult
 from qcompiler.ir.graph import LinearLayer
 from qcompiler.ir.graph_property import GraphProperty
-from qcompiler.ir.node_swap import replace_linear
 from qcompiler.ir.op_registry import OpSpec, register
-from qcompiler.layouts.base import LayerQuant, LayerRewrite, Layout, UnpackableLayer, register_layout
+from qcompiler.layouts.base import LayerQuant, LayerRewrite, Layout, UnpackableLayer, linear_rewrite, register_layout
 
 __all__ = [
     "GGUF",
@@ -110,16 +108,6 @@ def gguf_layer(res: QuantResult, asked: str, grid: str, figures: dict) -> LayerQ
     return LayerQuant(dequantize_gguf(blocks, block_type, n_in), figures, {"blocks": blocks}, rewrite, res.damped_error)
 
 
-def _rewrite(gm: GraphModule, layer: LinearLayer, tensors: dict, block_type: str, in_features: int) -> None:
-    replace_linear(
-        gm,
-        layer,
-        "gguf_linear",
-        tensors,
-        lambda x, a: dict(x=x, **a, bias=layer.bias_node, block_type=block_type, in_features=in_features),
-    )
-
-
 def _join_rows(parts: list[dict], constants: list[dict]) -> tuple[dict, dict, dict]:
     """One byte row per output row: ranges of rows follow one another."""
     return {"blocks": torch.cat([t["blocks"] for t in parts], dim=0)}, constants[0], {}
@@ -130,7 +118,7 @@ GGUF = register_layout(
         "gguf",
         linear_op="gguf_linear",
         ops=("gguf_linear",),
-        rewrite=_rewrite,
+        rewrite=linear_rewrite("gguf_linear"),  # constants: block_type, in_features
         row_unit=1,
         row_join=_join_rows,
         aliases=("gguf_linear",),

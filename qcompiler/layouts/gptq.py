@@ -16,13 +16,11 @@ from typing import Callable, NamedTuple, Optional
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-from torch.fx import GraphModule
 
 from qcompiler.algorithms.packing import pack_cols, pack_rows, unpack_cols, unpack_rows
 from qcompiler.errors import QuantizationError
 from qcompiler.ir.graph import LinearLayer
 from qcompiler.ir.graph_property import GraphProperty
-from qcompiler.ir.node_swap import replace_linear
 from qcompiler.ir.op_registry import OpSpec, register
 from qcompiler.ir.ops import per_expert
 from qcompiler.layouts.base import (
@@ -30,6 +28,7 @@ from qcompiler.layouts.base import (
     LayerRewrite,
     Layout,
     check_packable,
+    linear_rewrite,
     register_layout,
     same_in_every_range,
 )
@@ -193,16 +192,6 @@ def gptq_layer(
     return LayerQuant(dequantized, figures, {f: getattr(packed, f) for f in GPTQ_TENSORS}, rewrite, damped_error)
 
 
-def _rewrite(gm: GraphModule, layer: LinearLayer, tensors: dict, bits: int, group_size: int) -> None:
-    replace_linear(
-        gm,
-        layer,
-        "quant_linear",
-        tensors,
-        lambda x, a: dict(x=x, **a, bias=layer.bias_node, bits=bits, group_size=group_size),
-    )
-
-
 def _join_rows(parts: list[dict], constants: list[dict]) -> tuple[dict, dict, dict]:
     """qweight, qzeros (packed along the outputs: ranges are whole words) and scales are
     ``[…, out]``; g_idx is per input column."""
@@ -223,7 +212,7 @@ GPTQ = register_layout(
         "gptq",
         linear_op="quant_linear",
         ops=("quant_linear", "quant_experts_linear"),
-        rewrite=_rewrite,
+        rewrite=linear_rewrite("quant_linear"),  # constants: bits, group_size
         row_unit=GPTQ_ROW_UNIT,
         row_join=_join_rows,
         experts_op="quant_experts_linear",

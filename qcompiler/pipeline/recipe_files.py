@@ -166,9 +166,9 @@ def load_recipe_file(path) -> Recipe:
         raise RecipeError(f"recipe file {path} is not a regular file (it is a {_file_kind(path)})")
     try:  # the link the user named resolved; the file read once, bounded, still regular when opened
         text = read_regular_file(path.resolve(), MAX_RECIPE_BYTES).decode("utf-8")
-    except ValueError as e:
-        if isinstance(e, UnicodeDecodeError):
-            raise RecipeError(f"recipe file {path} is not UTF-8 text (byte {e.start})") from None
+    except UnicodeDecodeError as e:
+        raise RecipeError(f"recipe file {path} is not UTF-8 text (byte {e.start})") from None
+    except ValueError:  # read_regular_file: over the bound
         raise RecipeError(
             f"recipe file {path} is larger than recipes are limited to ({MAX_RECIPE_BYTES} bytes)"
         ) from None
