@@ -69,6 +69,14 @@ def config(name: str):
             moe_intermediate_size=64,
             shared_expert_intermediate_size=64,
         )
+    if name == "gemma3_text":  # not in ARCHITECTURES: QK-norm and two rotary bases, for the exporters' tests
+        return T.Gemma3TextConfig(
+            **_COMMON,
+            head_dim=16,
+            query_pre_attn_scalar=16,
+            sliding_window=8,
+            layer_types=["sliding_attention", "full_attention"],
+        )
     cls = {
         "llama": T.LlamaConfig,
         "mistral": T.MistralConfig,

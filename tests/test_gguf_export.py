@@ -181,6 +181,30 @@ def test_gemma2_that_llama_cpp_would_compute_differently_is_refused(tmp_path):
     assert not list(tmp_path.iterdir())
 
 
+@pytest.mark.parametrize(
+    "change,message",
+    [
+        ({"attn_logit_softcapping": 50.0}, r"gemma3: llama.cpp's gemma3 does not soft-cap attention logits"),
+        (
+            {"query_pre_attn_scalar": 64},
+            r"gemma3: query_pre_attn_scalar=64, but llama.cpp scales queries by 1/sqrt\(16\)",
+        ),
+        (
+            {"rope_parameters": {"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6}}},
+            r"gemma3_text: rope scaling 'linear' is not written to GGUF yet",
+        ),
+    ],
+)
+def test_gemma3_that_llama_cpp_would_compute_differently_is_refused(change, message, tmp_path):
+    """What llama.cpp's gemma3 computes otherwise (no attention soft-cap, 1/sqrt(head_dim) query scale)
+    or what the writer does not carry yet (rope scaling) is refused by name before anything is written."""
+    cm = qc.compile(causal_lm("gemma3_text"), {"input_ids": prompt()}, recipe="rtn-q4_0", backend="eager")
+    cm.graph_module.meta["qcompiler"].model_config.update(change)  # as a config.json saying so would
+    with pytest.raises(ExportError, match=message):
+        cm.export_gguf(tmp_path / "g.gguf")
+    assert not list(tmp_path.iterdir())
+
+
 def test_an_existing_file_is_replaced_only_when_it_is_our_gguf(llama_q4, tmp_path):
     _, cm, ours = llama_q4
     other = tmp_path / "notes.gguf"

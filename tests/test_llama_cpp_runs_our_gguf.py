@@ -64,6 +64,10 @@ def _logits(llm, ids: list[int]) -> np.ndarray:
         # (alternate layers) inside the 24 tokens
         ("gemma2", "gptq-q4_0"),
         pytest.param("gemma2", "none", marks=pytest.mark.slow),
+        # QK-norm, the sliding layers' own rotary base (10k vs 1M: a wrong one moves logits by 30 %),
+        # a sliding window of 8 on layer 0 only, written per layer
+        ("gemma3_text", "gptq-q4_0"),
+        pytest.param("gemma3_text", "none", marks=pytest.mark.slow),
     ],
 )
 def test_llama_cpp_logits_match_the_graph(arch, recipe, tmp_path):
@@ -305,6 +309,53 @@ def test_sentencepiece_tokenizer_model_tokenizes_in_llama_cpp_as_in_sentencepiec
     assert llm.tokenize(text.encode(), add_bos=False, special=False) == want
     assert llm.detokenize(want).decode() == " " + text
     assert (llm.token_bos(), llm.token_eos()) == (1, 2)
+
+
+@pytest.mark.parametrize("kind", ["GemmaTokenizer", "LlamaTokenizer"])
+def test_a_sentencepiece_model_kept_only_as_tokenizer_json_tokenizes_in_llama_cpp_as_in_transformers(kind, tmp_path):
+    """Gemma-3 folders (and many LLaMA-2 re-uploads) carry their SentencePiece model only as the
+    byte-fallback BPE tokenizer.json transformers derives from it: exported from that file alone
+    (Gemma's form: spaces replaced, no prefix; LLaMA's: Metaspace with a prefix on the first word),
+    llama.cpp's ids of held-out text are transformers' own, and detokenizing gives the text back."""
+    import json
+
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    from qcompiler.data import stdlib_text
+
+    source = tmp_path / "spm"
+    source.mkdir()
+    (source / "tokenizer.model").write_bytes(_spm_model_proto())
+    (source / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": kind}))
+    folder = tmp_path / "model"
+    AutoTokenizer.from_pretrained(source).save_pretrained(folder)
+    tok = AutoTokenizer.from_pretrained(folder)  # what a user of the folder gets
+    assert not (folder / "tokenizer.model").exists() and (folder / "tokenizer.json").exists()
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=len(tok),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+    )
+    LlamaForCausalLM(config).save_pretrained(folder)
+    m = models.load(folder)
+    cm = qc.compile(m.model, {"input_ids": prompt()}, recipe="rtn-q8_0", backend="eager")
+    said = []
+    cm.export_gguf(tmp_path / "m.gguf", progress=said.append)
+    assert "tokenizer SentencePiece BPE from tokenizer.json, 500 pieces" in said[0]
+    llm = _llama(tmp_path / "m.gguf")
+    text = stdlib_text("heldout")[:3000] + "\nIt's 12345 dogs' café — naïve 9876543  two  spaces\n\ttab 日本 🤖"
+    want = tok.encode(text, add_special_tokens=False)
+    assert llm.tokenize(text.encode(), add_bos=False, special=False) == want
+    prefix = " " if kind == "LlamaTokenizer" else ""  # llama.cpp keeps the prefix space on a first token
+    assert llm.detokenize(want).decode() == prefix + text
+    assert (llm.token_bos(), llm.token_eos()) == (tok.bos_token_id, tok.eos_token_id)
 
 
 def test_a_sentencepiece_model_that_normalizes_text_is_refused():

@@ -62,6 +62,11 @@ _SPECS = {
             GGUFArch(gguf.MODEL_ARCH.GEMMA2, norm_plus_one=True, head_from_embeddings=True),
             genai_type="gemma2",
         ),
+        # QK-norm (stored 1 + w like the other norms), sliding layers with a rotary base of their own
+        ArchSpec(
+            "gemma3_text",
+            GGUFArch(gguf.MODEL_ARCH.GEMMA3, norm_plus_one=True, head_from_embeddings=True),
+        ),
         # genai's own "gpt2" type wants other input names ("Model input was not found"): GPT-2 and OPT
         # graphs run as its generic decoder
         ArchSpec("gpt2", gguf_refusal="Conv1D weights, learned positions"),

@@ -119,12 +119,17 @@ def is_qcompiler_gguf(path: Path) -> bool:
         return False
 
 
-def _rope_theta(config: dict, model_type: str) -> float:
+def _rope_theta(config: dict, model_type: str, layer_type: str = "full_attention") -> float:
+    """The rotary base of ``layer_type``'s layers (Gemma-3 keeps one per attention kind); rope
+    scaling, which the writer does not carry over yet, is refused."""
     rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    if layer_type in rope:  # {"full_attention": {...}, "sliding_attention": {...}}
+        rope = rope[layer_type] or {}
     kind = rope.get("rope_type", rope.get("type", "default"))
     if kind != "default":
         raise ExportError(f"{model_type}: rope scaling {kind!r} is not written to GGUF yet")
-    return float(rope.get("rope_theta", config.get("rope_theta", 10000.0)))
+    default = config.get("rope_local_base_freq") if layer_type == "sliding_attention" else None
+    return float(rope.get("rope_theta", default or config.get("rope_theta", 10000.0)))
 
 
 def _gemma2_metadata(writer, config: dict, n_layers: int, hidden: int, heads: int, head_dim: int) -> None:
@@ -148,6 +153,32 @@ def _gemma2_metadata(writer, config: dict, n_layers: int, hidden: int, heads: in
     writer.add_attn_logit_softcapping(float(caps[0]))
     writer.add_final_logit_softcapping(float(caps[1]))
     writer.add_sliding_window(int(config.get("sliding_window") or 4096))
+
+
+def _gemma3_metadata(writer, config: dict, n_layers: int, hidden: int, heads: int, head_dim: int) -> None:
+    """Gemma-3's sliding window, which layers slide (written per layer, as llama.cpp reads it, not its
+    default of five in six), the sliding layers' own rotary base, and the final soft-cap when the
+    config has one; refused: attention soft-capping (llama.cpp's gemma3 has none) and a query scale
+    other than llama.cpp's (1/sqrt(head_dim), 1/sqrt(hidden/heads) at 62 layers, its 27B)."""
+    if config.get("attn_logit_softcapping") is not None:
+        raise ExportError("gemma3: llama.cpp's gemma3 does not soft-cap attention logits; this config does")
+    scalar = config.get("query_pre_attn_scalar") or head_dim
+    theirs = hidden // heads if n_layers == 62 else head_dim
+    if int(scalar) != theirs:
+        raise ExportError(
+            f"gemma3: query_pre_attn_scalar={scalar}, but llama.cpp scales queries by 1/sqrt({theirs}) "
+            f"for a {n_layers}-layer model"
+        )
+    kinds = list(config.get("layer_types") or [])
+    if len(kinds) != n_layers or not set(kinds) <= {"sliding_attention", "full_attention"}:
+        raise ExportError(f"gemma3: layer_types should name sliding or full attention for each of {n_layers} layers")
+    window = int(config.get("sliding_window") or 0)
+    if window and "sliding_attention" in kinds:
+        writer.add_sliding_window(window)
+        writer.add_sliding_window_pattern([k == "sliding_attention" for k in kinds])
+        writer.add_rope_freq_base_swa(_rope_theta(config, "gemma3", "sliding_attention"))
+    if config.get("final_logit_softcapping") is not None:
+        writer.add_final_logit_softcapping(float(config["final_logit_softcapping"]))
 
 
 def _rotary_rows(n_rows: int, heads: int) -> torch.Tensor:
@@ -313,6 +344,8 @@ def _write_hparams(writer, config: dict, model_type: str, recipe: str, shape: tu
         )
     if model_type == "gemma2":
         _gemma2_metadata(writer, config, n_layers, hidden, heads, head_dim)
+    if model_type == "gemma3_text":
+        _gemma3_metadata(writer, config, n_layers, hidden, heads, head_dim)
     writer.add_rope_freq_base(_rope_theta(config, model_type))
     writer.add_layer_norm_rms_eps(float(config.get("rms_norm_eps", 1e-6)))
     writer.add_vocab_size(int(config["vocab_size"]))

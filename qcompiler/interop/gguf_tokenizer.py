@@ -6,8 +6,9 @@ merging). The name is chosen from the exact regex the ``tokenizer.json`` declare
 (``llama-bpe``), Qwen2's (``qwen2``), GPT-2's built-in one (``gpt-2``) — never guessed from the model
 type: an unknown regex is refused, because a wrong one tokenizes differently without any error.
 A SentencePiece ``tokenizer.model`` (LLaMA-2, Mistral, Gemma) becomes llama.cpp's ``llama`` model with
-its pieces, scores and token types, as llama.cpp's own converter writes them; llama.cpp does no text
-normalization, so a model whose normalizer is not ``identity`` is refused. The bundled LM's byte
+its pieces, scores and token types, as llama.cpp's own converter writes them (a SentencePiece model
+kept only as a byte-fallback ``tokenizer.json``, as Gemma-3 folders often are: ``gguf_spm_json``);
+llama.cpp does no text normalization, so a model whose normalizer is not ``identity`` is refused. The bundled LM's byte
 tokenizer becomes a byte-level vocabulary whose id is the byte. A model
 without tokenizer files gets ``none`` (llama.cpp runs it on token ids). Special-token ids, the
 add-BOS flag and the chat template come from the stored files through the ``gguf`` package's own
@@ -25,6 +26,7 @@ import gguf
 
 from qcompiler.data import ByteTokenizer
 from qcompiler.interop.checkpoint import ExportError
+from qcompiler.interop.gguf_spm_json import is_sentencepiece_json, write_sentencepiece_json
 
 __all__ = ["embed_tokenizer", "PRE_TOKENIZERS"]
 
@@ -174,9 +176,15 @@ def embed_tokenizer(writer: gguf.GGUFWriter, files: dict[str, bytes], config: di
         # the tokenizer.json transformers derives from a tokenizer.model is byte-fallback BPE or Unigram:
         # the SentencePiece model itself is what llama.cpp reads then
         spm = "tokenizer.model" in files and (tj is None or not _is_byte_level_bpe(tj))
-        described = _sentencepiece(writer, files, vocab_size) if spm else _bpe(writer, tj, vocab_size)
+        if spm:
+            described = _sentencepiece(writer, files, vocab_size)
+        elif is_sentencepiece_json(tj):  # a SentencePiece model kept only as tokenizer.json (Gemma-3)
+            described = write_sentencepiece_json(writer, tj, vocab_size)
+        else:
+            described = _bpe(writer, tj, vocab_size)
         with tempfile.TemporaryDirectory() as tmp:  # special ids, add-BOS, chat template: gguf's own reader
-            for name in ("tokenizer_config.json", "special_tokens_map.json", "generation_config.json"):
+            names = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
+            for name in names:
                 if name in files:
                     (Path(tmp) / name).write_bytes(files[name])
             (Path(tmp) / "config.json").write_text(json.dumps(config))
