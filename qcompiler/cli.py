@@ -483,6 +483,7 @@ _OPTION_FIELDS = {
     "--accuracy-level": "accuracy_level",
     "--plain-attention": "fused_attention",
     "--requantize": "requantize",
+    "--token-embedding": "token_embedding",
 }
 
 
@@ -511,6 +512,9 @@ def export(
         help="gguf: re-round layers not on a GGUF grid to this block type (q8_0/q4_0/q4_1 by llama.cpp's RTN; "
         "the K types by qcompiler's fitted grid)",
     ),
+    token_embedding: Optional[RequantizeType] = typer.Option(
+        None, help="gguf: store the FP token embeddings (Gemma: also the head) as this block type instead of F16"
+    ),
     overwrite: bool = typer.Option(False, help="replace --out when it holds another kind of qcompiler output"),
 ):
     """Export a saved artifact to ONNX, an onnxruntime-genai folder, a GPTQ or compressed-tensors checkpoint or GGUF."""
@@ -521,6 +525,7 @@ def export(
         "--accuracy-level": accuracy_level is not None,
         "--plain-attention": plain_attention,
         "--requantize": requantize is not None,
+        "--token-embedding": token_embedding is not None,
     }
     for option in (o for o, on in given.items() if on and fmt.unread([_OPTION_FIELDS[o]])):
         readers = " / ".join(readers_of(_OPTION_FIELDS[option]))
@@ -533,6 +538,7 @@ def export(
         fused_attention=not plain_attention,
         zero_format=zero_format.value,
         requantize=None if requantize is None else requantize.value,
+        token_embedding=None if token_embedding is None else token_embedding.value,
         max_shard_bytes=int(max_shard_gb * 1024**3),
         progress=out.print,
     )

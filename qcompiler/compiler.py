@@ -293,13 +293,24 @@ class CompiledModel:
             protect=protect,
         )
 
-    def export_gguf(self, path, *, requantize: Optional[str] = None, protect=(), progress=print):
+    def export_gguf(
+        self,
+        path,
+        *,
+        requantize: Optional[str] = None,
+        token_embedding: Optional[str] = None,
+        protect=(),
+        progress=print,
+    ):
         """Write one GGUF file that llama.cpp runs (docs/formats.md, "GGUF"); layers on GGUF's own grids
-        (recipes ``gptq-q4_0``, ``gptq-q8_0``) are written code for code, others only with ``requantize``."""
+        (recipes ``gptq-q4_0``, ``gptq-q8_0``) are written code for code, others only with ``requantize``;
+        ``token_embedding`` stores the FP embeddings as that block type instead of F16."""
         self.materialize()
         from qcompiler.interop.gguf_export import export_gguf
 
-        return export_gguf(self, path, requantize=requantize, protect=protect, progress=progress)
+        return export_gguf(
+            self, path, requantize=requantize, token_embedding=token_embedding, protect=protect, progress=progress
+        )
 
     def save(
         self,

@@ -34,6 +34,7 @@ class ExportOptions:
     fused_attention: bool = True  # onnx, onnx-genai: ORT's GroupQueryAttention
     zero_format: str = "auto"  # gptq: auto | v1 | v2 zero points
     requantize: Optional[str] = None  # gguf: re-round layers not on a GGUF grid to this block type (REQUANTIZE_TYPES)
+    token_embedding: Optional[str] = None  # gguf: store the FP token embeddings as this block type, not F16
     max_shard_bytes: int = DEFAULT_SHARD_BYTES
     progress: Callable[[str], None] = print
 
@@ -144,7 +145,9 @@ def _compressed_tensors(cm, dest, o: ExportOptions):
 def _gguf(cm, dest, o: ExportOptions):
     from qcompiler.interop.gguf_export import export_gguf
 
-    return export_gguf(cm, dest, requantize=o.requantize, protect=o.protect, progress=o.progress)
+    return export_gguf(
+        cm, dest, requantize=o.requantize, token_embedding=o.token_embedding, protect=o.protect, progress=o.progress
+    )
 
 
 for _fmt in (
@@ -191,7 +194,7 @@ for _fmt in (
         "one GGUF file for llama.cpp / Ollama (GPTQ on Q4_0 ... Q8_0 and Q2_K ... Q6_K blocks; F16 / F32 elsewhere)",
         "gguf",
         "qcompiler.interop.gguf_export",
-        ("requantize",),
+        ("requantize", "token_embedding"),
     ),
 ):
     register_export_format(_fmt)

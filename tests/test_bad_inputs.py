@@ -420,6 +420,12 @@ CLI_ROWS = [
         "--requantize applies to --format gguf, not gptq: it would do nothing",
     ),
     (
+        "export: --token-embedding for onnx does nothing",
+        ["export", "{art}", "--format", "onnx", "--token-embedding", "q8_0", "--out", "{root}/m.onnx"],
+        2,
+        "--token-embedding applies to --format gguf, not onnx: it would do nothing",
+    ),
+    (
         "export: --accuracy-level for gguf does nothing",
         ["export", "{art}", "--format", "gguf", "--accuracy-level", "0", "--out", "{root}/m.gguf"],
         2,

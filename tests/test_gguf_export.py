@@ -205,6 +205,42 @@ def test_gemma3_that_llama_cpp_would_compute_differently_is_refused(change, mess
     assert not list(tmp_path.iterdir())
 
 
+@pytest.mark.parametrize("kind,qtype", [("q8_0", "Q8_0"), ("q4_0", "Q4_0"), ("q6_k", "Q8_0")])
+def test_token_embeddings_are_stored_as_the_block_type_asked_for(llama_q4, kind, qtype, tmp_path):
+    """``token_embedding``: the FP embeddings become llama.cpp's blocks of that type — the bytes of
+    llama.cpp's own round-to-nearest for Q8_0 / Q4_0 (the ``gguf`` package's reference quantizer);
+    for Q6_K, whose 256-wide super-blocks rows of 64 cannot hold, its 32-wide fallback Q8_0 on
+    qcompiler's fitted grid, within half a step (max|row block| / 127 / 2) of every weight — exactly
+    ``rows × cols / 32`` blocks, every other tensor as without the setting."""
+    model, cm, plain = llama_q4
+    said = []
+    cm.export_gguf(tmp_path / "e.gguf", token_embedding=kind, progress=said.append)
+    assert f"token embeddings {qtype} (re-rounded" in said[0]
+    ours = {t.name: t for t in gguf.GGUFReader(str(tmp_path / "e.gguf")).tensors}
+    before = {t.name: t for t in gguf.GGUFReader(str(plain)).tensors}
+    emb = ours["token_embd.weight"]
+    w = model.model.embed_tokens.weight.detach().float().numpy()
+    assert emb.tensor_type.name == qtype and before["token_embd.weight"].tensor_type.name == "F16"
+    if kind in ("q8_0", "q4_0"):
+        want = gguf.quants.quantize(w, gguf.GGMLQuantizationType[qtype])
+        assert np.array_equal(np.asarray(emb.data).reshape(-1), want.reshape(-1))
+    else:
+        got = gguf.quants.dequantize(np.asarray(emb.data), emb.tensor_type).reshape(w.shape)
+        half_step = np.abs(w.reshape(-1, 32)).max(1, keepdims=True) / 127 / 2 * 1.001
+        assert (np.abs(got - w).reshape(-1, 32) <= half_step).all()
+    assert emb.n_bytes == w.size // 32 * {"Q8_0": 34, "Q4_0": 18}[qtype]
+    for name, t in before.items():
+        if name != "token_embd.weight":
+            assert np.array_equal(np.asarray(ours[name].data), np.asarray(t.data)), name
+
+
+def test_an_unknown_token_embedding_type_is_refused_before_anything_is_written(llama_q4, tmp_path):
+    _, cm, _ = llama_q4
+    with pytest.raises(ExportError, match=r"token_embedding='q9_0' is not a GGUF block type qcompiler writes"):
+        cm.export_gguf(tmp_path / "e.gguf", token_embedding="q9_0")
+    assert not list(tmp_path.iterdir())
+
+
 def test_an_existing_file_is_replaced_only_when_it_is_our_gguf(llama_q4, tmp_path):
     _, cm, ours = llama_q4
     other = tmp_path / "notes.gguf"

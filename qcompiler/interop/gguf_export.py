@@ -233,17 +233,24 @@ def _rerounded(w: torch.Tensor, requantize: str) -> tuple[np.ndarray, gguf.GGMLQ
 REQUANTIZE_TYPES = (*BLOCK_TYPES, *GRID_FALLBACK)  # llama.cpp's RTN for the first, qcompiler's fitted grid for K types
 
 
-def _check_requantize(requantize: Optional[str]) -> None:
+def _check_requantize(requantize: Optional[str], setting: str = "requantize") -> None:
     if requantize is not None and requantize not in REQUANTIZE_TYPES:
         raise ExportError(
-            f"requantize={requantize!r} is not a GGUF block type qcompiler writes; choose one of "
+            f"{setting}={requantize!r} is not a GGUF block type qcompiler writes; choose one of "
             f"{', '.join(REQUANTIZE_TYPES)}"
         )
 
 
-def export_gguf(cm, path, *, requantize: Optional[str] = None, protect=(), progress=print) -> Path:
-    """Write ``cm`` as one GGUF file for llama.cpp (atomic; replaces only an earlier qcompiler GGUF)."""
+def export_gguf(
+    cm, path, *, requantize: Optional[str] = None, token_embedding: Optional[str] = None, protect=(), progress=print
+) -> Path:
+    """Write ``cm`` as one GGUF file for llama.cpp (atomic; replaces only an earlier qcompiler GGUF).
+    ``token_embedding``: store the FP token embeddings as this block type (llama.cpp's own Q4_K_M
+    stores them as Q6_K, or Q8_0 where rows are not a multiple of 256) instead of F16 — re-rounded,
+    so the file's logits then differ from the graph's; where the head is the embeddings (Gemma) the
+    head is re-rounded too."""
     _check_requantize(requantize)
+    _check_requantize(token_embedding, "token_embedding")
     if hasattr(cm, "materialize"):  # weights a compile(materialize=False) left on disk
         cm.materialize()
     gm = cm.graph_module if hasattr(cm, "graph_module") else cm
@@ -298,11 +305,12 @@ def export_gguf(cm, path, *, requantize: Optional[str] = None, protect=(), progr
             data = data[order.numpy()]
         writer.add_tensor(gguf_name(layer.path + ".weight"), data, raw_dtype=qtype)
         counts[qtype.name, how] += 1
-    _write_fp_tensors(writer, fp_tensors(gm, consumed), spec, model_type, gguf_name, rows)
+    embedding = _write_fp_tensors(writer, fp_tensors(gm, consumed), spec, model_type, gguf_name, rows, token_embedding)
     main = counts.most_common(1)[0][0][0] if counts else "F16"
     writer.add_file_type(_FILE_TYPES.get(main, gguf.LlamaFileType.MOSTLY_F16))
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
     summary = ", ".join(f"{n} {name} ({how})" for (name, how), n in counts.items()) or "no quantized layers (F16)"
+    summary += f"; token embeddings {embedding}"
     progress(f"GGUF ({gguf.MODEL_ARCH_NAMES[arch]}): {summary}; tokenizer {tokenizer}")
     if any(how == "re-rounded" for _, how in counts):
         how = "llama.cpp's round-to-nearest" if requantize in BLOCK_TYPES else "qcompiler's fitted grid, uncalibrated"
@@ -351,8 +359,11 @@ def _write_hparams(writer, config: dict, model_type: str, recipe: str, shape: tu
     writer.add_vocab_size(int(config["vocab_size"]))
 
 
-def _write_fp_tensors(writer, fp: dict, spec: GGUFArch, model_type: str, gguf_name, rows) -> None:
-    """The unquantized tensors: vectors as F32, matrices as F16 (Gemma's norms as llama.cpp scales)."""
+def _write_fp_tensors(writer, fp: dict, spec: GGUFArch, model_type: str, gguf_name, rows, embedding_type) -> str:
+    """The unquantized tensors: vectors as F32, matrices as F16 (Gemma's norms as llama.cpp scales),
+    the token embeddings as ``embedding_type`` when given. Returns how the embeddings were written."""
+    embedding_name = gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.TOKEN_EMBD] + ".weight"
+    written = "F16"
     for hf_name, value in fp.items():
         value = value.float()
         if spec.head_from_embeddings and hf_name == "lm_head.weight":  # llama.cpp has no head of its own there
@@ -366,7 +377,15 @@ def _write_fp_tensors(writer, fp: dict, spec: GGUFArch, model_type: str, gguf_na
         order = rows(hf_name)
         if order is not None:
             value = value[order]
+        name = gguf_name(hf_name)
         if value.dim() == 1:
-            writer.add_tensor(gguf_name(hf_name), value.numpy())
+            writer.add_tensor(name, value.numpy())
+        elif name == embedding_name and embedding_type is not None:
+            data, qtype = _rerounded(value, embedding_type)
+            writer.add_tensor(name, data, raw_dtype=qtype)
+            how = "llama.cpp's round-to-nearest" if embedding_type in BLOCK_TYPES else "qcompiler's fitted grid"
+            head = ", the output head with them" if spec.head_from_embeddings else ""
+            written = f"{qtype.name} (re-rounded by {how}{head}: logits differ from the graph's)"
         else:
-            writer.add_tensor(gguf_name(hf_name), value.half().numpy())
+            writer.add_tensor(name, value.half().numpy())
+    return written
