@@ -76,24 +76,35 @@ def _family(recipe: str) -> str:
 
 
 class GenerationJudge:
-    """Greedy agreement and next-token KL of a causal LM against its FP model."""
+    """Greedy agreement and next-token KL of a causal LM against its FP model (``prompts=0``: KL only)."""
 
     def __init__(self, loaded, prompts: int = 32, prompt_len: int = 64, new_tokens: int = 128, windows: int = 32):
         tokens = loaded.tokens("heldout")
-        step = max(1, (len(tokens) - prompt_len) // prompts)
-        self.prompts = torch.stack([tokens[i * step : i * step + prompt_len] for i in range(prompts)])
+        step = max(1, (len(tokens) - prompt_len) // max(prompts, 1))
+        self.prompts = (
+            torch.stack([tokens[i * step : i * step + prompt_len] for i in range(prompts)]) if prompts else None
+        )
         self.windows = torch.stack([tokens[i * 256 + 7 : i * 256 + 263] for i in range(windows)])
+        bos = getattr(loaded.tokenizer, "bos_token_id", None)
+        if bos is not None:  # a model trained with BOS first (Gemma) is judged as it is used
+            self.windows[:, 0] = bos
         self.new_tokens = new_tokens
         fp = qc.compile(loaded.model, loaded.example_inputs(), recipe="none", progress=False)
-        self.fp_tokens = fp.generate(self.prompts, max_new_tokens=new_tokens)[:, prompt_len:]
-        self.fp_logp = F.log_softmax(fp(input_ids=self.windows).logits.float(), dim=-1)
+        if prompts:
+            self.fp_tokens = fp.generate(self.prompts, max_new_tokens=new_tokens)[:, prompt_len:]
+        with torch.no_grad():
+            self.fp_logp = F.log_softmax(fp(input_ids=self.windows).logits.float(), dim=-1)
+
+    def kl(self, cm) -> float:
+        """Mean next-token KL(FP ‖ cm) over the held-out windows."""
+        with torch.no_grad():
+            logq = F.log_softmax(cm(input_ids=self.windows).logits.float(), dim=-1)
+        return float((self.fp_logp.exp() * (self.fp_logp - logq)).sum(-1).mean())
 
     def score(self, cm) -> dict:
         got = cm.generate(self.prompts, max_new_tokens=self.new_tokens)[:, self.prompts.shape[1] :]
         same = (got == self.fp_tokens).int().cumprod(dim=1).sum(dim=1).float()
-        logq = F.log_softmax(cm(input_ids=self.windows).logits.float(), dim=-1)
-        kl = (self.fp_logp.exp() * (self.fp_logp - logq)).sum(-1).mean()
-        return dict(greedy_agreement=float(same.mean()), next_token_kl=float(kl))
+        return dict(greedy_agreement=float(same.mean()), next_token_kl=self.kl(cm))
 
 
 def run(model_names, recipes, budgets, calib: int, rotated_budgets=(), signround_budgets=()) -> list[dict]:

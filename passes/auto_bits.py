@@ -26,9 +26,12 @@ from qcompiler.algorithms.gguf_grids import FORMATS
 from qcompiler.errors import QuantizationError
 from qcompiler.ir.graph import block_of, find_linears, is_router, source_of
 from qcompiler.ir.tensors import get_raw_tensor
+from qcompiler.passes.gptq import GPTQ
 from qcompiler.passes.mixed_precision import MixedPrecision, candidate_grid, candidate_quantizer, parse_candidate
+from qcompiler.passes.rtn import RTN
 from qcompiler.passes.signround import SignRound
 from qcompiler.pipeline.block_walk import quantize_block_linears
+from qcompiler.pipeline.fisher_sensitivity import FisherUnavailable, measure_fisher_sensitivities
 from qcompiler.pipeline.layer_filter import ignore_reason
 from qcompiler.pipeline.sensitivity import measure_sensitivities
 from qcompiler.pipeline.weight_quantizer import WeightQuantizer
@@ -55,6 +58,8 @@ SIGNROUND_CANDIDATES = tuple(n for n in DEFAULT_CANDIDATES if n.startswith("gptq
 # mixes Q4_K and Q6_K by a fixed rule; here each tensor's type is chosen from measured sensitivities)
 GGUF_CANDIDATES = ("gptq-q2_k", "gptq-q3_k", "gptq-q4_k", "gptq-q5_k", "gptq-q6_k", "gptq-q8_0")
 FINISHERS = ("gptq", "signround")
+SENSITIVITIES = ("fisher", "forward")  # one backward pass (pipeline/fisher_sensitivity.py) | a forward per candidate
+SCORERS = ("solve", "rtn")  # a candidate scored by its own solve | GPTQ candidates by round-to-nearest on their grid
 MAX_BUDGET = 16.0  # bits per parameter: above it a quantized layer is larger than its fp16 weight
 
 
@@ -69,12 +74,22 @@ class AutoBits(WeightQuantizer):
     tie_siblings: bool = False
     ignore: tuple[str, ...] = ()  # module paths kept in full precision: globs, or 're:' + a regex
     finish: str = "gptq"  # what quantizes the plan: "gptq" (each candidate's own method) or "signround"
+    # how each candidate's damage is measured: "fisher" (second order from one backward pass per
+    # sample) or "forward" (the whole graph run once per layer and candidate: depth x candidates forwards)
+    sensitivity: str = "fisher"
+    # "rtn": score GPTQ candidates by round-to-nearest on their own grid (one cheap rounding each instead
+    # of a GPTQ solve; the plan is still solved by GPTQ) — for models where candidates x solves dominate
+    score_with: str = "solve"
 
     needs_calibration: ClassVar = True
     needs_hessian: ClassVar = True
 
     def __post_init__(self):
         super().__post_init__()
+        if self.sensitivity not in SENSITIVITIES:
+            raise QuantizationError(f"auto: sensitivity={self.sensitivity!r}; choose one of {', '.join(SENSITIVITIES)}")
+        if self.score_with not in SCORERS:
+            raise QuantizationError(f"auto: score_with={self.score_with!r}; choose one of {', '.join(SCORERS)}")
         if self.finish not in FINISHERS:
             raise QuantizationError(f"auto: finish={self.finish!r}; choose one of {', '.join(FINISHERS)}")
         if self.finish == "signround" and tuple(self.candidates) == DEFAULT_CANDIDATES:
@@ -103,14 +118,7 @@ class AutoBits(WeightQuantizer):
         ctx.log(
             f"auto:{self.budget:g}: measuring {len(self.candidates)} candidates per layer on {self.samples} samples"
         )
-        table = measure_sensitivities(
-            gm,
-            ctx,
-            {name: candidate_quantizer(name).quantize_layer for name in self.candidates},
-            samples=self.samples,
-            kl=kl,
-            eligible=lambda path: not is_router(path) and ignore_reason(path, self.ignore) is None,
-        )
+        table = self._measure(gm, ctx, kl)
         if not table:
             ctx.record.notes.append("nothing was quantized: no eligible linear layer inside a transformer block")
             return False
@@ -151,6 +159,34 @@ class AutoBits(WeightQuantizer):
         for layer in measured:
             groups.setdefault(source_of(layer.input) if self.tie_siblings else layer.path, []).append(layer.path)
         return list(groups.values())
+
+    def _measure(self, gm, ctx, kl: bool) -> dict:
+        """Every eligible layer's candidates scored by ``self.sensitivity``; a graph that cannot be
+        differentiated is measured forward, and the note says so."""
+        args = (gm, ctx, {name: self._scorer(name) for name in self.candidates})
+        options = dict(
+            samples=self.samples,
+            kl=kl,
+            eligible=lambda path: not is_router(path) and ignore_reason(path, self.ignore) is None,
+        )
+        if self.sensitivity == "fisher":
+            try:
+                return measure_fisher_sensitivities(*args, **options)
+            except FisherUnavailable as e:
+                note = f"auto: the graph has no derivative ({e}); sensitivities measured forward instead"
+                ctx.record.notes.append(note)
+                ctx.log(note)
+        return measure_sensitivities(*args, **options)
+
+    def _scorer(self, name: str):
+        """What measures candidate ``name``: its own quantizer, or (``score_with="rtn"``) a GPTQ
+        candidate's round-to-nearest on the same grid, which stores the same tensors."""
+        quantizer = candidate_quantizer(name)
+        if self.score_with == "rtn" and isinstance(quantizer, GPTQ):
+            quantizer = RTN(
+                bits=quantizer.bits, group_size=quantizer.group_size, sym=quantizer.sym, grid=quantizer.grid
+            )
+        return quantizer.quantize_layer
 
     def _refuse_impossible_budget(self, gm) -> None:
         """A budget below what the cheapest candidates need at the least (codes alone for SpQR; codes,

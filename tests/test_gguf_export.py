@@ -205,7 +205,9 @@ def test_gemma3_that_llama_cpp_would_compute_differently_is_refused(change, mess
     assert not list(tmp_path.iterdir())
 
 
-@pytest.mark.parametrize("kind,qtype", [("q8_0", "Q8_0"), ("q4_0", "Q4_0"), ("q6_k", "Q8_0")])
+@pytest.mark.parametrize(
+    "kind,qtype", [("q8_0", "Q8_0"), pytest.param("q4_0", "Q4_0", marks=pytest.mark.slow), ("q6_k", "Q8_0")]
+)
 def test_token_embeddings_are_stored_as_the_block_type_asked_for(llama_q4, kind, qtype, tmp_path):
     """``token_embedding``: the FP embeddings become llama.cpp's blocks of that type — the bytes of
     llama.cpp's own round-to-nearest for Q8_0 / Q4_0 (the ``gguf`` package's reference quantizer);

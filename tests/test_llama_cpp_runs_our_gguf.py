@@ -311,7 +311,7 @@ def test_sentencepiece_tokenizer_model_tokenizes_in_llama_cpp_as_in_sentencepiec
     assert (llm.token_bos(), llm.token_eos()) == (1, 2)
 
 
-@pytest.mark.parametrize("kind", ["GemmaTokenizer", "LlamaTokenizer"])
+@pytest.mark.parametrize("kind", ["GemmaTokenizer", pytest.param("LlamaTokenizer", marks=pytest.mark.slow)])
 def test_a_sentencepiece_model_kept_only_as_tokenizer_json_tokenizes_in_llama_cpp_as_in_transformers(kind, tmp_path):
     """Gemma-3 folders (and many LLaMA-2 re-uploads) carry their SentencePiece model only as the
     byte-fallback BPE tokenizer.json transformers derives from it: exported from that file alone

@@ -241,6 +241,17 @@ def _check_requantize(requantize: Optional[str], setting: str = "requantize") ->
         )
 
 
+def _quantized_tensors(gm) -> set:
+    """Every stored tensor a quantized op reads, but its bias (written as the layer's F32 bias)."""
+    return {
+        value.target
+        for node in gm.graph.nodes
+        if spec_of(node) is not None
+        for name, value in args_of(node).as_dict().items()
+        if name != "bias" and isinstance(value, torch.fx.Node) and value.op == "get_attr"
+    }
+
+
 def export_gguf(
     cm, path, *, requantize: Optional[str] = None, token_embedding: Optional[str] = None, protect=(), progress=print
 ) -> Path:
@@ -261,13 +272,7 @@ def export_gguf(
     arch = spec.arch
     written = [write(gm, a, path) for a, path, write in layer_writers(gm, "gguf", "GGUF", require_any=False)]
     layers = [layer for layer in written if layer is not None]  # SpQR's outliers: folded into their dense branch
-    consumed = {  # every stored tensor a quantized op reads, but its bias (written as the layer's F32 bias)
-        value.target
-        for node in gm.graph.nodes
-        if spec_of(node) is not None
-        for name, value in args_of(node).as_dict().items()
-        if name != "bias" and isinstance(value, torch.fx.Node) and value.op == "get_attr"
-    }
+    consumed = _quantized_tensors(gm)
     heads = int(config["num_attention_heads"])
     kv_heads = int(config.get("num_key_value_heads") or heads)
     hidden, n_layers = int(config["hidden_size"]), int(config["num_hidden_layers"])

@@ -33,7 +33,14 @@ from qcompiler.ir.tensors import get_raw_tensor, get_tensor, set_tensor
 from qcompiler.layouts import LayerQuant, UnpackableLayer, store_dequantized, stored_bits
 from qcompiler.pipeline.pass_base import PassContext
 
-__all__ = ["CandidateScore", "measure_sensitivities", "output_distance"]
+__all__ = [
+    "CandidateScore",
+    "StoredWeights",
+    "first_output",
+    "measure_sensitivities",
+    "output_distance",
+    "sensitivity_samples",
+]
 
 
 @dataclass(frozen=True)
@@ -69,7 +76,9 @@ def _first_rows(batch: tuple[tuple, dict], n: int) -> tuple[tuple, dict]:
     return tree_map(take, args), tree_map(take, kwargs)
 
 
-def _samples(calibration: list, n: int) -> list[tuple[tuple, dict]]:
+def sensitivity_samples(calibration: list, n: int) -> list[tuple[tuple, dict]]:
+    """The first ``n`` samples of the calibration batches (the last batch cut to fit)."""
+    """The first ``n`` samples of the calibration batches (the last batch cut to fit)."""
     picked, have = [], 0
     for batch in calibration:
         if have >= n:
@@ -79,15 +88,18 @@ def _samples(calibration: list, n: int) -> list[tuple[tuple, dict]]:
     return picked
 
 
-class _StoredWeights(Float32Products):
+class StoredWeights(Float32Products):
     """Runs the whole graph reading each weight through ``get_tensor`` (a streamed one from disk);
     half-precision products on a CPU without half-precision units in float32 (calib/cpu_products.py)."""
 
     def fetch_attr(self, target: str):
+        """The stored weight (read from its checkpoint when streamed)."""
         return get_tensor(self.module, target)
 
 
-def _first_output(runner: _StoredWeights, batch: tuple[tuple, dict]) -> torch.Tensor:
+def first_output(runner: StoredWeights, batch: tuple[tuple, dict]) -> torch.Tensor:
+    """The graph's first floating-point output on ``batch`` (logits, or the last hidden state)."""
+    """The graph's first floating-point output on ``batch`` (logits, or the last hidden state)."""
     out = runner.run(*fx_pytree.tree_flatten_spec(batch, runner.module._in_spec))
     return next(t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.is_floating_point())
 
@@ -103,13 +115,13 @@ def measure_sensitivities(
 ) -> dict[str, dict[str, CandidateScore]]:
     """``{layer path: {candidate: score}}`` for every eligible block linear; a candidate the layer's
     shape cannot take is left out of its row. The graph's weights are unchanged afterwards."""
-    batches = _samples(ctx.calibration, samples)
+    batches = sensitivity_samples(ctx.calibration, samples)
     masks = [kwargs.get("attention_mask") for _args, kwargs in batches]
-    runner = _StoredWeights(gm)  # one interpreter (it maps each node's last use once) for every forward
-    reference = [_first_output(runner, batch) for batch in batches]
+    runner = StoredWeights(gm)  # one interpreter (it maps each node's last use once) for every forward
+    reference = [first_output(runner, batch) for batch in batches]
 
     def distance() -> float:
-        outs = [_first_output(runner, batch) for batch in batches]
+        outs = [first_output(runner, batch) for batch in batches]
         return sum(output_distance(r, o, m, kl) for r, o, m in zip(reference, outs, masks)) / len(outs)
 
     engine = CalibrationEngine.for_pass(gm, ctx)

@@ -1,0 +1,169 @@
+"""Each layer's quantization damage to the model's output from one backward pass per sample, not one
+forward per layer and candidate.
+
+The forward measurement (``sensitivity.py``) runs the whole graph once per layer × candidate:
+depth × candidates forwards, ~1,800 through a 262k-wide head for Gemma-3 270M, and more with depth.
+Here, as in the Fisher-based allocators (HAWQ-style second-order scores, ModelOpt's AutoQuantize),
+the output distance is expanded to second order around the FP model: for a change ``Δy`` of one
+linear's output, ``KL(p ‖ p') ≈ ½ Σ_t Δy_tᵀ F_t Δy_t`` with ``F_t`` the Fisher of the next-token
+distributions seen from that output at position ``t``. Its diagonal comes from squared gradients of
+``−log p(y)`` with ``y`` *sampled from the model itself* (an unbiased estimate of the true Fisher,
+not the empirical one of the data's labels); for an encoder's relative squared error the same holds
+with ``F = JᵀJ / ‖out‖²``, estimated by gradients of ``r · out`` for a random normal ``r``. One
+forward and one backward per sensitivity sample give every layer's ``F`` at once (a zero "probe"
+added to each linear's output receives the gradient). A candidate's damage is then
+``½ Σ_t Σ_o F_{t,o} (x_t · Δw_o)²`` (``Σ`` without ½ for the relative error), ``Δw = Ŵ − W``, over
+the samples' own input rows ``x_t``, which the calibration walk keeps. Per position, not the
+channel's mean times the input Hessian: tokens with large gradients are not independent of the
+inputs there (measured, the per-channel product chose allocations with 1.2-1.3x the forward
+measure's KL at 3.25 bits; per position they are level with it, docs/methods/auto.md).
+
+Cost: ``samples`` forward + backward passes, one calibration walk, and per layer × candidate the
+candidate's solve and one ``[positions, in] × [in, out]`` product. Memory: the squared gradients of
+every measured layer, ``positions × Σ out_features`` bf16 values (Gemma-3 270M at 8 × 256 positions:
+~0.5 GB), and one block's input rows at a time. A graph whose ops have no derivative raises
+``FisherUnavailable`` and the caller measures forward instead.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable, Optional
+
+import torch
+from torch.fx import GraphModule, Node
+
+from qcompiler.calib.calibration import CalibrationEngine
+from qcompiler.errors import QuantizationError
+from qcompiler.ir.graph import LinearLayer, find_linears
+from qcompiler.layouts import LayerQuant, UnpackableLayer, stored_bits
+from qcompiler.pipeline.pass_base import PassContext
+from qcompiler.pipeline.sensitivity import CandidateScore, StoredWeights, first_output, sensitivity_samples
+
+__all__ = ["FisherUnavailable", "measure_fisher_sensitivities", "output_fisher"]
+
+
+class FisherUnavailable(RuntimeError):
+    """The graph cannot be differentiated (an op without a derivative); measure forward instead."""
+
+
+class _Probed(StoredWeights):
+    """The graph with a zero tensor added to each probed linear's output, whose gradient is the
+    output's: ``probes[path]`` after a run."""
+
+    def __init__(self, gm: GraphModule, probe_nodes: dict[Node, str]):
+        super().__init__(gm)
+        self.probe_nodes, self.probes = probe_nodes, {}
+
+    def run_node(self, n: Node):
+        out = super().run_node(n)
+        path = self.probe_nodes.get(n)
+        if path is None or not isinstance(out, torch.Tensor):
+            return out
+        probe = torch.zeros_like(out, requires_grad=True)
+        self.probes[path] = probe
+        return out + probe
+
+
+def _probe_loss(out: torch.Tensor, mask: Optional[torch.Tensor], kl: bool, gen: torch.Generator):
+    """The scalar whose gradient's square estimates the Fisher's diagonal, and the positions it covers."""
+    out = out.float()
+    keep = torch.ones(out.shape[:-1]) if mask is None or mask.shape != out.shape[: mask.dim()] else mask.float()
+    if kl:  # −log p(y), y drawn from the model's own next-token distribution
+        probs = out.detach().softmax(-1).reshape(-1, out.shape[-1])
+        y = torch.multinomial(probs, 1, generator=gen).reshape(out.shape[:-1])
+        logp = out.log_softmax(-1).gather(-1, y[..., None])[..., 0]
+        return -(logp * keep).sum(), float(keep.sum())
+    r = torch.randn(out.shape, generator=gen)
+    norm = (out.detach().square() * keep[..., None]).sum().sqrt().clamp_min(1e-30)
+    return (out * r * keep[..., None]).sum() / norm, 1.0
+
+
+def output_fisher(
+    gm: GraphModule, batches: list, masks: list, kl: bool, layers: list[LinearLayer], seed: int = 0
+) -> dict[str, torch.Tensor]:
+    """``{path: F}``: each layer's squared output gradients, ``[rows, out_features]`` in bf16 with the
+    rows of every batch in order (a linear's input rows as the calibration walk sees them), divided
+    by the positions (KL) or the batches (relative error) — the Fisher's diagonal, per position."""
+    nodes = {layer.node: layer.path for layer in layers}
+    gen = torch.Generator().manual_seed(seed)
+    parts: dict[str, list] = {}
+    count = 0.0
+    for batch, mask in zip(batches, masks):
+        runner = _Probed(gm, nodes)
+        with torch.enable_grad():
+            out = first_output(runner, batch)
+            loss, n = _probe_loss(out, mask, kl, gen)
+            probes = list(runner.probes.items())
+            try:
+                grads = torch.autograd.grad(loss, [p for _, p in probes], allow_unused=True)
+            except RuntimeError as e:  # an op without a derivative
+                raise FisherUnavailable(str(e).splitlines()[0][:200]) from None
+        for (path, probe), g in zip(probes, grads):
+            g2 = torch.zeros(probe.shape) if g is None else g.detach().float().square()
+            parts.setdefault(path, []).append(g2.reshape(-1, g2.shape[-1]).to(torch.bfloat16))
+        count += n
+        del out, loss, probes, grads
+    return {path: torch.cat(p).div_(max(count, 1.0)) for path, p in parts.items()}
+
+
+def measure_fisher_sensitivities(
+    gm: GraphModule,
+    ctx: PassContext,
+    candidates: dict[str, Callable[[LinearLayer, torch.Tensor, Optional[torch.Tensor]], LayerQuant]],
+    *,
+    samples: int,
+    kl: bool,
+    eligible: Callable[[str], bool] = lambda _path: True,
+) -> dict[str, dict[str, CandidateScore]]:
+    """``{layer path: {candidate: score}}`` as ``measure_sensitivities`` returns it, from the Fisher
+    estimate of the module docstring; the graph's weights are never changed."""
+    batches = sensitivity_samples(ctx.calibration, samples)
+    masks = [kwargs.get("attention_mask") for _args, kwargs in batches]
+    start = time.perf_counter()
+    fisher = output_fisher(gm, batches, masks, kl, [layer for layer in find_linears(gm) if eligible(layer.path)])
+    rows = max((f.shape[0] for f in fisher.values()), default=0)
+    megabytes = sum(f.numel() * f.element_size() for f in fisher.values()) / 2**20
+    seconds = time.perf_counter() - start
+    ctx.log(
+        f"  output Fisher of {len(fisher)} layers at {rows} positions ({megabytes:.0f} MB) "
+        f"from {len(batches)} backward passes, {seconds:.1f}s"
+    )
+    factor = 0.5 if kl else 1.0  # KL ≈ ½ Δyᵀ F Δy; the relative error is Δyᵀ F Δy itself
+    engine = CalibrationEngine.for_pass(gm, ctx)
+    table: dict[str, dict[str, CandidateScore]] = {}
+    for seg in engine.blocks():
+        layers = [layer for layer in seg.linears if eligible(layer.path)]
+        if not layers:
+            continue
+        # FP inputs (nothing is quantized while measuring); the first rows are the samples' positions
+        stats = engine.collect(seg, layers, keep_rows=rows)
+        for layer in layers:
+            start = time.perf_counter()
+            W = layer.weight(gm).detach().float().to(ctx.device or "cpu")
+            H = stats[layer.path].hessian
+            H = None if H is None else H.to(W.device)
+            X = stats[layer.path].sample
+            F = fisher.get(layer.path)
+            n = 0 if X is None or F is None else min(X.shape[0], F.shape[0])
+            X = X[:n].float().to(W.device) if n else None
+            F = F[:n].float().to(W.device) if n else None
+            row = {}
+            for name, quantize in candidates.items():
+                try:
+                    result = quantize(layer, W, H)
+                except (UnpackableLayer, QuantizationError):
+                    continue  # this candidate cannot hold this layer's shape
+                dW = result.dequantized.float().to(W.device) - W
+                damage = factor * float((F * (X @ dW.t()).square()).sum()) if n else 0.0
+                row[name] = CandidateScore(stored_bits(result.tensors), damage)
+            if not row:
+                raise QuantizationError(f"layer {layer.path}: no candidate can quantize its shape {tuple(W.shape)}")
+            table[layer.path] = row
+            best = min(row, key=lambda c: row[c].distance)
+            ctx.log(
+                f"  sensitivity {layer.path}: {len(row)} candidates, "
+                f"least damage {best} {row[best].distance:.3g}, {time.perf_counter() - start:.1f}s"
+            )
+        del stats
+    return table
