@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from pathlib import Path
 
 import gguf
 import numpy as np
@@ -89,7 +90,7 @@ def main() -> None:
         )
 
     add("source Q4_K_M (llama.cpp)", "q8_0", gemma3_270m_gguf(), 0.0)
-    out = __import__("pathlib").Path(args.out)
+    out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     calibration = [{"input_ids": torch.tensor([w])} for w in _windows(m, args.windows + args.calibration)]
     calibration = calibration[args.windows :]  # disjoint from the judged windows

@@ -162,6 +162,25 @@ def test_requantized_export_is_named_on_the_command_line(tinylm_q4, tmp_path, ca
     assert np.isfinite(_logits(_llama(tmp_path / "x.gguf"), ids)).all()
 
 
+def _save_random_llama(folder, vocab_size: int, *, bos: int, eos: int) -> None:
+    """A random two-layer LLaMA (width 64) with this vocabulary and these special ids, saved to ``folder``."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        bos_token_id=bos,
+        eos_token_id=eos,
+    )
+    LlamaForCausalLM(config).save_pretrained(folder)
+
+
 def _bpe_model_folder(folder, split_regex, vocab_size=300):
     """A random LLaMA whose folder holds a byte-level BPE tokenizer.json trained here on the bundled
     text, pre-tokenized by ``split_regex`` (None: GPT-2's built-in ByteLevel regex), with two special
@@ -170,7 +189,6 @@ def _bpe_model_folder(folder, split_regex, vocab_size=300):
 
     from tokenizers import Regex, Tokenizer, decoders, pre_tokenizers, trainers
     from tokenizers import models as tok_models
-    from transformers import LlamaConfig, LlamaForCausalLM
 
     from qcompiler.data import stdlib_text
 
@@ -189,19 +207,7 @@ def _bpe_model_folder(folder, split_regex, vocab_size=300):
         vocab_size=vocab_size, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), special_tokens=["<s>", "</s>"]
     )
     tok.train_from_iterator([stdlib_text("train")[:200_000]], trainer)
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=tok.get_vocab_size() + 4,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        bos_token_id=0,
-        eos_token_id=1,
-    )
-    LlamaForCausalLM(config).save_pretrained(folder)
+    _save_random_llama(folder, tok.get_vocab_size() + 4, bos=0, eos=1)
     tok.save(str(folder / "tokenizer.json"))
     (folder / "tokenizer_config.json").write_text(
         json.dumps({"bos_token": "<s>", "eos_token": "</s>", "add_bos_token": False})
@@ -274,26 +280,13 @@ def test_sentencepiece_tokenizer_model_tokenizes_in_llama_cpp_as_in_sentencepiec
     import json
 
     import sentencepiece
-    from transformers import LlamaConfig, LlamaForCausalLM
 
     from qcompiler.data import stdlib_text
 
     proto = _spm_model_proto()
     sp = sentencepiece.SentencePieceProcessor(model_proto=proto)
     folder = tmp_path / "model"
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=sp.vocab_size(),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
-    LlamaForCausalLM(config).save_pretrained(folder)
+    _save_random_llama(folder, sp.vocab_size(), bos=1, eos=2)
     (folder / "tokenizer.model").write_bytes(proto)
     (folder / "tokenizer_config.json").write_text(
         json.dumps({"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "add_bos_token": False})
@@ -319,7 +312,7 @@ def test_a_sentencepiece_model_kept_only_as_tokenizer_json_tokenizes_in_llama_cp
     llama.cpp's ids of held-out text are transformers' own, and detokenizing gives the text back."""
     import json
 
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+    from transformers import AutoTokenizer
 
     from qcompiler.data import stdlib_text
 
@@ -331,19 +324,7 @@ def test_a_sentencepiece_model_kept_only_as_tokenizer_json_tokenizes_in_llama_cp
     AutoTokenizer.from_pretrained(source).save_pretrained(folder)
     tok = AutoTokenizer.from_pretrained(folder)  # what a user of the folder gets
     assert not (folder / "tokenizer.model").exists() and (folder / "tokenizer.json").exists()
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=len(tok),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        bos_token_id=tok.bos_token_id,
-        eos_token_id=tok.eos_token_id,
-    )
-    LlamaForCausalLM(config).save_pretrained(folder)
+    _save_random_llama(folder, len(tok), bos=tok.bos_token_id, eos=tok.eos_token_id)
     m = models.load(folder)
     cm = qc.compile(m.model, {"input_ids": prompt()}, recipe="rtn-q8_0", backend="eager")
     said = []

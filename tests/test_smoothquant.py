@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from causal_lms import causal_lm
 from tiny_models import ARCHS, Stack, example_inputs, main_output, make_model
 
 import qcompiler as qc
@@ -155,21 +156,7 @@ def test_gemma_norms_absorb_the_scales_at_all_three_sites_of_a_block(recipe):
     pre_feedforward_layernorm -> gate/up, and into up_proj's rows for down_proj — every site of every
     block (they used to be skipped: "type_as has no norm or linear producer") — and the scaled model
     computes the FP model's logits."""
-    import transformers
-
-    torch.manual_seed(0)
-    config = transformers.Gemma3TextConfig(
-        vocab_size=128,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=128,
-        sliding_window=16,
-    )
-    model = transformers.Gemma3ForCausalLM(config).eval()
+    model = causal_lm("gemma3_text")
     with torch.no_grad():  # non-trivial norm weights: a wrong fold (w/s instead of (1+w)/s - 1) shows
         for name, p in model.named_parameters():
             if "norm" in name:

@@ -132,6 +132,17 @@ def _rope_theta(config: dict, model_type: str, layer_type: str = "full_attention
     return float(rope.get("rope_theta", default or config.get("rope_theta", 10000.0)))
 
 
+def _check_query_scale(arch: str, config: dict, n_layers: int, head_dim: int, theirs: int) -> None:
+    """Refuse a Gemma whose queries are scaled by 1/sqrt(query_pre_attn_scalar) other than llama.cpp's
+    1/sqrt(``theirs``) (head_dim, or hidden/heads at the size it special-cases)."""
+    scalar = config.get("query_pre_attn_scalar") or head_dim
+    if int(scalar) != theirs:
+        raise ExportError(
+            f"{arch}: query_pre_attn_scalar={scalar}, but llama.cpp scales queries by 1/sqrt({theirs}) "
+            f"for a {n_layers}-layer model"
+        )
+
+
 def _gemma2_metadata(writer, config: dict, n_layers: int, hidden: int, heads: int, head_dim: int) -> None:
     """Gemma-2's soft-capping and sliding-window keys, refusing what llama.cpp's gemma2 model would
     compute differently (it always soft-caps, alternates sliding and full layers starting with
@@ -139,13 +150,7 @@ def _gemma2_metadata(writer, config: dict, n_layers: int, hidden: int, heads: in
     caps = (config.get("attn_logit_softcapping"), config.get("final_logit_softcapping"))
     if None in caps:
         raise ExportError("gemma2: llama.cpp always soft-caps attention and final logits; this config turns one off")
-    scalar = config.get("query_pre_attn_scalar") or head_dim
-    theirs = hidden // heads if n_layers == 46 else head_dim
-    if int(scalar) != theirs:
-        raise ExportError(
-            f"gemma2: query_pre_attn_scalar={scalar}, but llama.cpp scales queries by 1/sqrt({theirs}) "
-            f"for a {n_layers}-layer model"
-        )
+    _check_query_scale("gemma2", config, n_layers, head_dim, hidden // heads if n_layers == 46 else head_dim)
     kinds = config.get("layer_types") or []
     alternating = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n_layers)]
     if kinds and list(kinds) != alternating:
@@ -162,13 +167,7 @@ def _gemma3_metadata(writer, config: dict, n_layers: int, hidden: int, heads: in
     other than llama.cpp's (1/sqrt(head_dim), 1/sqrt(hidden/heads) at 62 layers, its 27B)."""
     if config.get("attn_logit_softcapping") is not None:
         raise ExportError("gemma3: llama.cpp's gemma3 does not soft-cap attention logits; this config does")
-    scalar = config.get("query_pre_attn_scalar") or head_dim
-    theirs = hidden // heads if n_layers == 62 else head_dim
-    if int(scalar) != theirs:
-        raise ExportError(
-            f"gemma3: query_pre_attn_scalar={scalar}, but llama.cpp scales queries by 1/sqrt({theirs}) "
-            f"for a {n_layers}-layer model"
-        )
+    _check_query_scale("gemma3", config, n_layers, head_dim, hidden // heads if n_layers == 62 else head_dim)
     kinds = list(config.get("layer_types") or [])
     if len(kinds) != n_layers or not set(kinds) <= {"sliding_attention", "full_attention"}:
         raise ExportError(f"gemma3: layer_types should name sliding or full attention for each of {n_layers} layers")

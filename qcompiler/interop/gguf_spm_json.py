@@ -19,7 +19,7 @@ import gguf
 
 from qcompiler.errors import ExportError
 
-__all__ = ["is_sentencepiece_json", "write_sentencepiece_json"]
+__all__ = ["is_sentencepiece_json", "write_llama_vocab", "write_sentencepiece_json"]
 
 _SPACE = "▁"
 
@@ -57,6 +57,16 @@ def _space_prefix(tj: dict) -> bool:
     return prefix
 
 
+def write_llama_vocab(writer: gguf.GGUFWriter, names: list, scores: list, kinds: list, add_prefix: bool) -> None:
+    """llama.cpp's ``llama`` (SentencePiece) tokenizer keys: pieces, scores, token types, space prefix."""
+    writer.add_tokenizer_model("llama")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(names)
+    writer.add_token_scores(scores)
+    writer.add_token_types(kinds)
+    writer.add_add_space_prefix(add_prefix)
+
+
 def write_sentencepiece_json(writer: gguf.GGUFWriter, tj: dict, vocab_size: int) -> str:
     """Write ``tj`` (see :func:`is_sentencepiece_json`) into ``writer``; a one-line description."""
     model = tj["model"]
@@ -90,11 +100,6 @@ def write_sentencepiece_json(writer: gguf.GGUFWriter, tj: dict, vocab_size: int)
             raise ExportError(f"tokenizer.json has added token id {i}, beyond the model's {vocab_size} embeddings")
         names[i], scores[i] = added["content"], -1000.0
         kinds[i] = gguf.TokenType.CONTROL if added.get("special") else gguf.TokenType.USER_DEFINED
-    writer.add_tokenizer_model("llama")
-    writer.add_tokenizer_pre("default")
-    writer.add_token_list(names)
-    writer.add_token_scores(scores)
-    writer.add_token_types(kinds)
-    writer.add_add_space_prefix(add_prefix)
+    write_llama_vocab(writer, names, scores, kinds, add_prefix)
     n_merges = len(model.get("merges") or [])
     return f"SentencePiece BPE from tokenizer.json, {len(vocab)} pieces, {n_merges} merges"

@@ -26,7 +26,7 @@ import gguf
 
 from qcompiler.data import ByteTokenizer
 from qcompiler.interop.checkpoint import ExportError
-from qcompiler.interop.gguf_spm_json import is_sentencepiece_json, write_sentencepiece_json
+from qcompiler.interop.gguf_spm_json import is_sentencepiece_json, write_llama_vocab, write_sentencepiece_json
 
 __all__ = ["embed_tokenizer", "PRE_TOKENIZERS"]
 
@@ -141,12 +141,7 @@ def _sentencepiece(writer: gguf.GGUFWriter, files: dict[str, bytes], vocab_size:
         if i < vocab_size and isinstance(token, dict) and isinstance(token.get("content"), str):
             names[i], scores[i] = token["content"], -1000.0
             kinds[i] = gguf.TokenType.CONTROL if token.get("special") else gguf.TokenType.USER_DEFINED
-    writer.add_tokenizer_model("llama")
-    writer.add_tokenizer_pre("default")
-    writer.add_token_list(names)
-    writer.add_token_scores(scores)
-    writer.add_token_types(kinds)
-    writer.add_add_space_prefix(bool(normalizer.add_dummy_prefix))
+    write_llama_vocab(writer, names, scores, kinds, bool(normalizer.add_dummy_prefix))
     kind = {1: "unigram", 2: "BPE"}.get(proto.trainer_spec.model_type, "other")
     return f"SentencePiece {kind}, {sp.vocab_size()} pieces"
 

@@ -28,17 +28,23 @@ every measured layer, ``positions × Σ out_features`` bf16 values (Gemma-3 270M
 from __future__ import annotations
 
 import time
+from contextlib import contextmanager
 from typing import Callable, Optional
 
 import torch
 from torch.fx import GraphModule, Node
 
-from qcompiler.calib.calibration import CalibrationEngine
-from qcompiler.errors import QuantizationError
+from qcompiler.calib.layer_stats import LayerStats
 from qcompiler.ir.graph import LinearLayer, find_linears
-from qcompiler.layouts import LayerQuant, UnpackableLayer, stored_bits
+from qcompiler.layouts import LayerQuant
 from qcompiler.pipeline.pass_base import PassContext
-from qcompiler.pipeline.sensitivity import CandidateScore, StoredWeights, first_output, sensitivity_samples
+from qcompiler.pipeline.sensitivity import (
+    CandidateScore,
+    StoredWeights,
+    first_output,
+    score_candidates,
+    sensitivity_samples,
+)
 
 __all__ = ["FisherUnavailable", "measure_fisher_sensitivities", "output_fisher"]
 
@@ -130,40 +136,21 @@ def measure_fisher_sensitivities(
         f"from {len(batches)} backward passes, {seconds:.1f}s"
     )
     factor = 0.5 if kl else 1.0  # KL ≈ ½ Δyᵀ F Δy; the relative error is Δyᵀ F Δy itself
-    engine = CalibrationEngine.for_pass(gm, ctx)
-    table: dict[str, dict[str, CandidateScore]] = {}
-    for seg in engine.blocks():
-        layers = [layer for layer in seg.linears if eligible(layer.path)]
-        if not layers:
-            continue
-        # FP inputs (nothing is quantized while measuring); the first rows are the samples' positions
-        stats = engine.collect(seg, layers, keep_rows=rows)
-        for layer in layers:
-            start = time.perf_counter()
-            W = layer.weight(gm).detach().float().to(ctx.device or "cpu")
-            H = stats[layer.path].hessian
-            H = None if H is None else H.to(W.device)
-            X = stats[layer.path].sample
-            F = fisher.get(layer.path)
-            n = 0 if X is None or F is None else min(X.shape[0], F.shape[0])
-            X = X[:n].float().to(W.device) if n else None
-            F = F[:n].float().to(W.device) if n else None
-            row = {}
-            for name, quantize in candidates.items():
-                try:
-                    result = quantize(layer, W, H)
-                except (UnpackableLayer, QuantizationError):
-                    continue  # this candidate cannot hold this layer's shape
-                dW = result.dequantized.float().to(W.device) - W
-                damage = factor * float((F * (X @ dW.t()).square()).sum()) if n else 0.0
-                row[name] = CandidateScore(stored_bits(result.tensors), damage)
-            if not row:
-                raise QuantizationError(f"layer {layer.path}: no candidate can quantize its shape {tuple(W.shape)}")
-            table[layer.path] = row
-            best = min(row, key=lambda c: row[c].distance)
-            ctx.log(
-                f"  sensitivity {layer.path}: {len(row)} candidates, "
-                f"least damage {best} {row[best].distance:.3g}, {time.perf_counter() - start:.1f}s"
-            )
-        del stats
-    return table
+
+    @contextmanager
+    def fisher_damage(layer: LinearLayer, _stored: torch.Tensor, W: torch.Tensor, stats: LayerStats):
+        # the first kept input rows are the samples' positions, in the order of the gradients' rows
+        X, F = stats.sample, fisher.get(layer.path)
+        n = 0 if X is None or F is None else min(X.shape[0], F.shape[0])
+        X = X[:n].float().to(W.device) if n else None
+        F = F[:n].float().to(W.device) if n else None
+
+        def damage(result: LayerQuant) -> float:
+            if not n:
+                return 0.0
+            dW = result.dequantized.float().to(W.device) - W
+            return factor * float((F * (X @ dW.t()).square()).sum())
+
+        yield damage
+
+    return score_candidates(gm, ctx, candidates, eligible, fisher_damage, keep_rows=rows)

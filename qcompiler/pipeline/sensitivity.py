@@ -16,8 +16,9 @@ the model fits in memory).
 from __future__ import annotations
 
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, ContextManager, Optional
 
 import torch
 import torch.fx._pytree as fx_pytree
@@ -27,6 +28,7 @@ from torch.utils._pytree import tree_leaves, tree_map
 
 from qcompiler.calib.calibration import CalibrationEngine
 from qcompiler.calib.cpu_products import Float32Products
+from qcompiler.calib.layer_stats import LayerStats
 from qcompiler.errors import QuantizationError
 from qcompiler.ir.graph import LinearLayer
 from qcompiler.ir.tensors import get_raw_tensor, get_tensor, set_tensor
@@ -99,7 +101,6 @@ class StoredWeights(Float32Products):
 
 def first_output(runner: StoredWeights, batch: tuple[tuple, dict]) -> torch.Tensor:
     """The graph's first floating-point output on ``batch`` (logits, or the last hidden state)."""
-    """The graph's first floating-point output on ``batch`` (logits, or the last hidden state)."""
     out = runner.run(*fx_pytree.tree_flatten_spec(batch, runner.module._in_spec))
     return next(t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.is_floating_point())
 
@@ -124,29 +125,57 @@ def measure_sensitivities(
         outs = [first_output(runner, batch) for batch in batches]
         return sum(output_distance(r, o, m, kl) for r, o, m in zip(reference, outs, masks)) / len(outs)
 
+    @contextmanager
+    def forward_damage(layer: LinearLayer, stored: torch.Tensor, _W: torch.Tensor, _stats: LayerStats):
+        original = get_raw_tensor(gm, layer.weight_node.target)  # a streamed weight: its placeholder
+
+        def damage(result: LayerQuant) -> float:
+            store_dequantized(gm, layer, result.dequantized, stored)
+            return distance()
+
+        try:
+            yield damage
+        finally:
+            set_tensor(gm, layer.weight_node.target, original, parameter=isinstance(original, torch.nn.Parameter))
+
+    return score_candidates(gm, ctx, candidates, eligible, forward_damage)
+
+
+def score_candidates(
+    gm: GraphModule,
+    ctx: PassContext,
+    candidates: dict[str, Callable[[LinearLayer, torch.Tensor, Optional[torch.Tensor]], LayerQuant]],
+    eligible: Callable[[str], bool],
+    layer_damage: Callable[
+        [LinearLayer, torch.Tensor, torch.Tensor, LayerStats], ContextManager[Callable[[LayerQuant], float]]
+    ],
+    keep_rows: int = 0,
+) -> dict[str, dict[str, CandidateScore]]:
+    """The walk both measures share: block by block on FP inputs (nothing is quantized while
+    measuring; ``keep_rows`` input rows kept per layer), every eligible linear quantized by every
+    candidate its shape can take, each result scored by the damage function ``layer_damage(layer,
+    stored weight, its float32 copy W, stats)`` opens for the layer (and closes after its last candidate)."""
     engine = CalibrationEngine.for_pass(gm, ctx)
     table: dict[str, dict[str, CandidateScore]] = {}
     for seg in engine.blocks():
         layers = [layer for layer in seg.linears if eligible(layer.path)]
         if not layers:
             continue
-        stats = engine.collect(seg, layers)  # FP inputs: nothing is quantized while measuring
+        stats = engine.collect(seg, layers, keep_rows=keep_rows)
         for layer in layers:
             start = time.perf_counter()
-            original = get_raw_tensor(gm, layer.weight_node.target)  # a streamed weight: its placeholder
             stored = layer.weight(gm)  # read (from disk when streamed): dtype and device of what is stored
             W = stored.detach().float().to(ctx.device or stored.device)
             H = stats[layer.path].hessian
             H = None if H is None else H.to(W.device)
             row = {}
-            for name, quantize in candidates.items():
-                try:
-                    result = quantize(layer, W, H)
-                except (UnpackableLayer, QuantizationError):
-                    continue  # this candidate cannot hold this layer's shape
-                store_dequantized(gm, layer, result.dequantized, stored)
-                row[name] = CandidateScore(stored_bits(result.tensors), distance())
-            set_tensor(gm, layer.weight_node.target, original, parameter=isinstance(original, torch.nn.Parameter))
+            with layer_damage(layer, stored, W, stats[layer.path]) as damage:
+                for name, quantize in candidates.items():
+                    try:
+                        result = quantize(layer, W, H)
+                    except (UnpackableLayer, QuantizationError):
+                        continue  # this candidate cannot hold this layer's shape
+                    row[name] = CandidateScore(stored_bits(result.tensors), damage(result))
             if not row:
                 raise QuantizationError(f"layer {layer.path}: no candidate can quantize its shape {tuple(W.shape)}")
             table[layer.path] = row
