@@ -47,6 +47,7 @@ from qcompiler.ir.op_registry import (
     implement,
     implementation,
     quantized_layer_path,
+    refuse,
     register,
     register_target,
     spec_of,
@@ -294,6 +295,19 @@ implement("onnx", "spqr_dense_linear", _lower_spqr_dense, kind="lowering", label
 implement("onnx", "sparse_outlier_linear", _lower_outliers, kind="lowering", label="Gather + MatMul")
 implement("onnx", "quant_experts_linear", _lower_experts, kind="lowering", label="MatMulNBits per expert")
 implement("onnx", "gguf_linear", _lower_gguf, kind="lowering", label="MatMulNBits + block correction")
+for _op, _what in (("fp8_linear", "FP8"), ("nvfp4_linear", "NVFP4"), ("mxfp4_linear", "MXFP4")):
+    refuse(
+        "onnx",
+        _op,
+        f"ONNX Runtime has no {_what} weight-only matmul to lower it to; export it with --format "
+        "compressed-tensors (transformers, vLLM) or save it with cm.save",
+    )
+refuse(
+    "onnx",
+    "fp8_kv_quant",
+    "the FP8 KV cache (FP8KVCache) is not exported to ONNX yet; export it with --format compressed-tensors "
+    "(vLLM, transformers), or quantize without FP8KVCache for ONNX Runtime",
+)
 implement(
     "onnx", "spqr_experts_linear", _lower_spqr_experts, kind="lowering", label="MatMulNBits + Gather/MatMul per expert"
 )

@@ -68,6 +68,11 @@ implement(
 )
 implement("triton", "sparse_outlier_linear", load=_kernel("csr_linear"), kind="kernel", label="csr_spmm")
 implement("triton", "hadamard", load=_kernel("hadamard"), kind="kernel", label="hadamard")
+for _op, _what in (("fp8_linear", "FP8"), ("nvfp4_linear", "NVFP4"), ("mxfp4_linear", "MXFP4")):
+    refuse("triton", _op, f"no Triton kernel for {_what} weights yet: such a node runs its plain-torch reference")
+refuse(
+    "triton", "fp8_kv_quant", "no Triton kernel for the FP8 KV cache's rounding yet: it runs its plain-torch reference"
+)
 refuse(
     "triton",
     "gguf_linear",

@@ -3,6 +3,8 @@
 from qcompiler.passes import builtin_recipes  # noqa: F401  (registers the built-in recipe table and families)
 from qcompiler.passes.auto_bits import AutoBits
 from qcompiler.passes.awq import AWQ
+from qcompiler.passes.fp8_activations import FP8Activations
+from qcompiler.passes.fp8_kv_cache import FP8KVCache
 from qcompiler.passes.gptq import GPTQ
 from qcompiler.passes.gptq_checkpoint import LoadGPTQCheckpoint
 from qcompiler.passes.lower_int8 import LowerInt8
@@ -25,4 +27,6 @@ __all__ = [
     "AWQ",
     "Rotate",
     "SignRound",
+    "FP8Activations",
+    "FP8KVCache",
 ]

@@ -6,10 +6,13 @@ first). Registered into ``qcompiler/pipeline/recipes.py`` when ``qcompiler.passe
 
 from __future__ import annotations
 
+from qcompiler.algorithms.float_grid import FLOAT_FORMATS
 from qcompiler.algorithms.gguf_grids import FORMATS, GRID_FALLBACK
 from qcompiler.errors import RecipeError
 from qcompiler.passes.auto_bits import GGUF_CANDIDATES, AutoBits
 from qcompiler.passes.awq import AWQ
+from qcompiler.passes.fp8_activations import FP8Activations
+from qcompiler.passes.fp8_kv_cache import FP8KVCache
 from qcompiler.passes.gptq import GPTQ
 from qcompiler.passes.lower_int8 import LowerInt8
 from qcompiler.passes.rotate import Rotate
@@ -155,6 +158,42 @@ def _register_w8a8() -> None:
     )
 
 
+def _register_float_formats() -> None:
+    """The formats GPUs serve today: FP8 (per channel, per 128x128 block; with dynamic FP8
+    activations: compressed-tensors' FP8-dynamic and FP8-block schemes), NVFP4 and MXFP4 (W4A16),
+    by RTN (compressed-tensors' own min-max scales) or GPTQ (act-order, static scales searched)."""
+    for method in ("RTN", "GPTQ"):
+        lower = method.lower()
+        for grid, fmt in FLOAT_FORMATS.items():
+            kw = dict(bits=fmt.bits, group_size=fmt.group, grid=grid)
+            cls = _PASSES[method]
+            register_recipe(f"{lower}-{grid}", _describe(cls, kw), (lambda cls=cls, kw=kw: [cls(**kw)]))
+        for grid, strategy, name in (("fp8", "token", "fp8-dynamic"), ("fp8-block", "group", "fp8-block-dynamic")):
+            kw = dict(bits=8, group_size=FLOAT_FORMATS[grid].group, grid=grid)
+            cls = _PASSES[method]
+            register_recipe(
+                f"{name}" if method == "RTN" else f"gptq-{name}",
+                f"{_describe(cls, kw)}; inputs rounded to e4m3 at run time, a dynamic scale per "
+                + ("token" if strategy == "token" else "token and 128 inputs"),
+                (lambda cls=cls, kw=kw, strategy=strategy: [cls(**kw), FP8Activations(strategy)]),
+            )
+    register_recipe(
+        "fp8-kv",
+        "an FP8 KV cache alone: keys and values in e4m3 with a calibrated scale per attention (weights unchanged)",
+        lambda: [FP8KVCache()],
+    )
+    register_recipe(
+        "fp8-dynamic-kv",
+        "FP8-dynamic (FP8 weights per channel, FP8 activations per token), and an FP8 KV cache",
+        lambda: [RTN(bits=8, group_size=-1, grid="fp8"), FP8Activations("token"), FP8KVCache()],
+    )
+    register_recipe(
+        "rotate-gptq-nvfp4",
+        "randomized Hadamard rotations, then GPTQ on the NVFP4 grid",
+        lambda: [Rotate(), GPTQ(bits=4, group_size=16, grid="nvfp4")],
+    )
+
+
 def _register_families() -> None:
     """``auto:B`` and its kin: names that carry a budget."""
     for prefix in (AUTO_PREFIX, AUTO_SIGNROUND_PREFIX, AUTO_GGUF_PREFIX):
@@ -189,6 +228,21 @@ def _describe(cls: type, kw: dict) -> str:
             f"{method} on llama.cpp's {fmt.name} grid ({fmt.bits}-bit codes in sub-blocks of {fmt.sub_block}, {kind}: "
             f"{bpw:g} bits per weight, searched{fallback}){extra}; eager, ONNX Runtime and GGUF"
         )
+    if p.grid in FLOAT_FORMATS:
+        fmt = FLOAT_FORMATS[p.grid]
+        cell = (
+            "per output channel"
+            if fmt.group == -1
+            else f"per {fmt.rows}x{fmt.group} block"
+            if fmt.rows > 1
+            else (f"per {fmt.group} inputs")
+        )
+        scale = {"fp32": "an fp32 scale", "e4m3": "an e4m3 scale", "e8m0": "a power-of-two (e8m0) scale"}[
+            fmt.scale_dtype
+        ]
+        scales = "min-max scales" if method != "GPTQ" else "scales searched per cell"
+        glob = " and an fp32 global scale" if fmt.has_global else ""
+        return f"{method} on the {p.grid.upper()} grid: {fmt.element} weights, {scale} {cell}{glob}, {scales}{extra}"
     extra += ", searched (mse) grid" if p.grid == "mse" else ", min-max grid"
     return f"{method} W{p.bits}A16, {group}, {'symmetric' if p.sym else 'asymmetric'}{extra}"
 
@@ -257,4 +311,5 @@ _WEIGHT_ONLY = {
 _register_weight_only()
 _register_rotated_and_signround()
 _register_w8a8()
+_register_float_formats()
 _register_families()

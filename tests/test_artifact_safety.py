@@ -391,3 +391,60 @@ def test_json_nested_past_any_artifact_is_refused_not_a_recursion_error(saved, t
     _resign(path)
     with pytest.raises(ArtifactError, match=r"graph\.json nests deeper than any artifact does"):
         qc.load(path)
+
+
+def _edit_safetensors_header(path, edit):
+    """Rewrite the header of ``path``'s tensors file with ``edit(header)`` (the data bytes unchanged)."""
+    f = path / "tensors.safetensors"
+    raw = f.read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8 : 8 + n])
+    edit(header)
+    text = json.dumps(header).encode()
+    f.write_bytes(len(text).to_bytes(8, "little") + text + raw[8 + n :])
+    _resign(path)
+
+
+@pytest.mark.parametrize(
+    "edit,message",
+    [
+        # the same bytes read as float32 codes
+        (
+            lambda h: h["model.layers.0.self_attn.q_proj.qweight"].update(dtype="F32"),
+            r"layer model\.layers\.0\.self_attn\.q_proj\): qweight is float32, qc\.quant_linear stores int32",
+        ),
+        # scales [groups, out] read as [out, groups]
+        (
+            lambda h: h["model.layers.1.mlp.down_proj.scales"].update(
+                shape=h["model.layers.1.mlp.down_proj.scales"]["shape"][::-1]
+            ),
+            r"layer model\.layers\.1\.mlp\.down_proj\): qweight has shape \(\d+, 64\), qc\.quant_linear here needs",
+        ),
+    ],
+    ids=["relabelled-dtype", "transposed-scales"],
+)
+def test_a_relabelled_or_reshaped_stored_tensor_is_named_at_load(edit, message, saved, tmp_path):
+    """A re-signed artifact whose tensors file says another dtype or shape for a layer's stored tensor
+    is refused at load in one line naming the file, the node, the layer and the tensor — not an
+    index error from inside the op when it first runs."""
+    path = _copy(saved, tmp_path)
+    _edit_safetensors_header(path, edit)
+    with pytest.raises(ArtifactError, match=message):
+        qc.load(path)
+
+
+def test_a_changed_block_type_is_named_at_load_not_at_export(tmp_path):
+    """A re-signed graph.json whose llama.cpp block type reads 'Q9_K' (it used to surface as
+    ``KeyError 'Q9_K'`` at GGUF export) is refused at load, naming the node and layer."""
+    cm = qc.compile(make_model("llama"), example_inputs("llama"), recipe="rtn-q4_1", progress=False)
+    cm.save(tmp_path / "art")
+
+    def retype(graph):
+        node = next(n for n in graph["nodes"] if "gguf_linear" in str(n["target"]))
+        node["args"]["tuple"] = [("Q9_K" if a == "Q4_1" else a) for a in node["args"]["tuple"]]
+
+    _tamper_graph(tmp_path / "art", retype)
+    with pytest.raises(
+        ArtifactError, match=r"layer model\.layers\.0\.\S+\): block_type 'Q9_K' is not one qc\.gguf_linear holds"
+    ):
+        qc.load(tmp_path / "art")

@@ -36,7 +36,8 @@ def _start_one_process(out: Path, cases: list[str]) -> subprocess.Popen:
 @pytest.mark.parametrize(
     "cases",
     [
-        pytest.param(["llama-gptq", "mixtral-gptq", "llama-gptq-sequential"], id="gptq-dense-and-moe"),
+        pytest.param(["llama-gptq"], id="gptq-dense"),
+        pytest.param(["mixtral-gptq", "llama-gptq-sequential"], id="gptq-moe-and-sequential", marks=pytest.mark.slow),
         pytest.param(
             ["llama-spqr", "llama-smoothquant-w8a8", "qwen2-w8a8-static", "qwen2_moe-rtn"],
             id="spqr-smoothquant-static-moe",

@@ -18,12 +18,14 @@ from qcompiler.pipeline.solved import SolvedLayer, solved_from, solved_header, s
 
 
 def test_every_built_in_layout_registers_its_ops_and_resolves_its_earlier_names():
-    assert set(layouts()) == {"gptq", "gguf", "spqr", "int8"}
+    assert set(layouts()) == {"gptq", "gguf", "spqr", "int8", "fp8", "nvfp4", "mxfp4"}
     for lay in layouts().values():
         assert lay.linear_op in lay.ops and all(spec(op) for op in lay.ops)
     # a resumable run written before layouts named the rewrite by its op
     assert layout("quant_linear") is layout("gptq") and layout("gguf_linear") is layout("gguf")
-    with pytest.raises(qc.QuantizationError, match=r"no storage layout 'fp4'.*layouts: gguf, gptq, int8, spqr"):
+    with pytest.raises(
+        qc.QuantizationError, match=r"no storage layout 'fp4'.*layouts: fp8, gguf, gptq, int8, mxfp4, nvfp4, spqr"
+    ):
         layout("fp4")
 
 

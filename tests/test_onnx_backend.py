@@ -310,6 +310,7 @@ def test_int32_ids_and_a_left_out_mask_work_on_onnxruntime_as_on_eager():
         assert (out - reference).abs().max() < 1e-5
 
 
+@pytest.mark.slow  # 18 s; the default run keeps tests/test_onnx_genai.py's bf16 export through the same widening
 def test_a_bfloat16_checkpoint_exports_and_runs_in_float32(tmp_path):
     """Most real checkpoints are bf16; ONNX Runtime has no bf16 MatMulNBits (the export used to fail
     at its end). The export copy is widened to float32: no bf16 type is left in the file, the note

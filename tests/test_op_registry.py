@@ -23,6 +23,7 @@ ATEN_MATCHERS = {
     "qcompiler/pipeline/residual_stream.py",
     "qcompiler/pipeline/value_heads.py",
     "backends/onnx_attention.py",
+    "passes/fp8_kv_cache.py",
 }
 
 

@@ -33,6 +33,7 @@ QUANTIZERS = {
     "gptq-w3-sym-minmax-natural": P.GPTQ(bits=3, group_size=64, sym=True, act_order=False, grid="minmax"),
     "gptq-q4_k": P.GPTQ(bits=4, group_size=32, grid="q4_k"),
     "rtn-mse": P.RTN(bits=4, group_size=32, grid="mse"),
+    "gptq-mxfp4": P.GPTQ(bits=4, group_size=32, grid="mxfp4"),  # natural-order fits too: rows are independent
     "spqr-w3g16": P.SpQR(outlier_threshold=0.2),
     "mixed": P.MixedPrecision(plan=(("model.layers.0.mlp.down_proj", "spqr-w4g16"),), default="gptq-w2g32"),
 }

@@ -15,6 +15,7 @@ from typing import Callable, NamedTuple, Optional
 import torch
 
 from qcompiler.algorithms.finite import all_finite
+from qcompiler.algorithms.float_grid import FLOAT_FORMATS
 from qcompiler.algorithms.gguf_grids import FORMATS, BlockGrid, fit_grid, quantize_codes, sub_block_grid
 from qcompiler.algorithms.packing import SUPPORTED_BITS
 from qcompiler.algorithms.quant_grid import GRID_KINDS, Grid, dequantize_codes, fit, quantize
@@ -33,7 +34,11 @@ __all__ = [
     "groups_in_column_order",
     "lazy_sweep",
     "GGUF_GRIDS",
+    "FLOAT_GRIDS",
 ]
+
+# floating-point grids (``qcompiler.algorithms.float_grid``): FP8, NVFP4, MXFP4, each in a layout of its own
+FLOAT_GRIDS = tuple(FLOAT_FORMATS)
 
 # llama.cpp's block grids (``qcompiler.algorithms.gguf_grids``): codes on sub-blocks of 32 (Q6_K, Q3_K: 16), each
 # with its own scale·q − offset (K types: integer scales per super-block of 256; Q4_1: fp16); qc.gguf_linear.
@@ -55,10 +60,22 @@ class QuantResult(NamedTuple):
     gguf_grid: Optional[BlockGrid] = None  # a llama.cpp grid (codes from 0, zeros 0): its stored scales
 
 
-def check_spec(bits: int, group_size: int, grid: str = "minmax") -> None:
-    """Refuse bit widths, group sizes and grid kinds the packed layout and kernels cannot hold."""
-    if grid not in GRID_KINDS + GGUF_GRIDS:
-        raise QuantizationError(f"grid={grid!r} is not a grid kind; choose one of {GRID_KINDS + GGUF_GRIDS}")
+def check_spec(bits: int, group_size: int, grid: str = "minmax", float_grids: bool = False) -> None:
+    """Refuse bit widths, group sizes and grid kinds the packed layout and kernels cannot hold
+    (``float_grids``: the caller also takes FP8 / NVFP4 / MXFP4, as RTN and GPTQ do)."""
+    kinds = GRID_KINDS + GGUF_GRIDS + (FLOAT_GRIDS if float_grids else ())
+    if grid not in kinds:
+        also = f" (the floating-point grids {FLOAT_GRIDS} are RTN's and GPTQ's)" if grid in FLOAT_GRIDS else ""
+        raise QuantizationError(f"grid={grid!r} is not a grid kind; choose one of {kinds}{also}")
+    if grid in FLOAT_GRIDS:
+        fmt = FLOAT_FORMATS[grid]
+        if (bits, group_size) != (fmt.bits, fmt.group):
+            raise QuantizationError(
+                f"grid={grid!r} stores {fmt.bits}-bit {fmt.element} elements with a scale per "
+                f"{'output channel' if fmt.group == -1 else f'{fmt.group} inputs'}: it needs bits={fmt.bits} and "
+                f"group_size={fmt.group}, got bits={bits}, group_size={group_size}"
+            )
+        return
     if grid in GGUF_GRIDS and (bits, group_size) != (FORMATS[grid].bits, FORMATS[grid].sub_block):
         need, width = FORMATS[grid].bits, FORMATS[grid].sub_block
         raise QuantizationError(

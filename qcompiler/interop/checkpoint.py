@@ -23,6 +23,8 @@ from qcompiler.store.model_files import model_files
 __all__ = [
     "ONLINE_ROTATION",
     "ExportError",
+    "FLOAT_FORMATS_ONLY",
+    "FP8_KV_CACHE_ONLY_CT",
     "QuantLayer",
     "layer_writers",
     "gptq_layer",
@@ -37,6 +39,14 @@ GGUF_BLOCKS_ONLY = (
     "its weights are llama.cpp's block bytes (K-quants, Q4_1, Q5_1: qc.gguf_linear), "
     "which no GPTQ or compressed-tensors checkpoint holds; export it with --format gguf or onnx, or quantize "
     "with gptq-w4g128 for checkpoint clients"
+)
+FLOAT_FORMATS_ONLY = (
+    "its weights are on a floating-point grid (FP8, NVFP4, MXFP4), which only compressed-tensors checkpoints "
+    "hold here; export it with --format compressed-tensors (transformers, vLLM) or save it with cm.save"
+)
+FP8_KV_CACHE_ONLY_CT = (
+    "an FP8 KV cache's key/value scale (the FP8KVCache pass), which only compressed-tensors checkpoints hold "
+    "(kv_cache_scheme); export --format compressed-tensors, or quantize without FP8KVCache"
 )
 ONLINE_ROTATION = (
     "an online Hadamard rotation (Rotate's online step), which checkpoint clients (transformers, vLLM, "

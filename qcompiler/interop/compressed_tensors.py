@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from qcompiler.algorithms.packing import unpack_cols
+from qcompiler.interop import compressed_tensors_float  # noqa: F401  (registers the FP8 / NVFP4 / MXFP4 writers)
 from qcompiler.interop.checkpoint import (
     DEFAULT_SHARD_BYTES,
     GGUF_BLOCKS_ONLY,
@@ -150,7 +151,8 @@ implement(
 )
 implement("compressed-tensors", "int8_linear", _int8_layer, kind="writer", label="int-quantized")
 _NO_FORM = (
-    "compressed-tensors cannot express it (supported: GPTQ/RTN weight-only and W8A8 layers); export this "
+    "compressed-tensors cannot express it (supported: GPTQ/RTN weight-only, W8A8, FP8, NVFP4 and MXFP4 layers); "
+    "export this "
     "recipe to ONNX or save it with cm.save"
 )
 refuse("compressed-tensors", "spqr_dense_linear", _NO_FORM)
@@ -174,7 +176,7 @@ def export_compressed_tensors(
         cm.materialize()
     gm = cm.graph_module if hasattr(cm, "graph_module") else cm
     config = model_config_of(gm)
-    tensors, groups, consumed = {}, {}, set()
+    tensors, groups, consumed, kv_cache = {}, {}, set(), None
     transposed = set(getattr(gm.meta.get("qcompiler"), "transposed_layers", ()))
     for a, path, write in layer_writers(gm, "compressed-tensors", "compressed-tensors"):
         if path in transposed:  # measured: transformers then runs the random-init Conv1D (rel. error 0.79)
@@ -185,6 +187,9 @@ def export_compressed_tensors(
             )
         for module, layer_tensors, scheme in write(gm, a, path):
             tensors.update({f"{module}.{k}": v for k, v in layer_tensors.items()})
+            if "kv_cache_scheme" in scheme:  # an attention's k/v scale: no config group of its own
+                kv_cache = scheme["kv_cache_scheme"]
+                continue
             key = repr(sorted(scheme.items(), key=str))
             groups.setdefault(key, (scheme, []))[1].append(module)
         consumed.update(n.target for n in a.stored() if not n.target.endswith(".bias"))
@@ -196,11 +201,11 @@ def export_compressed_tensors(
     }
     config["quantization_config"] = {
         "quant_method": "compressed-tensors",
-        "format": formats.pop() if len(formats) == 1 else "mixed-precision",
+        "format": formats.pop() if len(formats) == 1 else "mixed-precision" if formats else "dense",
         "quantization_status": "compressed",
         "config_groups": config_groups,
         "ignore": sorted(block_path(layer.path, config.get("model_type")) for layer in find_linears(gm)),
-        "kv_cache_scheme": None,
+        "kv_cache_scheme": kv_cache,
     }
     progress(
         f"compressed-tensors checkpoint: {sum(len(p) for _, p in groups.values())} layers in "

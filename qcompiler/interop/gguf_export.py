@@ -86,6 +86,40 @@ _NOT_GGUF = (
 )
 for _op in ("int8_linear", "spqr_experts_linear"):
     refuse("gguf", _op, _NOT_GGUF)
+
+
+def _mxfp4_layer(gm, a, path: str) -> QuantLayer:
+    """A ``qc.mxfp4_linear`` node as llama.cpp's MXFP4 blocks, code for code: per 32 inputs the e8m0
+    byte, then 16 bytes holding inputs j (low nibble) and j + 16 (high); llama.cpp's table is the
+    e2m1 values doubled and its scale halved, so the codes and the exponent byte are ours."""
+    packed, scale = a.tensors(gm, "weight_packed", "weight_scale")
+    out = packed.shape[0]
+    codes = torch.stack((packed & 0x0F, packed >> 4), dim=-1).reshape(out, -1, 32)
+    qs = codes[..., :16] | (codes[..., 16:] << 4)
+    blocks = torch.cat((scale.reshape(out, -1, 1), qs), dim=-1).reshape(out, -1)
+    return QuantLayer(path, a.node, {"blocks": blocks.contiguous()}, 4, 32, "MXFP4")
+
+
+implement("gguf", "mxfp4_linear", _mxfp4_layer, kind="writer", label="MXFP4 blocks")
+_NO_GGUF_TYPE = (
+    "its weights are {what}, which GGUF holds {why}; export it with --format compressed-tensors (transformers, "
+    "vLLM), or quantize with rtn-mxfp4 / gptq-mxfp4 (llama.cpp's MXFP4) or gptq-q4_k for llama.cpp"
+)
+refuse(
+    "gguf",
+    "fp8_kv_quant",
+    "an FP8 KV cache's key/value scale (the FP8KVCache pass): llama.cpp quantizes its own cache "
+    "(llama-cli --cache-type-k q8_0); quantize without FP8KVCache for GGUF",
+)
+refuse("gguf", "fp8_linear", _NO_GGUF_TYPE.format(what="FP8 (e4m3)", why="in no type"))
+refuse(
+    "gguf",
+    "nvfp4_linear",
+    _NO_GGUF_TYPE.format(
+        what="NVFP4 (e4m3 scales in units of a per-tensor global scale)",
+        why="only as blocks without a global scale (qcompiler does not re-round them)",
+    ),
+)
 refuse("gguf", "quant_experts_linear", "GGUF files of mixture-of-experts models are not written yet")
 refuse("gguf", "hadamard", ONLINE_ROTATION.replace("checkpoint clients (transformers, vLLM, GPTQModel)", "llama.cpp"))
 
@@ -99,6 +133,7 @@ _FILE_TYPES = {
     "Q6_K": gguf.LlamaFileType.MOSTLY_Q6_K,
     "Q3_K": gguf.LlamaFileType.MOSTLY_Q3_K_M,
     "Q2_K": gguf.LlamaFileType.MOSTLY_Q2_K,
+    "MXFP4": gguf.LlamaFileType.MOSTLY_MXFP4_MOE,  # llama.cpp's only file type of MXFP4 tensors
 }
 _RECIPES = ", ".join(
     dict.fromkeys(

@@ -27,6 +27,8 @@ from qcompiler.algorithms.gptq import groups_in_column_order
 from qcompiler.algorithms.packing import unpack_cols
 from qcompiler.interop.checkpoint import (
     DEFAULT_SHARD_BYTES,
+    FLOAT_FORMATS_ONLY,
+    FP8_KV_CACHE_ONLY_CT,
     GGUF_BLOCKS_ONLY,
     ONLINE_ROTATION,
     ExportError,
@@ -57,6 +59,9 @@ refuse("gptq", "sparse_outlier_linear", _ONLY_GPTQ)
 refuse("gptq", "spqr_experts_linear", _ONLY_GPTQ)
 refuse("gptq", "hadamard", ONLINE_ROTATION)
 refuse("gptq", "gguf_linear", GGUF_BLOCKS_ONLY)
+for _op in ("fp8_linear", "nvfp4_linear", "mxfp4_linear"):
+    refuse("gptq", _op, FLOAT_FORMATS_ONLY)
+refuse("gptq", "fp8_kv_quant", FP8_KV_CACHE_ONLY_CT)
 
 
 def _for_loaders(layer: QuantLayer, model_type) -> list[QuantLayer]:

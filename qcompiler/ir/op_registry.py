@@ -62,7 +62,9 @@ class OpSpec:
     ``code_widths``: the integer arguments that are bit widths of packed codes (what kernels and
     exporters check against the widths they unpack); ``establishes``: the graph properties a node of
     this op witnesses (the pass contract checks a pass's ``provides`` with them); ``export_only``:
-    the target whose lowering makes this op (it exists only on the way there and is never saved).
+    the target whose lowering makes this op (it exists only on the way there and is never saved);
+    ``validate``: raises ValueError when a node's stored tensors or constants are not what the op
+    stores (dtype, shape, a block type): a loaded artifact is checked with it before anything runs.
     """
 
     name: str
@@ -71,6 +73,7 @@ class OpSpec:
     code_widths: tuple[str, ...] = ()
     establishes: frozenset[GraphProperty] = frozenset()
     export_only: Optional[str] = None
+    validate: Optional[Callable[["OpArgs", GraphModule], None]] = None
 
     @property
     def overload(self) -> torch._ops.OpOverload:
@@ -259,6 +262,31 @@ def call_op(graph: Graph, name: str, **arguments: Any) -> Node:
     if missing:
         raise TypeError(f"qc.{name} is missing argument(s) {missing}")
     return graph.call_function(op_spec.overload, tuple(values.values()))
+
+
+def expect_stored(a: OpArgs, gm: GraphModule, name: str, dtypes: tuple, shape: Optional[tuple] = None) -> tuple:
+    """The shape of the stored tensor behind ``name``; ValueError unless its dtype is one of
+    ``dtypes`` and (given) its shape is ``shape``."""
+    t = a.stored_like(gm, name)
+    if t.dtype not in dtypes:
+        want = " or ".join(str(d).removeprefix("torch.") for d in dtypes)
+        raise ValueError(f"{name} is {str(t.dtype).removeprefix('torch.')}, qc.{a.spec.name} stores {want}")
+    if shape is not None and tuple(t.shape) != tuple(shape):
+        raise ValueError(f"{name} has shape {tuple(t.shape)}, qc.{a.spec.name} here needs {tuple(shape)}")
+    return tuple(t.shape)
+
+
+def validate_stored(gm: GraphModule) -> None:
+    """Check every ``qc`` node whose op has a ``validate``: ValueError naming the node and layer."""
+    for node in gm.graph.nodes:
+        op_spec = spec_of(node)
+        if op_spec is None or op_spec.validate is None:
+            continue
+        a = OpArgs(op_spec, node)
+        try:
+            op_spec.validate(a, gm)
+        except (ValueError, TypeError, KeyError) as exc:
+            raise ValueError(f"node {node.name} (layer {quantized_layer_path(a)}): {exc}") from None
 
 
 def quantized_layer_path(a: OpArgs) -> str:

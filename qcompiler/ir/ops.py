@@ -14,10 +14,12 @@ from typing import Callable
 import torch
 from torch import Tensor
 
+from qcompiler.algorithms.float_grid import round_to_element
 from qcompiler.algorithms.hadamard import rotate_last_dim
+from qcompiler.ir.graph_property import GraphProperty
 from qcompiler.ir.op_registry import OpSpec, register
 
-__all__ = ["expert_ranges", "per_expert", "hadamard"]
+__all__ = ["expert_ranges", "per_expert", "hadamard", "fp8_kv_quant"]
 
 
 def expert_ranges(offsets: Tensor) -> list[tuple[int, int]]:
@@ -68,3 +70,20 @@ hadamard.register_autograd(_hadamard_backward, setup_context=_hadamard_setup)
 
 
 register(OpSpec("hadamard"))  # no weights of its own: its signs are part of the FP model, like a norm's
+
+
+@torch.library.custom_op("qc::fp8_kv_quant", mutates_args=())
+def fp8_kv_quant(x: Tensor, scale: Tensor) -> Tensor:
+    """Keys or values as an FP8 KV cache holds them: ``x / scale`` rounded to e4m3 (ties to even,
+    saturating at 448), times ``scale`` (one per tensor, calibrated). Computed in float32; applying
+    it twice changes nothing, so quantizing at the attention's input is quantizing what the cache
+    stores."""
+    return (round_to_element(x.float() / scale.float(), "e4m3") * scale.float()).to(x.dtype)
+
+
+@fp8_kv_quant.register_fake
+def _fp8_kv_quant_fake(x, scale):
+    return torch.empty_like(x)
+
+
+register(OpSpec("fp8_kv_quant", establishes=frozenset({GraphProperty.FP8_KV_CACHE})))

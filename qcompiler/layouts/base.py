@@ -21,7 +21,7 @@ from qcompiler.algorithms.packing import packed_length
 from qcompiler.errors import QuantizationError
 from qcompiler.ir.graph import LinearLayer
 from qcompiler.ir.node_swap import replace_linear
-from qcompiler.ir.op_registry import spec, storage_ops
+from qcompiler.ir.op_registry import expect_stored, spec, storage_ops
 from qcompiler.ir.tensors import set_tensor
 
 __all__ = [
@@ -39,6 +39,7 @@ __all__ = [
     "check_packable",
     "same_in_every_range",
     "linear_rewrite",
+    "expect_fp4_pairs",
 ]
 
 # (tensors of each row range in row order, their rewrite constants) -> (tensors, constants, figures)
@@ -169,6 +170,16 @@ def store_dequantized(gm: GraphModule, layer: LinearLayer, W_hat: torch.Tensor, 
     (fp16/bf16 models) and stays where the model's weights live."""
     W_hat = W_hat.t() if layer.transposed else W_hat
     set_tensor(gm, layer.weight_node.target, W_hat.to(device=like.device, dtype=like.dtype).contiguous())
+
+
+def expect_fp4_pairs(a, gm: GraphModule, group: int, scale_dtype: torch.dtype) -> tuple[int, int]:
+    """``(out, in)`` of an FP4 layout's node (NVFP4, MXFP4): uint8 ``weight_packed`` ``[out, in/2]``
+    and ``weight_scale`` ``[out, in/group]`` in ``scale_dtype``; ValueError otherwise."""
+    out, half = expect_stored(a, gm, "weight_packed", (torch.uint8,))
+    if (2 * half) % group:
+        raise ValueError(f"weight_packed holds {2 * half} inputs, not a multiple of {group}")
+    expect_stored(a, gm, "weight_scale", (scale_dtype,), (out, 2 * half // group))
+    return out, 2 * half
 
 
 def same_in_every_range(name: str, parts: list[dict]) -> torch.Tensor:

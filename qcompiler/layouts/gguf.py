@@ -17,11 +17,11 @@ from torch import Tensor
 
 from qcompiler.algorithms.gguf_bytes import dequantize as dequantize_blocks
 from qcompiler.algorithms.gguf_bytes import pack
-from qcompiler.algorithms.gguf_grids import FORMATS, GRID_FALLBACK
+from qcompiler.algorithms.gguf_grids import BY_NAME, FORMATS, GRID_FALLBACK
 from qcompiler.algorithms.gptq import GGUF_GRIDS, QuantResult
 from qcompiler.ir.graph import LinearLayer
 from qcompiler.ir.graph_property import GraphProperty
-from qcompiler.ir.op_registry import OpSpec, register
+from qcompiler.ir.op_registry import OpSpec, expect_stored, register
 from qcompiler.layouts.base import LayerQuant, LayerRewrite, Layout, UnpackableLayer, linear_rewrite, register_layout
 
 __all__ = [
@@ -59,12 +59,25 @@ def _gguf_linear_fake(x, blocks, bias, block_type, in_features):
     return x.new_empty((*x.shape[:-1], blocks.shape[0]))
 
 
+def _validate(a, gm) -> None:
+    """A block type qc.gguf_linear holds, and one byte row per output row of its width."""
+    fmt = BY_NAME.get(a.block_type) if isinstance(a.block_type, str) else None
+    if fmt is None:
+        raise ValueError(f"block_type {a.block_type!r} is not one qc.gguf_linear holds ({', '.join(GGUF_BLOCK_TYPES)})")
+    n_in = int(a.in_features)
+    if n_in <= 0 or n_in % fmt.super_block:
+        raise ValueError(f"in_features={n_in} is not a positive multiple of {fmt.name}'s {fmt.super_block}")
+    out = a.stored_like(gm, "blocks").shape[0]
+    expect_stored(a, gm, "blocks", (torch.uint8,), (out, n_in // fmt.super_block * fmt.block_bytes))
+
+
 register(
     OpSpec(
         "gguf_linear",
         storage=("blocks",),
         weights=lambda a, gm: a.stored_like(gm, "blocks").shape[0] * a.in_features,
         establishes=QUANTIZED,
+        validate=_validate,
     )
 )
 

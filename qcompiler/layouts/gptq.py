@@ -17,11 +17,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from qcompiler.algorithms.packing import pack_cols, pack_rows, unpack_cols, unpack_rows
+from qcompiler.algorithms.packing import pack_cols, pack_rows, packed_length, unpack_cols, unpack_rows
 from qcompiler.errors import QuantizationError
 from qcompiler.ir.graph import LinearLayer
 from qcompiler.ir.graph_property import GraphProperty
-from qcompiler.ir.op_registry import OpSpec, register
+from qcompiler.ir.op_registry import OpSpec, expect_stored, register
 from qcompiler.ir.ops import per_expert
 from qcompiler.layouts.base import (
     LayerQuant,
@@ -122,6 +122,19 @@ def _in_times_out(in_arg: str, out_arg: str) -> Callable:
     return lambda a, gm: a.stored_like(gm, in_arg).numel() * a.stored_like(gm, out_arg).shape[-1]
 
 
+def _validate(a, gm) -> None:
+    """The tensors a GPTQ-layout node stores: int32 words for its ``bits``, fp16 scales, and a
+    ``g_idx`` naming groups that exist."""
+    (n_in,) = expect_stored(a, gm, "g_idx", (torch.int32,))
+    groups, n_out = expect_stored(a, gm, "scales", (torch.float16,))
+    bits = int(a.bits)
+    expect_stored(a, gm, "qweight", (torch.int32,), (packed_length(n_in, bits), n_out))
+    expect_stored(a, gm, "qzeros", (torch.int32,), (groups, packed_length(n_out, bits)))
+    g_idx = a.tensor(gm, "g_idx")
+    if n_in and not (0 <= int(g_idx.min()) and int(g_idx.max()) < groups):
+        raise ValueError(f"g_idx names groups outside the {groups} its scales hold")
+
+
 register(
     OpSpec(
         "quant_linear",
@@ -129,6 +142,7 @@ register(
         weights=_in_times_out("g_idx", "scales"),
         code_widths=("bits",),
         establishes=QUANTIZED,
+        validate=_validate,
     )
 )
 

@@ -15,7 +15,7 @@ from qcompiler.algorithms.int8 import quantize_per_token
 from qcompiler.ir.graph import LinearLayer
 from qcompiler.ir.graph_property import GraphProperty
 from qcompiler.ir.node_swap import replace_linear
-from qcompiler.ir.op_registry import OpSpec, register
+from qcompiler.ir.op_registry import OpSpec, expect_stored, register
 from qcompiler.layouts.base import Layout, register_layout
 
 __all__ = [
@@ -84,12 +84,21 @@ def _int8_linear_fake(x, weight, weight_scale, bias, act_scale, smooth_inv):
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
+def _validate(a, gm) -> None:
+    """int8 codes ``[out, in]`` and a float scale per output row."""
+    out, _ = expect_stored(a, gm, "weight", (torch.int8,))
+    scale = expect_stored(a, gm, "weight_scale", (torch.float32, torch.bfloat16, torch.float16))
+    if int(torch.Size(scale).numel()) != out:
+        raise ValueError(f"weight_scale holds {torch.Size(scale).numel()} scales for {out} output rows")
+
+
 register(
     OpSpec(
         "int8_linear",
         storage=("weight", "weight_scale"),
         weights=lambda a, gm: a.stored_like(gm, "weight").numel(),
         establishes=frozenset({GraphProperty.INT8_LOWERED}),
+        validate=_validate,
     )
 )
 

@@ -37,7 +37,7 @@ from qcompiler.files.safetensors_stream import StreamedTensor, write_streamed
 from qcompiler.files.sharding import DEFAULT_SHARD_BYTES, plan_shards, shard_names
 from qcompiler.frontend.capture import OPTIONAL_INPUTS, CaptureInfo
 from qcompiler.ir.model_size import model_size
-from qcompiler.ir.op_registry import spec_of
+from qcompiler.ir.op_registry import spec_of, validate_stored
 from qcompiler.ir.tensors import get_tensor
 from qcompiler.pipeline.pass_base import GraphProperty, PassRecord
 from qcompiler.pipeline.pass_contract import properties_of, record_properties, witnesses
@@ -412,6 +412,10 @@ def read(path) -> StoredModel:
     if isinstance(structure, dict):
         widen(structure, blobs["tensors"])
     gm = graph_from_data(structure, blobs["tensors"])
+    try:  # a relabelled dtype, a reshaped tensor or a changed block type: named here, before anything runs
+        validate_stored(gm)
+    except ValueError as exc:
+        raise ArtifactError(f"{path}: {exc}") from None
     gm.meta[STORED_KEY] = blobs.get("model_files", {})  # exports take these, never a manifest path
     examples = blobs["example_inputs"]
     try:
