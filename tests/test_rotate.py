@@ -67,6 +67,33 @@ def test_residual_rotation_refuses_a_post_ln_model_naming_the_norm(minilm):
         qc.compile(minilm.model, minilm.example_inputs(), recipe=[qc.passes.Rotate(residual=True)], progress=False)
 
 
+def test_a_norm_that_silences_a_channel_keeps_the_stream_unrotated_and_says_which():
+    """Gemma-3's norms multiply some channels by exactly 0 (``1 + γ = 0`` where its massive
+    activations are): the stream is then left unrotated with a note naming the norm (measured on
+    the real 270M: rotate-rtn-w4g128 KL 19.6 with the stream rotated, 0.40 without, 0.55 plain
+    RTN), the heads and online rotations still apply and the FP output is unchanged;
+    ``residual=True`` refuses it by name."""
+    model = causal_lm("gemma3_text")
+    with torch.no_grad():
+        model.model.layers[1].pre_feedforward_layernorm.weight[5] = -1.0
+    ids = prompt()
+    with torch.no_grad():
+        want = model(input_ids=ids).logits
+    cm = qc.compile(model, {"input_ids": ids}, recipe=[qc.passes.Rotate()], progress=False)
+    notes = cm.report.passes[0].notes
+    assert any(
+        "residual stream not rotated: model.layers.1.pre_feedforward_layernorm multiplies 1 channel" in n for n in notes
+    )
+    assert not any(n.startswith("residual stream rotated") for n in notes)
+    assert any(v == "heads (64)" or "heads" in str(v) for v in cm.report.passes[0].layers.values())
+    with torch.no_grad():
+        assert ((cm(input_ids=ids).logits - want).abs().max() / want.abs().max()).item() < 1e-5
+    with pytest.raises(
+        PassError, match=r"Rotate\(residual=True\): model\.layers\.1\.pre_feedforward_layernorm multiplies"
+    ):
+        qc.compile(model, {"input_ids": ids}, recipe=[qc.passes.Rotate(residual=True)], progress=False)
+
+
 def test_bad_rotate_settings_are_one_line_errors():
     with pytest.raises(ValueError, match="residual must be None, True or False"):
         qc.passes.Rotate(residual="yes")
