@@ -4,6 +4,7 @@ presets on the same models, calibration and bits.
 
     python benchmarks/formats.py --llmc-python /tmp/venvs/llmc/bin/python            (~30 min, 2 cores)
     python benchmarks/formats.py --llmc-python ... --models minilm --quick            (checks the script)
+    python benchmarks/formats.py --plot                     (docs/formats.png from the committed JSON)
 
 llm-compressor lives in its own venv (``python -m venv --system-site-packages V && V/bin/pip install
 llmcompressor==0.14.0``); each of its rows runs in a child process of that venv: its
@@ -192,6 +193,48 @@ def _peer_rows(python: str, name: str, peers: list[str], calib: int, ours_rows: 
     return rows
 
 
+# bars of the plot: (label, our recipe or peer, per format)
+_BARS = (
+    ("llm-compressor RTN", {"NVFP4": "llmc-nvfp4a16", "MXFP4": "llmc-mxfp4a16", "FP8": "llmc-fp8-dynamic"}),
+    ("qcompiler RTN", {"NVFP4": "rtn-nvfp4", "MXFP4": "rtn-mxfp4", "FP8": "fp8-dynamic"}),
+    ("llm-compressor GPTQ", {"NVFP4": "llmc-gptq-nvfp4a16", "MXFP4": "llmc-gptq-mxfp4a16"}),
+    ("qcompiler GPTQ", {"NVFP4": "gptq-nvfp4", "MXFP4": "gptq-mxfp4", "FP8": "gptq-fp8-dynamic"}),
+    ("qcompiler rotate + GPTQ", {"NVFP4": "rotate-gptq-nvfp4"}),
+)
+
+
+def plot(rows: list[dict], out) -> None:
+    """One panel per model: each format's loss (LMs: next-token KL) by tool and method, log scale."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    by = {(r["model"], r["recipe"]): r for r in rows if "failed" not in r}
+    names = [m for m in ("minilm", "longlm", REAL) if any(k[0] == m for k in by)]
+    fig, axes = plt.subplots(1, len(names), figsize=(5.5 * len(names), 4), squeeze=False)
+    formats = ("FP8", "NVFP4", "MXFP4")
+    for ax, name in zip(axes[0], names):
+        key = "loss" if name == "minilm" else "next_token_kl"
+        width = 0.8 / len(_BARS)
+        for i, (label, recipes) in enumerate(_BARS):
+            xs, ys = [], []
+            for j, fmt in enumerate(formats):
+                row = by.get((name, recipes.get(fmt, "")))
+                if row is not None and row.get(key) is not None:
+                    xs.append(j + (i - len(_BARS) / 2 + 0.5) * width)
+                    ys.append(row[key])
+            ax.bar(xs, ys, width, label=label)
+        ax.set_xticks(range(len(formats)), formats)
+        ax.set_yscale("log")
+        ax.set_ylabel("1 − cosine vs FP32" if key == "loss" else "next-token KL vs FP32")
+        ax.set_title(name)
+        ax.grid(True, axis="y", which="both", alpha=0.3)
+    axes[0][0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--llmc-python", help="python of a venv with llmcompressor 0.14 (see the docstring)")
@@ -201,9 +244,19 @@ def main() -> None:
     ap.add_argument("--calib", type=int, default=128)
     ap.add_argument("--update", action="store_true", help="replace only these rows in the committed JSON")
     ap.add_argument("--quick", action="store_true", help="32 calibration samples; write under results/quick/")
+    ap.add_argument("--plot", action="store_true", help="only draw docs/formats.png from the committed JSON")
     ap.add_argument("--worker", nargs=2, metavar=("MODEL", "PEER"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     calib = 32 if args.quick else args.calib
+    if args.plot:
+        from pathlib import Path
+
+        from results_file import results_file
+
+        out = Path(__file__).resolve().parents[1] / "docs" / "formats.png"
+        plot(json.loads(results_file("formats").read_text())["rows"], out)
+        print("wrote", out)
+        return
     if args.worker:
         print("RESULT " + json.dumps(worker(args.worker[0], args.worker[1], calib)), flush=True)
         return
