@@ -23,12 +23,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 import time
 
 import torch
 from frontier import GenerationJudge
+from peers_quality import worker_row
 from results_file import merged_rows, write_rows
 
 PEERS = {
@@ -94,18 +94,11 @@ def worker(name: str, peer: str, calib: int) -> dict:
     from datasets import Dataset
     from llmcompressor import oneshot
     from llmcompressor.modifiers.quantization import GPTQModifier, QuantizationModifier
-    from peers_quality import _processor
+    from peers_quality import _processor, calibration_rows
 
     loaded = _load(name)
     judges = _Judges(loaded, name)
-    rows = {"input_ids": [], "attention_mask": []}
-    for batch in _calibration(loaded, name, calib):
-        ids = batch["input_ids"]
-        mask = batch.get("attention_mask", torch.ones_like(ids))
-        for i in range(ids.shape[0]):
-            keep = mask[i].bool()
-            rows["input_ids"].append(ids[i][keep].tolist())
-            rows["attention_mask"].append([1] * int(keep.sum()))
+    rows = calibration_rows(_calibration(loaded, name, calib))
     modifier_name, preset = PEERS[peer]
     ignore = ["lm_head"] if loaded.kind == "causal-lm" else ["pooler.dense"]
     modifier = (
@@ -177,16 +170,11 @@ def _peer_rows(python: str, name: str, peers: list[str], calib: int, ours_rows: 
     bits = {r["recipe"]: (r.get("bits_per_parameter"), r.get("bits_all_parameters")) for r in ours_rows}
     rows = []
     for peer in peers:
-        done = subprocess.run(
-            [python, __file__, "--worker", name, peer, "--calib", str(calib)], capture_output=True, text=True
-        )
-        line = next((x for x in done.stdout.splitlines() if x.startswith("RESULT ")), None)
-        if done.returncode or line is None:
-            reason = (done.stderr.strip().splitlines() or ["no output"])[-1][:300]
+        row, reason = worker_row(python, __file__, [name, peer, "--calib", str(calib)])
+        if row is None:
             rows.append(dict(model=name, recipe=peer, tool="llm-compressor 0.14", failed=reason))
             print(f"{name:12s} {peer:20s} FAILED: {reason}", file=sys.stderr, flush=True)
             continue
-        row = json.loads(line[len("RESULT ") :])
         row["bits_per_parameter"], row["bits_all_parameters"] = bits.get(SAME_BITS[peer], (None, None))
         rows.append(row)
         _log(row)

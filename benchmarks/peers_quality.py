@@ -83,12 +83,9 @@ def worker(model_name: str, peer: str, calib: int) -> dict:
     return row
 
 
-def _llmc(loaded, batches, method: str, bits: int, group: int, seqlen: int):
-    from datasets import Dataset
-    from llmcompressor import oneshot
-    from llmcompressor.modifiers.awq import AWQModifier
-    from llmcompressor.modifiers.quantization import GPTQModifier
-
+def calibration_rows(batches) -> dict[str, list]:
+    """Calibration batches as the columns of a ``datasets.Dataset`` for ``oneshot``: one row per
+    sample, its padding removed."""
     rows = {"input_ids": [], "attention_mask": []}
     for batch in batches:
         ids = batch["input_ids"]
@@ -97,6 +94,26 @@ def _llmc(loaded, batches, method: str, bits: int, group: int, seqlen: int):
             keep = mask[i].bool()
             rows["input_ids"].append(ids[i][keep].tolist())
             rows["attention_mask"].append([1] * int(keep.sum()))
+    return rows
+
+
+def worker_row(python: str, script: str, args: list[str]) -> tuple[dict | None, str]:
+    """``script --worker ARGS`` run by a peer venv's ``python``: the row it printed after ``RESULT``,
+    or None and the last line of its stderr."""
+    done = subprocess.run([python, script, "--worker", *args], capture_output=True, text=True)
+    line = next((x for x in done.stdout.splitlines() if x.startswith("RESULT ")), None)
+    if done.returncode or line is None:
+        return None, (done.stderr.strip().splitlines() or ["no output"])[-1][:300]
+    return json.loads(line[len("RESULT ") :]), ""
+
+
+def _llmc(loaded, batches, method: str, bits: int, group: int, seqlen: int):
+    from datasets import Dataset
+    from llmcompressor import oneshot
+    from llmcompressor.modifiers.awq import AWQModifier
+    from llmcompressor.modifiers.quantization import GPTQModifier
+
+    rows = calibration_rows(batches)
     scheme = {
         "group_0": {
             "targets": ["Linear"],
@@ -214,18 +231,12 @@ def main() -> None:
     rows = []
     for name in args.models:
         for peer in args.peers:
-            done = subprocess.run(
-                [pythons[PEERS[peer][0]], __file__, "--worker", name, peer, "--calib", str(args.calib)],
-                capture_output=True,
-                text=True,
-            )
-            line = next((x for x in done.stdout.splitlines() if x.startswith("RESULT ")), None)
-            if done.returncode or line is None:
-                reason = (done.stderr.strip().splitlines() or ["no output"])[-1][:300]
+            row, reason = worker_row(pythons[PEERS[peer][0]], __file__, [name, peer, "--calib", str(args.calib)])
+            if row is None:
                 rows.append(dict(model=name, recipe=peer, failed=reason))
                 print(f"{name:7s} {peer:18s} FAILED: {reason}", file=sys.stderr, flush=True)
                 continue
-            rows.append(json.loads(line[len("RESULT ") :]))
+            rows.append(row)
             print(f"{name:7s} {peer:18s} loss {rows[-1]['loss']:.5f}", file=sys.stderr, flush=True)
         if args.recipes:
             rows += ours(name, args.recipes, args.calib)

@@ -17,13 +17,12 @@ from typing import ClassVar
 
 import torch
 from torch.fx import GraphModule, Node
-from torch.fx import _pytree as fx_pytree
 
 from qcompiler.errors import QuantizationError
 from qcompiler.ir.op_registry import call_op
 from qcompiler.ir.tensors import set_tensor
 from qcompiler.pipeline.pass_base import GraphProperty, Pass, PassContext
-from qcompiler.pipeline.sensitivity import StoredWeights
+from qcompiler.pipeline.sensitivity import StoredWeights, first_output
 
 __all__ = ["FP8KVCache"]
 
@@ -74,19 +73,18 @@ class FP8KVCache(Pass):
             raise QuantizationError("FP8KVCache: two attentions share one module; their k/v scales would collide")
         runner = _KeyValueAmax(gm)
         for i, batch in enumerate(ctx.calibration):
-            runner.run(*fx_pytree.tree_flatten_spec(batch, gm._in_spec))
+            first_output(runner, batch)
             ctx.log(f"FP8KVCache: calibration batch {i + 1}/{len(ctx.calibration)}")
-        device = runner.device
         for node in sdpas:
-            path = paths[node.name]
+            path, figures = paths[node.name], {}
             for index, kind, amax in zip((1, 2), ("k", "v"), runner.amax[node.name]):
-                scale = torch.tensor([max(amax, 1e-12) / 448.0], dtype=torch.float32, device=device)
+                scale = torch.tensor([max(amax, 1e-12) / 448.0], dtype=torch.float32, device=runner.device)
                 set_tensor(gm, f"{path}.{kind}_scale", scale)
                 with gm.graph.inserting_before(node):
                     attr = gm.graph.get_attr(f"{path}.{kind}_scale")
                     quantized = call_op(gm.graph, "fp8_kv_quant", x=node.args[index], scale=attr)
                 node.update_arg(index, quantized)
-            k_amax, v_amax = runner.amax[node.name]
-            ctx.record.layers[path] = {"k_scale": k_amax / 448.0, "v_scale": v_amax / 448.0}
+                figures[f"{kind}_scale"] = scale.item()
+            ctx.record.layers[path] = figures
         ctx.log(f"FP8KVCache: {len(sdpas)} attentions read an FP8 cache (per-tensor k/v scales)")
         return True

@@ -23,6 +23,7 @@ from qcompiler.algorithms.float_grid import (
     fit_scales,
     global_scale,
     per_element,
+    quantize_elements,
     round_to_element,
 )
 from qcompiler.algorithms.gptq import HessianFactor, hessian_factor
@@ -87,11 +88,9 @@ def gptq_float_quantize(
                 cell = fit_scales(upcoming, fmt, g, kind, imp)
                 cells.append(cell)
                 scaleT[j : j + upcoming.shape[1]] = per_element(effective_scales(cell, fmt, g), fmt, upcoming.shape).t()
-            s = scaleT[j]
-            divisor = torch.where(s != 0, s, torch.full_like(s, float("inf")))
-            e = round_to_element(W1[i] / divisor, fmt.element)
+            e = quantize_elements(W1[i], scaleT[j], fmt.element)
             ET[j] = e
-            torch.mul(e, s, out=QT[j])
+            torch.mul(e, scaleT[j], out=QT[j])
             err = torch.sub(W1[i], QT[j], out=Err1[i]).div_(diag[j])
             W1[i + 1 :].addr_(U1[i, i + 1 :], err, alpha=-1)
         WT[i2:].addmm_(U[i1:i2, i2:].t(), Err1, alpha=-1)

@@ -80,7 +80,6 @@ def _first_rows(batch: tuple[tuple, dict], n: int) -> tuple[tuple, dict]:
 
 def sensitivity_samples(calibration: list, n: int) -> list[tuple[tuple, dict]]:
     """The first ``n`` samples of the calibration batches (the last batch cut to fit)."""
-    """The first ``n`` samples of the calibration batches (the last batch cut to fit)."""
     picked, have = [], 0
     for batch in calibration:
         if have >= n:
