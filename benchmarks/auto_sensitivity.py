@@ -49,6 +49,14 @@ def main() -> None:
         action="store_true",
         help="also the large-model setting: GPTQ candidates scored by round-to-nearest (score_with='rtn')",
     )
+    ap.add_argument(
+        "--score-rows",
+        nargs="*",
+        type=int,
+        default=[],
+        help="also the Fisher measure with each of these AutoBits.score_rows (0: every row solved)",
+    )
+    ap.add_argument("--no-baseline", action="store_true", help="leave out the uniform gptq-w4g128 row")
     ap.add_argument("--update", action="store_true", help="merge these rows into the committed file")
     args = ap.parse_args()
     rows = []
@@ -61,8 +69,13 @@ def main() -> None:
         generation = (
             GenerationJudge(loaded, prompts=0, windows=4 if real else 32) if loaded.kind == "causal-lm" else None
         )
-        runs = [("gptq-w4g128", "gptq-w4g128")]
+        runs = [] if args.no_baseline else [("gptq-w4g128", "gptq-w4g128")]
         runs += [(f"auto:{b:g} {m}", AutoBits(budget=b, sensitivity=m)) for b in args.budgets for m in args.measures]
+        runs += [
+            (f"auto:{b:g} fisher, {r or 'every'} rows", AutoBits(budget=b, score_rows=r))
+            for b in args.budgets
+            for r in args.score_rows
+        ]
         if args.large:
             large = dict(score_with="rtn", candidates=SIGNROUND_CANDIDATES)
             runs += [(f"auto:{b:g} fisher, rtn-scored", AutoBits(budget=b, **large)) for b in args.budgets]

@@ -25,8 +25,8 @@ from qcompiler.algorithms.allocation import allocate
 from qcompiler.algorithms.gguf_grids import FORMATS
 from qcompiler.errors import QuantizationError
 from qcompiler.ir.graph import block_of, find_linears, is_router, source_of
-from qcompiler.ir.tensors import get_raw_tensor
 from qcompiler.passes.gptq import GPTQ
+from qcompiler.passes.gptq_candidates import solve_gptq_candidates
 from qcompiler.passes.mixed_precision import MixedPrecision, candidate_grid, candidate_quantizer, parse_candidate
 from qcompiler.passes.rtn import RTN
 from qcompiler.passes.signround import SignRound
@@ -80,9 +80,14 @@ class AutoBits(WeightQuantizer):
     # "rtn": score GPTQ candidates by round-to-nearest on their own grid (one cheap rounding each instead
     # of a GPTQ solve; the plan is still solved by GPTQ) — for models where candidates x solves dominate
     score_with: str = "solve"
+    # each layer's candidates solved on this many of its weight rows (whole packing units, chosen at
+    # random; the damage and bits scaled to the layer: an unbiased estimate); 0: every row. Makes the
+    # measuring cost per layer independent of its height (Fisher measure only)
+    score_rows: int = 256
 
     needs_calibration: ClassVar = True
     needs_hessian: ClassVar = True
+    config_version: ClassVar = 2  # 2: score_rows (version 1 solved every row of every candidate)
 
     def __post_init__(self):
         super().__post_init__()
@@ -107,6 +112,17 @@ class AutoBits(WeightQuantizer):
             candidate_quantizer(name)
         if self.samples < 1:
             raise QuantizationError(f"auto: samples must be at least 1, got {self.samples}")
+        if not isinstance(self.score_rows, int) or self.score_rows < 0:
+            raise QuantizationError(
+                f"auto: score_rows must be 0 (every row) or a positive count, got {self.score_rows!r}"
+            )
+
+    @classmethod
+    def migrate_config(cls, config: dict, version: int) -> dict:
+        """Version 1 had no ``score_rows``: every candidate was solved on every row."""
+        if version == 1:
+            return {"score_rows": 0, **config}
+        return super().migrate_config(config, version)
 
     def run(self, gm, ctx) -> bool:
         """Measure, allocate, then quantize the plan (the three steps of the module docstring)."""
@@ -123,7 +139,7 @@ class AutoBits(WeightQuantizer):
             ctx.record.notes.append("nothing was quantized: no eligible linear layer inside a transformer block")
             return False
         measured = [layer for layer in find_linears(gm) if layer.path in table]
-        total = sum(math.prod(_shape(gm, layer)) for layer in measured)
+        total = sum(math.prod(layer.weight_shape(gm)) for layer in measured)
         items = self._items(measured)  # the layers that must share one candidate
         names = [[n for n in self.candidates if all(n in table[p] for p in item)] for item in items]
         for item, row in zip(items, names):
@@ -168,10 +184,11 @@ class AutoBits(WeightQuantizer):
             samples=self.samples,
             kl=kl,
             eligible=lambda path: not is_router(path) and ignore_reason(path, self.ignore) is None,
+            together=solve_gptq_candidates,  # the GPTQ candidates of a layer in one sweep, code for code
         )
         if self.sensitivity == "fisher":
             try:
-                return measure_fisher_sensitivities(*args, **options)
+                return measure_fisher_sensitivities(*args, **options, score_rows=self.score_rows)
             except FisherUnavailable as e:
                 note = f"auto: the graph has no derivative ({e}); sensitivities measured forward instead"
                 ctx.record.notes.append(note)
@@ -186,7 +203,7 @@ class AutoBits(WeightQuantizer):
             quantizer = RTN(
                 bits=quantizer.bits, group_size=quantizer.group_size, sym=quantizer.sym, grid=quantizer.grid
             )
-        return quantizer.quantize_layer
+        return quantizer
 
     def _refuse_impossible_budget(self, gm) -> None:
         """A budget below what the cheapest candidates need at the least (codes alone for SpQR; codes,
@@ -195,7 +212,7 @@ class AutoBits(WeightQuantizer):
         for layer in find_linears(gm):
             if block_of(layer.path) is None or is_router(layer.path) or ignore_reason(layer.path, self.ignore):
                 continue
-            n_out, n_in = _shape(gm, layer)
+            n_out, n_in = layer.weight_shape(gm)
             need += min(_least_bits(name, n_out, n_in) for name in self.candidates)
             weights += n_out * n_in
         if weights and self.budget < need / weights:
@@ -203,12 +220,6 @@ class AutoBits(WeightQuantizer):
                 f"auto: budget {self.budget:g} bits per parameter is below the smallest allocation "
                 f"these candidates allow (at least {need / weights:.4f})"
             )
-
-
-def _shape(gm, layer) -> tuple[int, int]:
-    """``(out, in)`` of a linear's weight from what is stored (a streamed weight's placeholder: not read)."""
-    shape = get_raw_tensor(gm, layer.weight_node.target).shape
-    return (shape[1], shape[0]) if layer.transposed else (shape[0], shape[1])
 
 
 def _least_bits(name: str, n_out: int, n_in: int) -> float:

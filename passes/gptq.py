@@ -7,14 +7,11 @@ that already pass through the quantized earlier blocks. The algorithm is the pur
 
 from __future__ import annotations
 
-import weakref
 from dataclasses import dataclass
 from typing import ClassVar
 
-import torch
-
 from qcompiler.algorithms.float_grid import FLOAT_FORMATS
-from qcompiler.algorithms.gptq import check_spec, gptq_quantize, hessian_factor
+from qcompiler.algorithms.gptq import check_spec, gptq_quantize
 from qcompiler.algorithms.gptq_float import gptq_float_quantize
 from qcompiler.errors import QuantizationError
 from qcompiler.layouts import ExpertsFormat
@@ -24,24 +21,10 @@ from qcompiler.layouts.gptq import GPTQ_ROW_UNIT
 from qcompiler.layouts.grid_result import from_quant_result
 from qcompiler.layouts.nvfp4 import fused_global_amax
 from qcompiler.passes.rtn import rtn_layer_quant
+from qcompiler.pipeline.shared_factors import shared_hessian_factor
 from qcompiler.pipeline.weight_quantizer import WeightQuantizer
 
 __all__ = ["GPTQ"]
-
-# q/k/v and gate/up get the same Hessian object: one factor for all of them, kept only while that
-# Hessian lives (a down_proj's H and factor, 2 x 67 MB at width 4096, would otherwise stay through
-# the next block's calibration). id(H) -> {(damp, act_order): factor}.
-_FACTORS: dict[int, dict] = {}
-
-
-def _factor(H: torch.Tensor, damp: float, act_order: bool):
-    if id(H) not in _FACTORS:
-        _FACTORS[id(H)] = {}
-        weakref.finalize(H, _FACTORS.pop, id(H), None)
-    per_setting = _FACTORS[id(H)]
-    if (damp, act_order) not in per_setting:
-        per_setting[(damp, act_order)] = hessian_factor(H, damp, act_order)
-    return per_setting[(damp, act_order)]
 
 
 @dataclass(frozen=True)
@@ -97,7 +80,7 @@ class GPTQ(WeightQuantizer):
                 static_groups=self.static_groups,
                 damp=self.damp,
                 block_size=self.block_size,
-                factor=_factor(H, self.damp, self.act_order),
+                factor=shared_hessian_factor(H, self.damp, self.act_order),
                 global_amax=fused_global_amax(layer) if self.grid == "nvfp4" else None,
             )
             return from_float_quant(layer, self.grid, res, {"bits": self.bits})
@@ -113,7 +96,7 @@ class GPTQ(WeightQuantizer):
             static_groups=self.static_groups,
             damp=self.damp,
             block_size=self.block_size,
-            factor=_factor(H, self.damp, self.act_order),
+            factor=shared_hessian_factor(H, self.damp, self.act_order),
             grid=grid,
         )
         return from_quant_result(layer, W, res, self.bits, self.group_size, self.grid)

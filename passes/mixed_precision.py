@@ -106,6 +106,11 @@ class MixedPrecision(WeightQuantizer):
         quantizer = candidate_quantizer(self.candidate_of(layer.path))
         return self._named(layer, quantizer.quantize_row_range(layer, W, H, start, stop), W[start:stop])
 
+    def quantize_rows(self, layer, W, H, rows):
+        """Rows ``rows`` by the planned candidate."""
+        quantizer = candidate_quantizer(self.candidate_of(layer.path))
+        return self._named(layer, quantizer.quantize_rows(layer, W, H, rows), W.index_select(0, rows))
+
     def _named(self, layer, result, W):
         bits_per_weight = stored_bits(result.tensors) / W.numel()  # as bits_per_parameter counts the stored tensors
         name = self.candidate_of(layer.path)

@@ -22,6 +22,7 @@ from qcompiler.ir.graph import LinearLayer
 from qcompiler.layouts import ExpertsFormat, LayerQuant, LayerRewrite, check_packable, stored_bits
 from qcompiler.layouts.spqr import SPQR, pack_spqr, top_outlier_columns
 from qcompiler.pipeline.pass_base import GraphProperty
+from qcompiler.pipeline.shared_factors import shared_hessian_factor
 from qcompiler.pipeline.weight_quantizer import WeightQuantizer
 
 __all__ = ["SpQR"]
@@ -79,6 +80,7 @@ class SpQR(WeightQuantizer):
             damp=self.damp,
             block_size=self.block_size,
             tau_weight=whole,
+            factor=shared_hessian_factor(H, self.damp, self.act_order),
         )
 
     def _within_budget(self, W: torch.Tensor, H: torch.Tensor) -> tuple[SpQRResult, float]:
@@ -104,6 +106,10 @@ class SpQR(WeightQuantizer):
     def quantize_row_range(self, layer: LinearLayer, W: torch.Tensor, H: torch.Tensor, start: int, stop: int):
         """Rows ``[start, stop)``, with the whole layer's outlier threshold."""
         return self.quantize_layer(layer, W[start:stop], H, whole=W)
+
+    def quantize_rows(self, layer: LinearLayer, W: torch.Tensor, H: torch.Tensor, rows: torch.Tensor):
+        """Rows ``rows`` (whole statistic groups), with the whole layer's outlier threshold."""
+        return self.quantize_layer(layer, W.index_select(0, rows), H, whole=W)
 
     def quantize_layer(
         self, layer: LinearLayer, W: torch.Tensor, H: torch.Tensor, whole: Optional[torch.Tensor] = None

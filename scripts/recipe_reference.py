@@ -39,7 +39,8 @@ def page() -> str:
         "",
         '`recipe="auto:3.25"` (`--recipe auto:3.25`) runs '
         + ", ".join(f"`{p!r}`" for p in auto.passes)
-        + ": every candidate is tried on every block linear alone and its effect on the model's final output "
+        + ": every candidate is tried on every block linear alone (on `score_rows` sampled rows of it, the "
+        "estimate scaled to the layer) and its effect on the model's final output "
         "measured on calibration samples; one candidate per layer is then chosen to fit B bits per parameter "
         "(every stored tensor counted, as the report counts them) with the least summed damage, and the "
         "plan is quantized as `MixedPrecision`. B is in (0, 16]; a B below the cheapest allocation of the "

@@ -10,7 +10,9 @@ import torch
 
 from qcompiler import passes as P
 from qcompiler.distributed.ranks import SWEEP, Piece, Ranks, SolveJob, row_ranges
+from qcompiler.layouts import stored_bits
 from qcompiler.pipeline.block_walk import _BlockQuantizer
+from qcompiler.pipeline.fisher_sensitivity import sample_rows
 from qcompiler.pipeline.solved import SolvedLayer, join_rows
 
 
@@ -68,6 +70,35 @@ def test_row_ranges_joined_are_the_whole_layers_bits(name, energy):
             assert joined.figures[key] == pytest.approx(value, rel=1e-6, abs=1e-12), key
         else:
             assert joined.figures[key] == value, key
+
+
+@pytest.mark.parametrize("name", list(QUANTIZERS))
+def test_sampled_rows_are_those_rows_of_the_whole_solve(name):
+    """``auto:B`` scores a candidate on a random sample of whole row units (``quantize_rows``): its
+    dequantized rows equal those rows of the whole layer's solve bit for bit (SpQR with the whole
+    layer's τ), so the sampled damage is a subset of the whole one's terms; a GPTQ-layout candidate's
+    stored bits scale exactly with the rows (every stored tensor is per row or per row word)."""
+    quantizer = QUANTIZERS[name]
+    W, H = _problem(160, 256)
+    layer = SimpleNamespace(path="model.layers.0.mlp.down_proj", transposed=False)
+    rows = sample_rows(layer.path, W.shape[0], quantizer.row_split_unit(layer), 64)
+    assert rows is not None and rows.numel() == 64 and bool((rows[1:] > rows[:-1]).all())
+    whole = quantizer.quantize_layer(layer, W, H)
+    sample = quantizer.quantize_rows(layer, W, H, rows)
+    assert torch.equal(sample.dequantized, whole.dequantized.index_select(0, rows))
+    if not name.startswith(("spqr", "mixed")):  # SpQR's outliers: a sample's share, not an exact count
+        assert stored_bits(sample.tensors) * W.shape[0] == stored_bits(whole.tensors) * rows.numel()
+
+
+def test_row_samples_are_whole_units_fixed_per_layer_and_none_when_they_would_be_everything():
+    rows = sample_rows("model.layers.3.mlp.up_proj", 2048, 32, 256)
+    assert rows.numel() == 256 and torch.equal(rows.view(-1, 32) % 32, torch.arange(32).expand(8, 32))
+    assert torch.equal(rows, sample_rows("model.layers.3.mlp.up_proj", 2048, 32, 256))  # the same every run
+    assert not torch.equal(rows, sample_rows("model.layers.4.mlp.up_proj", 2048, 32, 256))
+    assert sample_rows("x", 2048, 32, 200).numel() == 224  # rounded up to whole units
+    assert sample_rows("x", 256, 32, 256) is None  # not larger than the sample
+    assert sample_rows("x", 2048, None, 256) is None  # a method that cannot solve rows apart
+    assert sample_rows("x", 2048, 32, 0) is None  # 0: every row
 
 
 def test_a_transposed_layers_weight_joins_along_its_output_columns():

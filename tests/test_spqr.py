@@ -8,7 +8,7 @@ import torch
 from tiny_models import example_inputs, main_output, make_model
 
 import qcompiler as qc
-from qcompiler.algorithms.gptq import gptq_quantize
+from qcompiler.algorithms.gptq import gptq_quantize, hessian_factor
 from qcompiler.algorithms.output_error import output_error
 from qcompiler.algorithms.quant_grid import fit_grid
 from qcompiler.algorithms.spqr import leave_one_out_reduction, quantize_stats, spqr_quantize, spqr_quantize_reference
@@ -45,6 +45,17 @@ def test_lazy_equals_straightforward_reference(tau):
     assert lazy.outliers.any()
     no_outliers = spqr_quantize(W, H, outlier_threshold=float("inf"))
     assert output_error(W, lazy.dequantized, H) < output_error(W, no_outliers.dequantized, H)
+
+
+def test_a_shared_hessian_factor_gives_the_same_solve():
+    """auto:B's candidates and q/k/v share one factor of H (pipeline/shared_factors.py): SpQR given
+    GPTQ's factor of the same H and damping is its own solve, bit for bit."""
+    W, H = problem(seed=2)
+    H[7, :], H[:, 7] = 0.0, 0.0  # a dead input
+    own = spqr_quantize(W, H, outlier_threshold=0.3)
+    shared = spqr_quantize(W, H, outlier_threshold=0.3, factor=hessian_factor(H, 0.01, True))
+    for field in ("codes", "dequantized", "outliers", "outlier_values", "perm", "scales", "zeros"):
+        assert torch.equal(getattr(own, field), getattr(shared, field)), field
 
 
 def test_leave_one_out_matches_brute_force():

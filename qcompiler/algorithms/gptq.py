@@ -32,7 +32,6 @@ __all__ = [
     "rtn_quantize",
     "group_index",
     "groups_in_column_order",
-    "lazy_sweep",
     "GGUF_GRIDS",
     "FLOAT_GRIDS",
 ]
@@ -319,26 +318,6 @@ def _finish(Q: torch.Tensor, codes: torch.Tensor, perm, groups: _Groups, damp: f
         Q, codes = Q[:, inv], codes[:, inv]
     g_idx = groups.g_idx.to(Q.device)
     return QuantResult(codes, groups.scales, groups.zeros, g_idx, Q, damp, steps, None, groups.gguf_grid)
-
-
-def lazy_sweep(W: torch.Tensor, U: torch.Tensor, block_size: int, step) -> None:
-    """GPTQ's lazy batch updates, in place on ``W`` (processing order).
-
-    ``step(j, i, W1, U1)`` quantizes column ``i`` of the current block ``W1`` (global column ``j``)
-    and returns its error ``(w − ŵ) / U_jj``; the error is spread over the rest of the block at
-    once, and over all later columns in one matmul per block.
-    """
-    n_in = W.shape[1]
-    for i1 in range(0, n_in, block_size):
-        i2 = min(i1 + block_size, n_in)
-        W1 = W[:, i1:i2].clone()
-        Err1 = torch.zeros_like(W1)
-        U1 = U[i1:i2, i1:i2]
-        for i in range(i2 - i1):
-            err = step(i1 + i, i, W1, U1)
-            W1[:, i:] -= err.unsqueeze(1) * U1[i, i:].unsqueeze(0)
-            Err1[:, i] = err
-        W[:, i2:] -= Err1 @ U[i1:i2, i2:]
 
 
 def _sweep_block(

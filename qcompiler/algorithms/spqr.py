@@ -23,8 +23,8 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from qcompiler.algorithms.gptq import _prepare, inverse_hessian_cholesky, lazy_sweep
-from qcompiler.algorithms.quant_grid import Grid, fit_grid
+from qcompiler.algorithms.gptq import HessianFactor, _prepare, inverse_hessian_cholesky
+from qcompiler.algorithms.quant_grid import Grid, _grid_for_range, fit_grid
 from qcompiler.errors import QuantizationError
 
 __all__ = [
@@ -94,18 +94,25 @@ def _grid_quant(w: torch.Tensor, grid: Grid, bits: int) -> torch.Tensor:
 
 def leave_one_out_reduction(G: torch.Tensor, d: torch.Tensor, bits: int) -> torch.Tensor:
     """For each weight of group ``G`` [out, k]: how much the group's OBS error (weights scaled by
-    ``1/d``) drops when that weight is left out of the min-max fit and not quantized."""
+    ``1/d``) drops when that weight is left out of the min-max fit and not quantized.
+
+    The fit without weight ``i`` needs only the range of the others: the second smallest (largest)
+    value where ``i`` is the row's minimum (maximum). Each of the ``k`` grids then rounds the whole
+    group at once, ``[out, k, k]``, with ``i``'s own term zeroed (no ``[out, k, k−1]`` gather of
+    the others and no ``k`` separate fits: about 2x faster at 256 x 16)."""
     out, k = G.shape
-    idx = torch.arange(k, device=G.device)
-    others = torch.stack([torch.cat([idx[:i], idx[i + 1 :]]) for i in range(k)])  # [k, k-1]
-    loo = G[:, others]  # [out, k, k-1]
-    flat = loo.reshape(-1, k - 1)
-    grid = fit_grid(flat, bits, sym=False)
-    rec, _ = _grid_quant(flat, grid, bits)
-    loo_err = ((rec - flat).reshape(out, k, k - 1) / d[others]).pow(2).sum(-1)  # [out, k]
+    v, ix = torch.sort(G, dim=1)
+    column = torch.arange(k, device=G.device)
+    lo = torch.where(column == ix[:, :1], v[:, 1:2], v[:, :1])  # [out, k]: min of the others
+    hi = torch.where(column == ix[:, -1:], v[:, -2:-1], v[:, -1:])
+    grid = _grid_for_range(lo.reshape(-1, 1), hi.reshape(-1, 1), bits, sym=False)
+    scale, zero = grid.scale.view(out, k, 1), grid.zero.view(out, k, 1)
+    rec = _grid_quant(G.unsqueeze(1), Grid(scale, zero), bits)[0]  # [out, k grids, k weights]
+    err = ((rec - G.unsqueeze(1)) / d).square_()
+    err.diagonal(dim1=1, dim2=2).zero_()  # weight i is not quantized under its own fit
     base_rec, _ = _grid_quant(G, fit_grid(G, bits, sym=False), bits)
     base_err = ((base_rec - G) / d).pow(2).sum(-1, keepdim=True)  # [out, 1]
-    return base_err - loo_err
+    return base_err - err.sum(-1)
 
 
 class _GroupState:
@@ -155,7 +162,9 @@ def _quantize_column(w: torch.Tensor, grid: Grid, bits: int, d: float, tau: floa
     return dense, code, outlier, residual
 
 
-def _setup(W, H, bits, group_size, stat_bits, stat_group_size, outlier_threshold, act_order, damp, tau_weight=None):
+def _setup(
+    W, H, bits, group_size, stat_bits, stat_group_size, outlier_threshold, act_order, damp, tau_weight=None, factor=None
+):
     check_spqr_spec(bits, group_size, stat_bits, stat_group_size)
     n_out, n_in = W.shape
     if n_in < group_size or n_in % group_size:
@@ -167,9 +176,15 @@ def _setup(W, H, bits, group_size, stat_bits, stat_group_size, outlier_threshold
             f"outlier_threshold={outlier_threshold} selects every weight as an outlier; "
             f"use a positive relative threshold (0.1-1.0 is typical) or outlier_fraction"
         )
-    Wp, Hp, perm = _prepare(W, H, act_order)
+    if factor is None:
+        Wp, Hp, perm = _prepare(W, H, act_order)
+        U, damp_used, steps = inverse_hessian_cholesky(Hp, damp)
+    else:  # GPTQ's factor of the same H and damping (hessian_factor: the same conditioning and order)
+        perm, U, damp_used, steps = factor.perm, factor.U, factor.damp, factor.damp_steps
+        Wp = W.detach().clone().float()
+        Wp[:, factor.dead] = 0.0
+        Wp = Wp if perm is None else Wp[:, perm]
     perm = torch.arange(n_in, device=Wp.device) if perm is None else perm
-    U, damp_used, steps = inverse_hessian_cholesky(Hp, damp)
     diag = torch.diagonal(U)
     # τ is relative to the layer's column variances: rows solved apart take them from the whole layer
     Ws = Wp if tau_weight is None else _prepare(tau_weight, H, act_order)[0]
@@ -218,29 +233,47 @@ def spqr_quantize(
     damp: float = 0.01,
     block_size: int = 128,
     tau_weight: Optional[torch.Tensor] = None,
+    factor: Optional[HessianFactor] = None,
 ) -> SpQRResult:
     """SpQR with lazy batch updates (blocks hold whole groups). ``tau_weight``: the whole layer's
     weight when ``W`` is a range of its rows (the relative threshold is the whole layer's; every
-    other step is row by row, so the range's result equals those rows of the whole one's)."""
+    other step is row by row, so the range's result equals those rows of the whole one's).
+    ``factor``: ``hessian_factor(H, damp, act_order)`` when it is already computed (shared)."""
     Wp, U, perm, state, tau, damp_used, steps = _setup(
-        W, H, bits, group_size, stat_bits, stat_group_size, outlier_threshold, act_order, damp, tau_weight
+        W, H, bits, group_size, stat_bits, stat_group_size, outlier_threshold, act_order, damp, tau_weight, factor
     )
     n_out, n_in = Wp.shape
     block_size = max(group_size, block_size // group_size * group_size)
-    codes, dense = torch.zeros_like(Wp), torch.zeros_like(Wp)
-    residual = torch.zeros_like(Wp, dtype=torch.float16)
-    outlier = torch.zeros_like(Wp, dtype=torch.bool)
-    grid: list[Grid] = []
-
-    def step(j: int, i: int, W1: torch.Tensor, U1: torch.Tensor) -> torch.Tensor:
-        if j % group_size == 0:
-            grid[:] = [state.fit(j // group_size, W1[:, i : i + group_size], torch.diagonal(U1)[i : i + group_size])]
-        w = W1[:, i]
-        column = _quantize_column(w, grid[0], bits, U1[i, i].item(), tau)
-        dense[:, j], codes[:, j], outlier[:, j], residual[:, j] = column
-        return (w - (dense[:, j] + residual[:, j].float())) / U1[i, i]
-
-    lazy_sweep(Wp, U, block_size, step)
+    # the sweep runs on Wᵀ, as GPTQ's does: a column is a contiguous row, each column's rounding and
+    # rank-1 update in-place vector ops (the column-strided version spent 0.7 of its 0.85 s at
+    # 640 x 2048 in temporaries); same arithmetic as ``spqr_quantize_reference``, column by column
+    WT = Wp.t().contiguous()
+    del Wp
+    codesT, denseT = torch.empty_like(WT), torch.empty_like(WT)
+    residualT = torch.empty_like(WT, dtype=torch.float16)
+    outlierT = torch.empty_like(WT, dtype=torch.bool)
+    maxq = 2**bits - 1
+    for i1 in range(0, n_in, block_size):
+        i2 = min(i1 + block_size, n_in)
+        W1, U1 = WT[i1:i2], U[i1:i2, i1:i2]
+        d1 = torch.diagonal(U1)
+        diag = d1.tolist()
+        Err1 = torch.empty(i2 - i1, n_out, device=WT.device)
+        for i in range(i2 - i1):
+            j = i1 + i
+            if j % group_size == 0:
+                grid = state.fit(j // group_size, W1[i : i + group_size].t(), d1[i : i + group_size])
+                scale, zero = grid.scale[:, 0], grid.zero[:, 0]
+            w, d = W1[i], diag[i]
+            code = torch.div(w, scale, out=codesT[j]).add_(zero).round_().clamp_(0, maxq)
+            dense = torch.sub(code, zero, out=denseT[j]).mul_(scale)
+            outlier = torch.gt(((w - dense) / d).square_(), tau, out=outlierT[j])
+            residual = residualT[j]
+            residual.copy_(torch.where(outlier, w - dense, 0.0))
+            torch.div(w - (dense + residual.float()), d, out=Err1[i])
+            W1[i + 1 :].addr_(U1[i, i + 1 :], Err1[i], alpha=-1)
+        WT[i2:].addmm_(U[i1:i2, i2:].t(), Err1, alpha=-1)
+    codes, dense, residual, outlier = codesT.t(), denseT.t(), residualT.t(), outlierT.t()
     return _finish(codes, dense, residual, outlier, perm, state, tau, damp_used, steps)
 
 

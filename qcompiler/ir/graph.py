@@ -100,6 +100,11 @@ class LinearLayer:
         w = get_tensor(gm, self.weight_node.target)
         return w.t() if self.transposed else w
 
+    def weight_shape(self, gm: GraphModule) -> tuple[int, int]:
+        """``(out, in)`` from what is stored, without reading it (a streamed weight's placeholder)."""
+        shape = get_raw_tensor(gm, self.weight_node.target).shape
+        return (shape[1], shape[0]) if self.transposed else (shape[0], shape[1])
+
     def bias(self, gm: GraphModule) -> Optional[torch.Tensor]:
         """The layer's bias tensor, or None."""
         return None if self.bias_node is None else get_tensor(gm, self.bias_node.target)

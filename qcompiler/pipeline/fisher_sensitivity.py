@@ -19,23 +19,27 @@ inputs there (measured, the per-channel product chose allocations with 1.2-1.3x 
 measure's KL at 3.25 bits; per position they are level with it, docs/methods/auto.md).
 
 Cost: ``samples`` forward + backward passes, one calibration walk, and per layer × candidate the
-candidate's solve and one ``[positions, in] × [in, out]`` product. Memory: the squared gradients of
-every measured layer, ``positions × Σ out_features`` bf16 values (Gemma-3 270M at 8 × 256 positions:
-~0.5 GB), and one block's input rows at a time. A graph whose ops have no derivative raises
-``FisherUnavailable`` and the caller measures forward instead.
+candidate's solve and one ``[positions, in] × [in, rows]`` product, where ``rows`` is a random sample
+of the layer's rows (``score_rows``; the candidates' rows are independent given ``H``, so the sampled
+terms are exactly those of the whole solve, scaled by ``out / rows``). Memory: the squared gradients
+of every measured layer's sampled channels, ``positions × Σ rows`` bf16 values (Gemma-3 270M at
+8 × 256 positions: 126 MB; every row: 0.5 GB), and one block's input rows at a time. A graph whose
+ops have no derivative raises ``FisherUnavailable`` and the caller measures forward instead.
 """
 
 from __future__ import annotations
 
+import math
 import time
+import zlib
 from contextlib import contextmanager
-from typing import Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 import torch
 from torch.fx import GraphModule, Node
 
 from qcompiler.calib.layer_stats import LayerStats
-from qcompiler.ir.graph import LinearLayer, find_linears
+from qcompiler.ir.graph import LinearLayer, block_of, find_linears
 from qcompiler.layouts import LayerQuant
 from qcompiler.pipeline.pass_base import PassContext
 from qcompiler.pipeline.sensitivity import (
@@ -46,7 +50,10 @@ from qcompiler.pipeline.sensitivity import (
     sensitivity_samples,
 )
 
-__all__ = ["FisherUnavailable", "measure_fisher_sensitivities", "output_fisher"]
+if TYPE_CHECKING:
+    from qcompiler.pipeline.weight_quantizer import WeightQuantizer
+
+__all__ = ["FisherUnavailable", "measure_fisher_sensitivities", "output_fisher", "sample_rows", "sample_tokens"]
 
 
 class FisherUnavailable(RuntimeError):
@@ -71,14 +78,29 @@ class _Probed(StoredWeights):
         return out + probe
 
 
+def sample_tokens(log_probs: torch.Tensor, gen: torch.Generator, rows_at_once: int = 256) -> torch.Tensor:
+    """One token per row of ``log_probs`` ``[n, vocabulary]``, drawn from ``exp(log_probs)`` by inverting
+    its cumulative sum (scaled by each row's total, so float32 drift in the sum picks no token outside
+    the vocabulary). ``torch.multinomial`` took 16 s of the 42 s Fisher pass on Gemma-3 270M's
+    2,048 x 262,144 logits; this ~1 s, in row chunks (no second full-size buffer)."""
+    u = torch.rand(log_probs.shape[0], 1, generator=gen, dtype=torch.float64)
+    tokens = torch.empty(log_probs.shape[0], dtype=torch.long)
+    for start in range(0, log_probs.shape[0], rows_at_once):
+        cdf = log_probs[start : start + rows_at_once].float().exp().cumsum_(-1)
+        target = (u[start : start + rows_at_once] * cdf[:, -1:].double()).float()
+        picked = torch.searchsorted(cdf, target, right=True)[:, 0]
+        tokens[start : start + rows_at_once] = picked.clamp_(max=cdf.shape[-1] - 1)
+    return tokens
+
+
 def _probe_loss(out: torch.Tensor, mask: Optional[torch.Tensor], kl: bool, gen: torch.Generator):
     """The scalar whose gradient's square estimates the Fisher's diagonal, and the positions it covers."""
     out = out.float()
     keep = torch.ones(out.shape[:-1]) if mask is None or mask.shape != out.shape[: mask.dim()] else mask.float()
     if kl:  # −log p(y), y drawn from the model's own next-token distribution
-        probs = out.detach().softmax(-1).reshape(-1, out.shape[-1])
-        y = torch.multinomial(probs, 1, generator=gen).reshape(out.shape[:-1])
-        logp = out.log_softmax(-1).gather(-1, y[..., None])[..., 0]
+        log_probs = out.log_softmax(-1)
+        y = sample_tokens(log_probs.detach().reshape(-1, out.shape[-1]), gen).reshape(out.shape[:-1])
+        logp = log_probs.gather(-1, y[..., None])[..., 0]
         return -(logp * keep).sum(), float(keep.sum())
     r = torch.randn(out.shape, generator=gen)
     norm = (out.detach().square() * keep[..., None]).sum().sqrt().clamp_min(1e-30)
@@ -86,11 +108,18 @@ def _probe_loss(out: torch.Tensor, mask: Optional[torch.Tensor], kl: bool, gen: 
 
 
 def output_fisher(
-    gm: GraphModule, batches: list, masks: list, kl: bool, layers: list[LinearLayer], seed: int = 0
+    gm: GraphModule,
+    batches: list,
+    masks: list,
+    kl: bool,
+    layers: list[LinearLayer],
+    seed: int = 0,
+    channels: Optional[dict[str, torch.Tensor]] = None,
 ) -> dict[str, torch.Tensor]:
     """``{path: F}``: each layer's squared output gradients, ``[rows, out_features]`` in bf16 with the
     rows of every batch in order (a linear's input rows as the calibration walk sees them), divided
-    by the positions (KL) or the batches (relative error) — the Fisher's diagonal, per position."""
+    by the positions (KL) or the batches (relative error) — the Fisher's diagonal, per position.
+    ``channels[path]``: only those output channels kept (the rows its candidates are scored on)."""
     nodes = {layer.node: layer.path for layer in layers}
     gen = torch.Generator().manual_seed(seed)
     parts: dict[str, list] = {}
@@ -107,27 +136,56 @@ def output_fisher(
                 raise FisherUnavailable(str(e).splitlines()[0][:200]) from None
         for (path, probe), g in zip(probes, grads):
             g2 = torch.zeros(probe.shape) if g is None else g.detach().float().square()
+            if channels is not None and channels.get(path) is not None:
+                g2 = g2.index_select(-1, channels[path])
             parts.setdefault(path, []).append(g2.reshape(-1, g2.shape[-1]).to(torch.bfloat16))
         count += n
         del out, loss, probes, grads
     return {path: torch.cat(p).div_(max(count, 1.0)) for path, p in parts.items()}
 
 
+def sample_rows(path: str, out_features: int, unit: Optional[int], limit: int) -> Optional[torch.Tensor]:
+    """At least ``limit`` of a layer's ``out_features`` weight rows, in whole ``unit``s chosen at random
+    (the same for every run: seeded by the layer's path), ascending; None: all of them (``limit`` 0,
+    a method that cannot solve rows apart, or a layer not larger than the sample)."""
+    if not limit or unit is None or out_features % unit:
+        return None
+    units, take = out_features // unit, -(-limit // unit)
+    if take >= units:
+        return None
+    seeded = torch.Generator().manual_seed(zlib.crc32(path.encode()))
+    picked = torch.randperm(units, generator=seeded)[:take].sort().values
+    return (picked[:, None] * unit + torch.arange(unit)).reshape(-1)
+
+
 def measure_fisher_sensitivities(
     gm: GraphModule,
     ctx: PassContext,
-    candidates: dict[str, Callable[[LinearLayer, torch.Tensor, Optional[torch.Tensor]], LayerQuant]],
+    candidates: dict[str, "WeightQuantizer"],
     *,
     samples: int,
     kl: bool,
     eligible: Callable[[str], bool] = lambda _path: True,
+    score_rows: int = 0,
+    together: Optional[Callable] = None,
 ) -> dict[str, dict[str, CandidateScore]]:
     """``{layer path: {candidate: score}}`` as ``measure_sensitivities`` returns it, from the Fisher
-    estimate of the module docstring; the graph's weights are never changed."""
+    estimate of the module docstring; the graph's weights are never changed. ``score_rows``: each
+    layer's candidates solved on that many of its rows (``sample_rows``; 0: all), the Fisher kept
+    for those output channels only; ``together``: as ``score_candidates`` takes it."""
     batches = sensitivity_samples(ctx.calibration, samples)
     masks = [kwargs.get("attention_mask") for _args, kwargs in batches]
     start = time.perf_counter()
-    fisher = output_fisher(gm, batches, masks, kl, [layer for layer in find_linears(gm) if eligible(layer.path)])
+    # block linears only: the output head is never a candidate (its F alone, positions x vocabulary, was
+    # 1 GB of Gemma-3 270M's 1.5 GB)
+    layers = [layer for layer in find_linears(gm) if eligible(layer.path) and block_of(layer.path) is not None]
+    row_sample = {}
+    for layer in layers:
+        out_features = layer.weight_shape(gm)[0]
+        units = [quantizer.row_split_unit(layer) for quantizer in candidates.values()]
+        unit = None if None in units else math.lcm(*units)
+        row_sample[layer.path] = sample_rows(layer.path, out_features, unit, score_rows)
+    fisher = output_fisher(gm, batches, masks, kl, layers, channels=row_sample)
     rows = max((f.shape[0] for f in fisher.values()), default=0)
     megabytes = sum(f.numel() * f.element_size() for f in fisher.values()) / 2**20
     seconds = time.perf_counter() - start
@@ -153,4 +211,6 @@ def measure_fisher_sensitivities(
 
         yield damage
 
-    return score_candidates(gm, ctx, candidates, eligible, fisher_damage, keep_rows=rows)
+    return score_candidates(
+        gm, ctx, candidates, eligible, fisher_damage, keep_rows=rows, row_sample=row_sample, together=together
+    )

@@ -18,7 +18,7 @@ from __future__ import annotations
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Callable, ContextManager, Optional
+from typing import TYPE_CHECKING, Callable, ContextManager, Optional
 
 import torch
 import torch.fx._pytree as fx_pytree
@@ -34,6 +34,9 @@ from qcompiler.ir.graph import LinearLayer
 from qcompiler.ir.tensors import get_raw_tensor, get_tensor, set_tensor
 from qcompiler.layouts import LayerQuant, UnpackableLayer, store_dequantized, stored_bits
 from qcompiler.pipeline.pass_base import PassContext
+
+if TYPE_CHECKING:
+    from qcompiler.pipeline.weight_quantizer import WeightQuantizer
 
 __all__ = [
     "CandidateScore",
@@ -107,14 +110,16 @@ def first_output(runner: StoredWeights, batch: tuple[tuple, dict]) -> torch.Tens
 def measure_sensitivities(
     gm: GraphModule,
     ctx: PassContext,
-    candidates: dict[str, Callable[[LinearLayer, torch.Tensor, Optional[torch.Tensor]], LayerQuant]],
+    candidates: dict[str, "WeightQuantizer"],
     *,
     samples: int,
     kl: bool,
     eligible: Callable[[str], bool] = lambda _path: True,
+    together: Optional[Callable] = None,
 ) -> dict[str, dict[str, CandidateScore]]:
     """``{layer path: {candidate: score}}`` for every eligible block linear; a candidate the layer's
-    shape cannot take is left out of its row. The graph's weights are unchanged afterwards."""
+    shape cannot take is left out of its row. The graph's weights are unchanged afterwards.
+    ``together``: as ``score_candidates`` takes it."""
     batches = sensitivity_samples(ctx.calibration, samples)
     masks = [kwargs.get("attention_mask") for _args, kwargs in batches]
     runner = StoredWeights(gm)  # one interpreter (it maps each node's last use once) for every forward
@@ -137,23 +142,30 @@ def measure_sensitivities(
         finally:
             set_tensor(gm, layer.weight_node.target, original, parameter=isinstance(original, torch.nn.Parameter))
 
-    return score_candidates(gm, ctx, candidates, eligible, forward_damage)
+    return score_candidates(gm, ctx, candidates, eligible, forward_damage, together=together)
 
 
 def score_candidates(
     gm: GraphModule,
     ctx: PassContext,
-    candidates: dict[str, Callable[[LinearLayer, torch.Tensor, Optional[torch.Tensor]], LayerQuant]],
+    candidates: dict[str, "WeightQuantizer"],
     eligible: Callable[[str], bool],
     layer_damage: Callable[
         [LinearLayer, torch.Tensor, torch.Tensor, LayerStats], ContextManager[Callable[[LayerQuant], float]]
     ],
     keep_rows: int = 0,
+    row_sample: Optional[dict[str, torch.Tensor]] = None,
+    together: Optional[Callable[[dict, LinearLayer, torch.Tensor, Optional[torch.Tensor]], dict]] = None,
 ) -> dict[str, dict[str, CandidateScore]]:
     """The walk both measures share: block by block on FP inputs (nothing is quantized while
     measuring; ``keep_rows`` input rows kept per layer), every eligible linear quantized by every
     candidate its shape can take, each result scored by the damage function ``layer_damage(layer,
-    stored weight, its float32 copy W, stats)`` opens for the layer (and closes after its last candidate)."""
+    stored weight, its float32 copy W, stats)`` opens for the layer (and closes after its last candidate).
+    ``row_sample[path]``: the weight rows a layer's candidates are solved on (``quantize_rows``: those
+    rows of the whole solve); ``W`` is then those rows, and the damage and stored bits are scaled by
+    ``out / rows`` — an unbiased estimate of the whole layer's sums. ``together(candidates, layer, W,
+    H)``: the results of the candidates it can solve at once (None: cannot hold the shape), the same
+    as each one's own solve."""
     engine = CalibrationEngine.for_pass(gm, ctx)
     table: dict[str, dict[str, CandidateScore]] = {}
     for seg in engine.blocks():
@@ -167,20 +179,32 @@ def score_candidates(
             W = stored.detach().float().to(ctx.device or stored.device)
             H = stats[layer.path].hessian
             H = None if H is None else H.to(W.device)
+            rows = (row_sample or {}).get(layer.path)
+            rows = None if rows is None else rows.to(W.device)
+            share = 1.0 if rows is None else W.shape[0] / rows.numel()
             row = {}
-            with layer_damage(layer, stored, W, stats[layer.path]) as damage:
-                for name, quantize in candidates.items():
+            scored = W if rows is None else W.index_select(0, rows)
+            solved = {} if together is None else together(candidates, layer, scored, H)
+            with layer_damage(layer, stored, scored, stats[layer.path]) as damage:
+                for name, quantizer in candidates.items():
                     try:
-                        result = quantize(layer, W, H)
+                        if name in solved:
+                            result = solved.pop(name)
+                        elif rows is None:
+                            result = quantizer.quantize_layer(layer, W, H)
+                        else:
+                            result = quantizer.quantize_rows(layer, W, H, rows)
                     except (UnpackableLayer, QuantizationError):
                         continue  # this candidate cannot hold this layer's shape
-                    row[name] = CandidateScore(stored_bits(result.tensors), damage(result))
+                    if result is not None:  # None: solved together, and its layout cannot hold the shape
+                        row[name] = CandidateScore(stored_bits(result.tensors) * share, damage(result) * share)
             if not row:
                 raise QuantizationError(f"layer {layer.path}: no candidate can quantize its shape {tuple(W.shape)}")
             table[layer.path] = row
             best = min(row, key=lambda c: row[c].distance)
+            on = "" if rows is None else f" on {rows.numel()} of {W.shape[0]} rows"
             ctx.log(
-                f"  sensitivity {layer.path}: {len(row)} candidates, "
+                f"  sensitivity {layer.path}: {len(row)} candidates{on}, "
                 f"least damage {best} {row[best].distance:.3g}, {time.perf_counter() - start:.1f}s"
             )
         del stats

@@ -59,6 +59,14 @@ class WeightQuantizer(Pass):
         rows alone (right for methods whose rows are independent given ``H``, as GPTQ's are)."""
         return self.quantize_layer(layer, W[start:stop], H)
 
+    def quantize_rows(
+        self, layer: LinearLayer, W: torch.Tensor, H: Optional[torch.Tensor], rows: torch.Tensor
+    ) -> LayerQuant:
+        """Rows ``rows`` (whole ``row_split_unit``s, ascending) of ``quantize_layer(layer, W, H)``: the
+        rows ``auto:B`` scores a candidate on (pipeline/sensitivity.py). By default the method on those
+        rows alone, as ``quantize_row_range``."""
+        return self.quantize_layer(layer, W.index_select(0, rows), H)
+
     def head_quantizer(self) -> Optional[QuantizeFn]:
         """How the output head is quantized (it has no block Hessian), or None to keep it FP."""
         return None
