@@ -308,6 +308,12 @@ refuse(
     "the FP8 KV cache (FP8KVCache) is not exported to ONNX yet; export it with --format compressed-tensors "
     "(vLLM, transformers), or quantize without FP8KVCache for ONNX Runtime",
 )
+refuse(
+    "onnx",
+    "quant_embedding",
+    "quantized embeddings (QuantizeEmbeddings) are not lowered to ONNX yet (ONNX Runtime's GatherBlockQuantized); "
+    "quantize without QuantizeEmbeddings for ONNX Runtime",
+)
 implement(
     "onnx", "spqr_experts_linear", _lower_spqr_experts, kind="lowering", label="MatMulNBits + Gather/MatMul per expert"
 )

@@ -75,6 +75,11 @@ refuse(
 )
 refuse(
     "triton",
+    "quant_embedding",
+    "no Triton kernel for a quantized embedding lookup yet: such a node runs its plain-torch reference",
+)
+refuse(
+    "triton",
     "gguf_linear",
     "no Triton kernel for llama.cpp's block bytes (K-quants, Q4_1, Q5_1) yet: such a node runs its "
     "plain-torch reference",

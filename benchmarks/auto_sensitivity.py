@@ -19,23 +19,15 @@ import sys
 import time
 
 import torch
+from bench_models import load_model
 from frontier import GenerationJudge
 from results_file import merged_rows, write_rows
 
 import qcompiler as qc
-from qcompiler import models
 from qcompiler.evaluation.eval import bits_per_parameter
 from qcompiler.evaluation.quality import QualityJudge
 from qcompiler.passes import AutoBits
 from qcompiler.passes.auto_bits import SIGNROUND_CANDIDATES
-
-
-def _load(name: str):
-    if name == "gemma-3-270m":
-        from qcompiler.models.gemma3_270m import gemma3_270m_dir
-
-        return models.load(str(gemma3_270m_dir()))
-    return models.load(name)
 
 
 def main() -> None:
@@ -61,7 +53,7 @@ def main() -> None:
     args = ap.parse_args()
     rows = []
     for name in args.models:
-        loaded = _load(name)
+        loaded = load_model(name)
         real = name == "gemma-3-270m"
         calibration = loaded.calibration(8 if real else args.calib, 256 if loaded.kind == "causal-lm" else 128)
         judge = None if real else QualityJudge(loaded)

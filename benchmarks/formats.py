@@ -27,6 +27,7 @@ import sys
 import time
 
 import torch
+from bench_models import REAL, load_model
 from frontier import GenerationJudge
 from peers_quality import worker_row
 from results_file import merged_rows, write_rows
@@ -50,17 +51,6 @@ SAME_BITS = {  # a peer row's format is the one of this recipe of ours
     "llmc-mxfp4a16": "rtn-mxfp4",
     "llmc-gptq-mxfp4a16": "rtn-mxfp4",
 }
-REAL = "gemma-3-270m"
-
-
-def _load(name: str):
-    from qcompiler import models
-
-    if name == REAL:
-        from qcompiler.models.gemma3_270m import gemma3_270m_dir
-
-        return models.load(str(gemma3_270m_dir()))
-    return models.load(name)
 
 
 class _Judges:
@@ -96,7 +86,7 @@ def worker(name: str, peer: str, calib: int) -> dict:
     from llmcompressor.modifiers.quantization import GPTQModifier, QuantizationModifier
     from peers_quality import _processor, calibration_rows
 
-    loaded = _load(name)
+    loaded = load_model(name)
     judges = _Judges(loaded, name)
     rows = calibration_rows(_calibration(loaded, name, calib))
     modifier_name, preset = PEERS[peer]
@@ -129,7 +119,7 @@ def ours(name: str, recipes: list[str], calib: int) -> list[dict]:
     from qcompiler.evaluation.eval import bits_per_parameter
     from qcompiler.ir.model_size import model_size
 
-    loaded = _load(name)
+    loaded = load_model(name)
     judges = _Judges(loaded, name)
     calibration = _calibration(loaded, name, calib)
     rows = []

@@ -3,6 +3,7 @@
 from qcompiler.passes import builtin_recipes  # noqa: F401  (registers the built-in recipe table and families)
 from qcompiler.passes.auto_bits import AutoBits
 from qcompiler.passes.awq import AWQ
+from qcompiler.passes.embeddings import QuantizeEmbeddings
 from qcompiler.passes.fp8_activations import FP8Activations
 from qcompiler.passes.fp8_kv_cache import FP8KVCache
 from qcompiler.passes.gptq import GPTQ
@@ -29,4 +30,5 @@ __all__ = [
     "SignRound",
     "FP8Activations",
     "FP8KVCache",
+    "QuantizeEmbeddings",
 ]

@@ -24,6 +24,7 @@ ATEN_MATCHERS = {
     "qcompiler/pipeline/value_heads.py",
     "backends/onnx_attention.py",
     "passes/fp8_kv_cache.py",
+    "passes/embeddings.py",  # aten.embedding's table and ids
 }
 
 

@@ -160,6 +160,12 @@ refuse("compressed-tensors", "sparse_outlier_linear", _NO_FORM)
 refuse("compressed-tensors", "spqr_experts_linear", _NO_FORM)
 refuse("compressed-tensors", "hadamard", ONLINE_ROTATION)
 refuse("compressed-tensors", "gguf_linear", GGUF_BLOCKS_ONLY)
+refuse(
+    "compressed-tensors",
+    "quant_embedding",
+    "quantized embeddings (QuantizeEmbeddings) are not written to compressed-tensors checkpoints (vLLM and "
+    "transformers read embeddings unquantized there); quantize without QuantizeEmbeddings for this format",
+)
 
 
 def export_compressed_tensors(

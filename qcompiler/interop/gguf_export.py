@@ -121,6 +121,12 @@ refuse(
     ),
 )
 refuse("gguf", "quant_experts_linear", "GGUF files of mixture-of-experts models are not written yet")
+refuse(
+    "gguf",
+    "quant_embedding",
+    "the graph's quantized embedding table (QuantizeEmbeddings) is not re-rounded to a GGUF type; quantize "
+    "without it and choose the file's token embedding type at export (--token-embedding q8_0)",
+)
 refuse("gguf", "hadamard", ONLINE_ROTATION.replace("checkpoint clients (transformers, vLLM, GPTQModel)", "llama.cpp"))
 
 _FILE_TYPES = {

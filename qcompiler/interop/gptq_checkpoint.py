@@ -62,6 +62,12 @@ refuse("gptq", "gguf_linear", GGUF_BLOCKS_ONLY)
 for _op in ("fp8_linear", "nvfp4_linear", "mxfp4_linear"):
     refuse("gptq", _op, FLOAT_FORMATS_ONLY)
 refuse("gptq", "fp8_kv_quant", FP8_KV_CACHE_ONLY_CT)
+refuse(
+    "gptq",
+    "quant_embedding",
+    "a GPTQ checkpoint holds quantized linears only (its loaders read embeddings in 16 bits); quantize without "
+    "QuantizeEmbeddings for --format gptq",
+)
 
 
 def _for_loaders(layer: QuantLayer, model_type) -> list[QuantLayer]:

@@ -18,6 +18,7 @@ class GraphProperty(enum.Enum):
     SMOOTHED = "smoothed"  # SmoothQuant scales folded in
     ROTATED = "rotated"  # orthogonal rotations folded in (outputs unchanged)
     QUANTIZED_WEIGHTS = "quantized_weights"  # linears replaced by weight-quantized ops
+    QUANTIZED_EMBEDDINGS = "quantized_embeddings"  # embedding tables stored quantized (qc.quant_embedding)
     INT8_LOWERED = "int8_lowered"  # linears replaced by int8 x int8 ops
     OUTLIERS_SPLIT = "outliers_split"  # SpQR dense + sparse branches
     FP8_ACTIVATIONS = "fp8_activations"  # FP8 linears quantize their inputs to e4m3 at run time

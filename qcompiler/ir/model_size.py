@@ -75,11 +75,16 @@ def model_size(gm: GraphModule, stored_as: Mapping[str, torch.dtype] | None = No
     ``stored_as``: tensors a writer stores in another dtype than the graph holds them, counted so."""
     auxiliary: set[str] = set()  # codes, scales, g_idx, ...: stored, but no parameter of the model
     quantized_parameters = quantized_bits = 0
+    counted: set[tuple] = set()  # storage already counted: a tied head reads its embedding's tensors
     for node in gm.graph.nodes:
         op_spec = spec_of(node)
         if op_spec is None or not op_spec.storage:
             continue
         a = OpArgs(op_spec, node)
+        stored = tuple(getattr(a.as_dict()[n], "target", id(a.as_dict()[n])) for n in op_spec.storage)
+        if stored in counted:
+            continue
+        counted.add(stored)
         quantized_bits += sum(8 * _nbytes(a.stored_like(gm, n)) for n in op_spec.storage)
         if op_spec.weights is not None:
             quantized_parameters += op_spec.weights(a, gm)

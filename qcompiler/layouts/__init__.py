@@ -7,7 +7,7 @@ calls a layout through the ``LayerRewrite`` a method returns). Importing it regi
 layout and its ops.
 """
 
-from qcompiler.layouts import fp8, gguf, gptq, int8, mxfp4, nvfp4, spqr  # noqa: F401  (each registers its layout and ops)
+from qcompiler.layouts import fp8, gguf, gptq, gptq_embedding, int8, mxfp4, nvfp4, spqr  # noqa: F401  (each registers its ops)
 from qcompiler.layouts.base import (
     ExpertsFormat,
     LayerQuant,
