@@ -448,3 +448,90 @@ def test_a_changed_block_type_is_named_at_load_not_at_export(tmp_path):
         ArtifactError, match=r"layer model\.layers\.0\.\S+\): block_type 'Q9_K' is not one qc\.gguf_linear holds"
     ):
         qc.load(tmp_path / "art")
+
+
+def _retensor(path, edit):
+    """Rewrite stored tensors' values (``edit(tensors)`` in place) and re-sign."""
+    from safetensors.torch import load_file, save_file
+
+    f = path / "tensors.safetensors"
+    tensors = load_file(str(f))
+    edit(tensors)
+    save_file(tensors, str(f))
+    _resign(path)
+
+
+@pytest.fixture(scope="module")
+def saved_spqr_rotated(tmp_path_factory):
+    """SpQR on a rotated graph: dense + CSR outlier branches and online Hadamard rotations."""
+    model = make_model("llama")
+    recipe = [qc.passes.Rotate(), qc.passes.SpQR(outlier_threshold=0.2)]
+    calibration = [example_inputs("llama", batch=4, seq=16)]
+    cm = qc.compile(model, example_inputs("llama"), recipe=recipe, calibration=calibration, progress=False)
+    path = tmp_path_factory.mktemp("spqr") / "art"
+    cm.save(path)
+    return path
+
+
+def _first_named(tensors, suffix):
+    return next(k for k in sorted(tensors) if k.endswith(suffix))
+
+
+def _past_the_values(t):  # the last row pointer beyond the stored outliers: a kernel would read past them
+    key = _first_named(t, ".row_ptr")
+    t[key] = t[key].clone()
+    t[key][-1] += 7
+
+
+def _unsorted_row_ptr(t):
+    key = _first_named(t, ".row_ptr")
+    t[key] = t[key].clone()
+    t[key][1] = t[key][-1] + 1
+
+
+def _repeated_column(t):  # perm names one input column twice
+    key = _first_named(t, ".perm")
+    t[key] = t[key].clone()
+    t[key][1] = t[key][0]
+
+
+def _wide_signs(t):  # signs that are not ±1
+    key = _first_named(t, "_signs")
+    t[key] = t[key].clone()
+    t[key][0] = 3
+
+
+@pytest.mark.parametrize(
+    "edit,message",
+    [
+        (_past_the_values, r"row_ptr does not run non-decreasing from 0 to the \d+ stored outliers"),
+        (_unsorted_row_ptr, r"row_ptr does not run non-decreasing"),
+        (_repeated_column, r"perm is not a permutation of the \d+ input columns"),
+        (_wide_signs, r"signs holds values other than \+1 and -1"),
+    ],
+    ids=["row-pointer-past-the-values", "row-pointers-out-of-order", "perm-not-a-permutation", "signs-not-unit"],
+)
+def test_tampered_spqr_and_rotation_tensors_are_named_at_load(edit, message, saved_spqr_rotated, tmp_path):
+    """SpQR's CSR outliers, its permutation and an online rotation's signs are checked when an artifact
+    loads (a row pointer past the stored values would read outside them in the CSR kernel): one line
+    naming the node and the problem, before anything runs. The control: the untouched copy loads."""
+    qc.load(_copy(saved_spqr_rotated, tmp_path / "control"))
+    path = _copy(saved_spqr_rotated, tmp_path)
+    _retensor(path, edit)
+    with pytest.raises(ArtifactError, match=message):
+        qc.load(path)
+
+
+def test_a_hadamard_block_no_model_has_is_refused_before_it_is_built(saved_spqr_rotated, tmp_path):
+    """A block size of 2^20 would build a 2^20 x 2^20 matrix at the first call: refused at load."""
+    path = _copy(saved_spqr_rotated, tmp_path)
+
+    def widen(graph):
+        node = next(n for n in graph["nodes"] if n["op"] == "call_function" and "hadamard" in str(n["target"]))
+        node["args"]["tuple"] = [
+            a if not isinstance(a, int) or isinstance(a, bool) else 2**20 for a in node["args"]["tuple"]
+        ]
+
+    _tamper_graph(path, widen)
+    with pytest.raises(ArtifactError, match=r"block_size 1048576 is not a power of two up to 16384"):
+        qc.load(path)

@@ -17,7 +17,7 @@ from torch import Tensor
 from qcompiler.algorithms.float_grid import round_to_element
 from qcompiler.algorithms.hadamard import rotate_last_dim
 from qcompiler.ir.graph_property import GraphProperty
-from qcompiler.ir.op_registry import OpSpec, register
+from qcompiler.ir.op_registry import OpSpec, expect_stored, register
 
 __all__ = ["expert_ranges", "per_expert", "hadamard", "fp8_kv_quant"]
 
@@ -69,7 +69,25 @@ def _hadamard_backward(ctx, grad):
 hadamard.register_autograd(_hadamard_backward, setup_context=_hadamard_setup)
 
 
-register(OpSpec("hadamard"))  # no weights of its own: its signs are part of the FP model, like a norm's
+MAX_HADAMARD_BLOCK = 16384  # the widest a model's residual stream gives (Llama-3 405B); its H is 2 GB in float64
+
+
+def _validate_hadamard(a, gm) -> None:
+    """±1 int8 signs, and a power-of-two block that divides their width and is not larger than any
+    model's (a hostile block size would otherwise allocate a block x block matrix)."""
+    (width,) = expect_stored(a, gm, "signs", (torch.int8,))
+    block = int(a.block_size)
+    if block < 1 or block & (block - 1) or width % block or block > MAX_HADAMARD_BLOCK:
+        raise ValueError(
+            f"block_size {block} is not a power of two up to {MAX_HADAMARD_BLOCK} dividing the {width} signs"
+        )
+    signs = a.tensor(gm, "signs")
+    if width and not bool(((signs == 1) | (signs == -1)).all()):
+        raise ValueError("signs holds values other than +1 and -1")
+
+
+# no weights of its own: its signs are part of the FP model, like a norm's
+register(OpSpec("hadamard", validate=_validate_hadamard))
 
 
 @torch.library.custom_op("qc::fp8_kv_quant", mutates_args=())

@@ -14,12 +14,12 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.fx import GraphModule
 
-from qcompiler.algorithms.packing import pack_cols, pack_rows, unpack_cols, unpack_rows
+from qcompiler.algorithms.packing import pack_cols, pack_rows, packed_length, unpack_cols, unpack_rows
 from qcompiler.algorithms.spqr import SpQRResult
 from qcompiler.ir.graph import LinearLayer, aten
 from qcompiler.ir.graph_property import GraphProperty
 from qcompiler.ir.node_swap import replace_linear
-from qcompiler.ir.op_registry import OpSpec, args_of, call_op, register
+from qcompiler.ir.op_registry import OpSpec, args_of, call_op, expect_stored, register
 from qcompiler.ir.ops import per_expert
 from qcompiler.ir.tensors import set_tensor
 from qcompiler.layouts.base import LayerQuant, Layout, register_layout, same_in_every_range
@@ -125,6 +125,42 @@ def to_csr(values: Tensor, mask: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     return row_ptr, cols.to(torch.int16), values[rows, cols].to(torch.float16)
 
 
+def _validate_dense(a, gm: GraphModule) -> None:
+    """The dense branch's stored tensors: a permutation of the input columns, int32 codes and
+    statistic codes for its widths, fp16 (step, minimum) tables, shapes that agree."""
+    (n_in,) = expect_stored(a, gm, "perm", (torch.int32,))
+    groups, runs, pair = expect_stored(a, gm, "scale_stats", (torch.float16,))
+    group_size, stat_group = int(a.group_size), int(a.stat_group_size)
+    if pair != 2 or group_size < 1 or stat_group < 1 or groups * group_size != n_in:
+        raise ValueError(
+            f"scale_stats has shape {(groups, runs, pair)}, which {n_in} input columns in groups of {group_size} "
+            "with (step, minimum) pairs do not give"
+        )
+    n_out = runs * stat_group
+    expect_stored(a, gm, "zero_stats", (torch.float16,), (groups, runs, 2))
+    expect_stored(a, gm, "codes", (torch.int32,), (packed_length(n_in, int(a.bits)), n_out))
+    for name in ("scale_codes", "zero_codes"):
+        expect_stored(a, gm, name, (torch.int32,), (groups, packed_length(n_out, int(a.stat_bits))))
+    perm = a.tensor(gm, "perm").long()
+    if n_in and not torch.equal(perm.sort().values, torch.arange(n_in, device=perm.device)):
+        raise ValueError(f"perm is not a permutation of the {n_in} input columns")
+
+
+def _validate_outliers(a, gm: GraphModule) -> None:
+    """The CSR outliers: ``out + 1`` non-decreasing int32 row pointers from 0 to the stored count,
+    int16 columns that are not negative, fp16 values — a pointer past the values would read outside
+    them in a kernel."""
+    n_out = int(a.out_features)
+    expect_stored(a, gm, "row_ptr", (torch.int32,), (n_out + 1,))
+    (nnz,) = expect_stored(a, gm, "values", (torch.float16,))
+    expect_stored(a, gm, "col_idx", (torch.int16,), (nnz,))
+    row_ptr = a.tensor(gm, "row_ptr").long()
+    if int(row_ptr[0]) != 0 or int(row_ptr[-1]) != nnz or bool((row_ptr[1:] < row_ptr[:-1]).any()):
+        raise ValueError(f"row_ptr does not run non-decreasing from 0 to the {nnz} stored outliers")
+    if nnz and int(a.tensor(gm, "col_idx").min()) < 0:
+        raise ValueError("col_idx holds a negative column")
+
+
 register(
     OpSpec(
         "spqr_dense_linear",
@@ -134,6 +170,7 @@ register(
         ),
         code_widths=("bits", "stat_bits"),
         establishes=QUANTIZED,
+        validate=_validate_dense,
     )
 )
 register(
@@ -141,6 +178,7 @@ register(
         "sparse_outlier_linear",
         storage=("row_ptr", "col_idx", "values"),  # outliers of a dense branch
         establishes=frozenset({GraphProperty.OUTLIERS_SPLIT}),
+        validate=_validate_outliers,
     )
 )
 
