@@ -34,7 +34,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", nargs="+", default=["minilm", "tinylm", "longlm"])
     ap.add_argument("--budgets", nargs="+", type=float, default=[3.25, 4.16])
-    ap.add_argument("--measures", nargs="+", default=["forward", "fisher"])
+    ap.add_argument("--measures", nargs="*", default=["forward", "fisher"])
     ap.add_argument("--calib", type=int, default=128)
     ap.add_argument(
         "--large",
@@ -47,6 +47,11 @@ def main() -> None:
         type=int,
         default=[],
         help="also the Fisher measure with each of these AutoBits.score_rows (0: every row solved)",
+    )
+    ap.add_argument(
+        "--sample-hessians",
+        action="store_true",
+        help="also the Fisher measure with measure_on='samples' (candidates solved on the samples' Hessians)",
     )
     ap.add_argument("--no-baseline", action="store_true", help="leave out the uniform gptq-w4g128 row")
     ap.add_argument("--update", action="store_true", help="merge these rows into the committed file")
@@ -63,6 +68,10 @@ def main() -> None:
         )
         runs = [] if args.no_baseline else [("gptq-w4g128", "gptq-w4g128")]
         runs += [(f"auto:{b:g} {m}", AutoBits(budget=b, sensitivity=m)) for b in args.budgets for m in args.measures]
+        if args.sample_hessians:
+            runs += [
+                (f"auto:{b:g} fisher, sample Hessians", AutoBits(budget=b, measure_on="samples")) for b in args.budgets
+            ]
         runs += [
             (f"auto:{b:g} fisher, {r or 'every'} rows", AutoBits(budget=b, score_rows=r))
             for b in args.budgets

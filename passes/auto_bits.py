@@ -84,6 +84,9 @@ class AutoBits(WeightQuantizer):
     # random; the damage and bits scaled to the layer: an unbiased estimate); 0: every row. Makes the
     # measuring cost per layer independent of its height (Fisher measure only)
     score_rows: int = 256
+    # where the measuring walk's Hessians come from: "calibration" (all of it, as the plan's own solve)
+    # or "samples" (the ``samples`` sensitivity sequences only: one short walk, for large calibration sets)
+    measure_on: str = "calibration"
 
     needs_calibration: ClassVar = True
     needs_hessian: ClassVar = True
@@ -112,6 +115,8 @@ class AutoBits(WeightQuantizer):
             candidate_quantizer(name)
         if self.samples < 1:
             raise QuantizationError(f"auto: samples must be at least 1, got {self.samples}")
+        if self.measure_on not in ("calibration", "samples"):
+            raise QuantizationError(f"auto: measure_on={self.measure_on!r}; choose calibration or samples")
         if not isinstance(self.score_rows, int) or self.score_rows < 0:
             raise QuantizationError(
                 f"auto: score_rows must be 0 (every row) or a positive count, got {self.score_rows!r}"
@@ -188,7 +193,12 @@ class AutoBits(WeightQuantizer):
         )
         if self.sensitivity == "fisher":
             try:
-                return measure_fisher_sensitivities(*args, **options, score_rows=self.score_rows)
+                return measure_fisher_sensitivities(
+                    *args,
+                    **options,
+                    score_rows=self.score_rows,
+                    hessians_from_samples=self.measure_on == "samples",
+                )
             except FisherUnavailable as e:
                 note = f"auto: the graph has no derivative ({e}); sensitivities measured forward instead"
                 ctx.record.notes.append(note)

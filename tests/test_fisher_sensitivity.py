@@ -184,3 +184,41 @@ def test_scores_on_sampled_rows_estimate_the_whole_layers(monkeypatch):
 def test_a_version_1_auto_config_solves_every_row():
     """Artifacts made before ``score_rows`` replay as they were made."""
     assert qc.passes.AutoBits.migrate_config({"budget": 3.0}, 1) == {"score_rows": 0, "budget": 3.0}
+
+
+def test_measuring_on_the_samples_hessians_walks_only_the_samples(monkeypatch):
+    """``measure_on="samples"``: the measuring walk (and each candidate's Hessian) runs on the
+    sensitivity samples alone. With a calibration that *is* those samples the table equals the
+    default's exactly; with a larger one the walk sees only the samples' rows."""
+    from qcompiler.calib.calibration import CalibrationEngine
+
+    walked = []
+    real = CalibrationEngine.for_pass.__func__
+    monkeypatch.setattr(
+        CalibrationEngine,
+        "for_pass",
+        classmethod(
+            lambda cls, gm, ctx: (
+                walked.append(sum(b[1]["input_ids"].shape[0] for b in ctx.calibration)) or real(cls, gm, ctx)
+            )
+        ),
+    )
+    tables = []
+    fisher = auto_bits.measure_fisher_sensitivities
+    monkeypatch.setattr(
+        auto_bits, "measure_fisher_sensitivities", lambda *a, **k: tables.append(fisher(*a, **k)) or tables[-1]
+    )
+    model = causal_lm("llama")
+    calibration = _calib()  # one batch of 8 sequences
+    for measure_on in ("calibration", "samples"):
+        recipe = [qc.passes.AutoBits(budget=4.0, candidates=SMALL, samples=8, measure_on=measure_on)]
+        qc.compile(model, {"input_ids": prompt()}, recipe=recipe, calibration=calibration, progress=False)
+    assert {p: {c: s.distance for c, s in r.items()} for p, r in tables[0].items()} == {
+        p: {c: s.distance for c, s in r.items()} for p, r in tables[1].items()
+    }
+    walked.clear()
+    recipe = [qc.passes.AutoBits(budget=4.0, candidates=SMALL, samples=3, measure_on="samples")]
+    qc.compile(model, {"input_ids": prompt()}, recipe=recipe, calibration=calibration, progress=False)
+    assert walked[0] == 3 and walked[-1] == 8  # measuring on 3 samples; the plan solved on all 8
+    with pytest.raises(QuantizationError, match=re.escape("auto: measure_on='all'; choose calibration or samples")):
+        qc.passes.AutoBits(budget=3.0, measure_on="all")

@@ -168,11 +168,14 @@ def measure_fisher_sensitivities(
     eligible: Callable[[str], bool] = lambda _path: True,
     score_rows: int = 0,
     together: Optional[Callable] = None,
+    hessians_from_samples: bool = False,
 ) -> dict[str, dict[str, CandidateScore]]:
     """``{layer path: {candidate: score}}`` as ``measure_sensitivities`` returns it, from the Fisher
     estimate of the module docstring; the graph's weights are never changed. ``score_rows``: each
     layer's candidates solved on that many of its rows (``sample_rows``; 0: all), the Fisher kept
-    for those output channels only; ``together``: as ``score_candidates`` takes it."""
+    for those output channels only; ``together``: as ``score_candidates`` takes it;
+    ``hessians_from_samples``: the candidates solved on the sensitivity samples' Hessians (one walk
+    over ``samples`` sequences instead of the whole calibration)."""
     batches = sensitivity_samples(ctx.calibration, samples)
     masks = [kwargs.get("attention_mask") for _args, kwargs in batches]
     start = time.perf_counter()
@@ -212,5 +215,13 @@ def measure_fisher_sensitivities(
         yield damage
 
     return score_candidates(
-        gm, ctx, candidates, eligible, fisher_damage, keep_rows=rows, row_sample=row_sample, together=together
+        gm,
+        ctx,
+        candidates,
+        eligible,
+        fisher_damage,
+        keep_rows=rows,
+        row_sample=row_sample,
+        together=together,
+        walk_on=batches if hessians_from_samples else None,
     )

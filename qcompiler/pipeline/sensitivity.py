@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Callable, ContextManager, Optional
 
 import torch
@@ -156,6 +156,7 @@ def score_candidates(
     keep_rows: int = 0,
     row_sample: Optional[dict[str, torch.Tensor]] = None,
     together: Optional[Callable[[dict, LinearLayer, torch.Tensor, Optional[torch.Tensor]], dict]] = None,
+    walk_on: Optional[list] = None,
 ) -> dict[str, dict[str, CandidateScore]]:
     """The walk both measures share: block by block on FP inputs (nothing is quantized while
     measuring; ``keep_rows`` input rows kept per layer), every eligible linear quantized by every
@@ -165,8 +166,9 @@ def score_candidates(
     rows of the whole solve); ``W`` is then those rows, and the damage and stored bits are scaled by
     ``out / rows`` — an unbiased estimate of the whole layer's sums. ``together(candidates, layer, W,
     H)``: the results of the candidates it can solve at once (None: cannot hold the shape), the same
-    as each one's own solve."""
-    engine = CalibrationEngine.for_pass(gm, ctx)
+    as each one's own solve. ``walk_on``: the batches the walk (and so each layer's Hessian) runs on
+    instead of the whole calibration."""
+    engine = CalibrationEngine.for_pass(gm, ctx if walk_on is None else replace(ctx, calibration=walk_on))
     table: dict[str, dict[str, CandidateScore]] = {}
     for seg in engine.blocks():
         layers = [layer for layer in seg.linears if eligible(layer.path)]
