@@ -154,6 +154,10 @@ def quantize(
         help="keep these layers in full precision (a glob over module paths, or 're:' + a regex); repeatable; "
         "'qcompiler recipes RECIPE --model MODEL' shows what they match",
     ),
+    embeddings: Optional[str] = typer.Option(
+        None,
+        help="also quantize the token embeddings (and a head tied to them) in the graph: wBITSgGROUP, e.g. w8g128",
+    ),
     calib: str = typer.Option(
         "bundled",
         help="'bundled' (the bundled text through the model's tokenizer), "
@@ -220,7 +224,7 @@ def quantize(
     from qcompiler.compiler import resolve_device
     from qcompiler.distributed.ranks import join_from_environment, leave
     from qcompiler.files.atomic import check_output_folder
-    from qcompiler.pipeline.recipe_files import resolve_recipe, with_overrides
+    from qcompiler.pipeline.recipe_files import resolve_recipe, with_embeddings, with_overrides
 
     bound_kernel_cache()  # before the first matmul of this process
     if revision is not None:
@@ -231,6 +235,7 @@ def quantize(
         model = f"{model}@{revision}"
     # a bad recipe, device or output path fails before any loading
     resolved = with_overrides(resolve_recipe(recipe), bits=bits, group_size=group_size, ignore=ignore or None)
+    resolved = with_embeddings(resolved, embeddings)
     compute = resolve_device(device)
     protect = [model] if Path(model).is_dir() else []
     if resume and checkpoint is None:

@@ -327,6 +327,20 @@ def test_bits_group_size_and_ignore_shortcuts_set_the_recipes_passes(tmp_path, c
     )
 
 
+def test_embeddings_option_quantizes_the_table_after_the_recipe(tmp_path, capsys):
+    """``--embeddings w8g128`` appends QuantizeEmbeddings(bits=8, group_size=128) to the recipe: the
+    saved graph looks tokens up in the quantized table; a spec that is not wBITSgGROUP is one line."""
+    out = tmp_path / "o"
+    args = ["quantize", "bundled:tinylm", "--recipe", "rtn-w4g128", "--embeddings", "w8g128", "--samples", "2"]
+    assert main([*args, "--out", str(out)]) == 0
+    cm = qc.load(out)
+    assert [p.name for p in cm.report.passes] == ["RTN", "QuantizeEmbeddings"]
+    assert {r["bits"] for r in cm.report.layer_table("QuantizeEmbeddings")} == {8}
+    assert any("quant_embedding" in str(n.target) for n in cm.graph_module.graph.nodes)
+    assert main(["quantize", "bundled:tinylm", "--embeddings", "w8", "--out", str(tmp_path / "p")]) == 2
+    assert "--embeddings 'w8' is not wBITSgGROUP" in capsys.readouterr().err
+
+
 def test_recipes_lists_names_and_shows_one_recipes_passes_and_matches(tmp_path, capsys):
     assert main(["recipes"]) == 0
     listing = capsys.readouterr().out

@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import os
+import re
 import stat
 
 try:
@@ -230,6 +231,19 @@ def with_overrides(recipe: Recipe, **settings: Any) -> Recipe:
             passes[i] = dataclasses.replace(passes[i], **{key: checked})
     label = ", ".join(f"{k}={v}" for k, v in settings.items())
     return Recipe(f"{recipe.name} ({label})", tuple(passes), recipe.description)
+
+
+def with_embeddings(recipe: Recipe, spec: str | None) -> Recipe:
+    """``recipe`` followed by ``QuantizeEmbeddings`` at ``spec`` — ``w8g128``: bits and group size —
+    the command line's ``--embeddings`` (None: ``recipe`` unchanged)."""
+    if spec is None:
+        return recipe
+    match = re.fullmatch(r"w(\d+)g(-1|\d+)", spec)
+    if match is None:
+        raise RecipeError(f"--embeddings {spec!r} is not wBITSgGROUP (e.g. w8g128, w4g32)")
+    cls = resolve_pass("QuantizeEmbeddings", allow_import=False, where="--embeddings")
+    quantize = cls(bits=int(match[1]), group_size=int(match[2]))
+    return Recipe(f"{recipe.name} + embeddings {spec}", (*recipe.passes, quantize), recipe.description)
 
 
 def _field_names(p) -> set[str]:
