@@ -26,7 +26,7 @@ from qcompiler.ir.graph import find_linears, module_path
 from qcompiler.ir.op_registry import call_op
 from qcompiler.ir.tensors import drop_tensor, get_raw_tensor, get_tensor, set_tensor
 from qcompiler.layouts import stored_bits
-from qcompiler.layouts.gptq import GPTQ_TENSORS, pack_gptq
+from qcompiler.layouts.gptq import GPTQ, GPTQ_TENSORS, pack_gptq
 from qcompiler.pipeline.layer_filter import check_patterns, ignore_reason
 from qcompiler.pipeline.pass_base import GraphProperty, Pass, PassContext
 
@@ -69,8 +69,9 @@ class QuantizeEmbeddings(Pass):
             names = _names_of(gm, get_raw_tensor(gm, lookups[0].args[0].target))
             path = module_path(lookups[0]) or lookups[0].args[0].target.rsplit(".", 1)[0]
             table = get_tensor(gm, lookups[0].args[0].target)
+            tied = _tied_linears(gm, names)
             problem = ignore_reason(path, self.ignore) or self._unpackable(table)
-            problem = problem or _other_readers(gm, names, lookups)
+            problem = problem or _other_readers(gm, names, lookups, tied)
             if problem:
                 kept.append(f"{path} kept in full precision ({problem})")
                 ctx.record.notes.append(f"QuantizeEmbeddings: {kept[-1]}")
@@ -80,7 +81,7 @@ class QuantizeEmbeddings(Pass):
             tensors, dequantized = self._quantize(table)
             for name, tensor in tensors.items():
                 set_tensor(gm, f"{path}.{name}", tensor.to(table.device))
-            heads = self._rewrite(gm, names, path, lookups, table.dtype)
+            heads = self._rewrite(gm, names, path, lookups, tied, table.dtype)
             info = gm.meta.get("qcompiler")
             if info is not None and info.tied:  # the FP table's names are gone: no alias to write under
                 info.tied = {k: v for k, v in info.tied.items() if k not in names and v not in names}
@@ -111,7 +112,7 @@ class QuantizeEmbeddings(Pass):
 
     def _quantize(self, table: torch.Tensor) -> tuple[dict, torch.Tensor]:
         """The table's GPTQ-layout tensors and what they stand for, rounded ``ROWS_AT_ONCE`` rows at a time
-        (RTN's rows are independent; qzeros and scales join along the rows, as row ranges do)."""
+        (RTN's rows are independent) and joined as the layout joins a layer's row ranges."""
         parts, values = [], []
         for start in range(0, table.shape[0], ROWS_AT_ONCE):
             W = table[start : start + ROWS_AT_ONCE].float()
@@ -119,11 +120,14 @@ class QuantizeEmbeddings(Pass):
             packed = pack_gptq(res.codes, res.scales, res.zeros, res.g_idx, self.bits, self.group_size)
             parts.append(packed)
             values.append(res.dequantized)
-        tensors = {n: torch.cat([getattr(p, n) for p in parts], dim=1) for n in ("qweight", "qzeros", "scales")}
-        tensors["g_idx"] = parts[0].g_idx
+        tensors, _constants, _figures = GPTQ.row_join(  # the layout's own join of row ranges
+            [{name: getattr(p, name) for name in GPTQ_TENSORS} for p in parts], [{}] * len(parts)
+        )
         return tensors, torch.cat(values)
 
-    def _rewrite(self, gm: GraphModule, names: set[str], base: str, lookups: list[Node], dtype) -> list[str]:
+    def _rewrite(
+        self, gm: GraphModule, names: set[str], base: str, lookups: list[Node], tied: list, dtype
+    ) -> list[str]:
         """Lookups become ``qc.quant_embedding``, linears reading the table ``qc.quant_linear`` over the
         same attributes (``{base}.qweight``, ...); the FP table goes under every name it had (nothing
         else reads it: ``_other_readers``). Returns the tied linears' paths."""
@@ -141,7 +145,7 @@ class QuantizeEmbeddings(Pass):
         for node in lookups:
             swap(node, "quant_embedding", ids=node.args[1], out_dtype=dtype)
         heads = []
-        for layer in _tied_linears(gm, names):
+        for layer in tied:
             swap(layer.node, "quant_linear", x=layer.input, bias=layer.bias_node)
             heads.append(layer.path)
         for n in [n for n in graph.nodes if n.op == "get_attr" and n.target in names]:
@@ -163,10 +167,10 @@ def _tied_linears(gm: GraphModule, names: set[str]) -> list:
     return [layer for layer in find_linears(gm) if layer.weight_node.target in names and not layer.transposed]
 
 
-def _other_readers(gm: GraphModule, names: set[str], lookups: list[Node]) -> str:
+def _other_readers(gm: GraphModule, names: set[str], lookups: list[Node], tied: list) -> str:
     """What else reads the FP table besides its lookups and tied linears ('' when nothing): such a
     reader could not read the quantized table, so the table stays."""
-    known = {n.name for n in lookups} | {layer.node.name for layer in _tied_linears(gm, names)}
+    known = {n.name for n in lookups} | {layer.node.name for layer in tied}
     readers = [n for n in gm.graph.nodes if n.op == "get_attr" and n.target in names]
     others = sorted({u.name for n in readers for u in n.users} - known)
     return f"also read by {', '.join(others)}" if others else ""

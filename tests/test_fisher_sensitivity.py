@@ -37,6 +37,16 @@ def _tables(model, monkeypatch) -> dict:
     return tables
 
 
+def _fisher_tables(monkeypatch) -> list:
+    """The Fisher measure's tables, one per run, caught on their way to the allocator."""
+    tables = []
+    real = auto_bits.measure_fisher_sensitivities
+    monkeypatch.setattr(
+        auto_bits, "measure_fisher_sensitivities", lambda *a, **k: tables.append(real(*a, **k)) or tables[-1]
+    )
+    return tables
+
+
 def _ranks(x: torch.Tensor) -> torch.Tensor:
     return x.argsort().argsort().double()
 
@@ -103,11 +113,7 @@ def test_rtn_scoring_counts_each_candidates_own_bits_and_meets_the_budget(monkey
     candidates × solves dominate) stores the same tensors per candidate, so the sizes it allocates
     with are the GPTQ candidates' bit for bit, and the solved plan meets its budget."""
     gptq_only = ("gptq-w2g32", "gptq-w3g32", "gptq-w4g32", "gptq-w8g32")
-    tables = []
-    real = auto_bits.measure_fisher_sensitivities
-    monkeypatch.setattr(
-        auto_bits, "measure_fisher_sensitivities", lambda *a, **k: tables.append(real(*a, **k)) or tables[-1]
-    )
+    tables = _fisher_tables(monkeypatch)
     model = causal_lm("llama")
     for score_with in ("solve", "rtn"):
         recipe = [qc.passes.AutoBits(budget=3.5, candidates=gptq_only, samples=4, score_with=score_with)]
@@ -156,11 +162,7 @@ def test_scores_on_sampled_rows_estimate_the_whole_layers(monkeypatch):
     by out / rows. GPTQ candidates' bits are the whole layer's exactly; SpQR's (its outliers) within
     5 %; the damages rank (layer, candidate) pairs as the whole solves do (Spearman ≥ 0.9; measured
     0.999 with 32 of 64-128 rows) and sum to within 0.7-1.3x of theirs (measured 0.99x); the plan meets its budget."""
-    tables = []
-    real = auto_bits.measure_fisher_sensitivities
-    monkeypatch.setattr(
-        auto_bits, "measure_fisher_sensitivities", lambda *a, **k: tables.append(real(*a, **k)) or tables[-1]
-    )
+    tables = _fisher_tables(monkeypatch)
     model = causal_lm("llama")
     for rows in (0, 32):
         recipe = [qc.passes.AutoBits(budget=4.0, candidates=SMALL, samples=8, score_rows=rows)]
@@ -203,11 +205,7 @@ def test_measuring_on_the_samples_hessians_walks_only_the_samples(monkeypatch):
             )
         ),
     )
-    tables = []
-    fisher = auto_bits.measure_fisher_sensitivities
-    monkeypatch.setattr(
-        auto_bits, "measure_fisher_sensitivities", lambda *a, **k: tables.append(fisher(*a, **k)) or tables[-1]
-    )
+    tables = _fisher_tables(monkeypatch)
     model = causal_lm("llama")
     calibration = _calib()  # one batch of 8 sequences
     for measure_on in ("calibration", "samples"):

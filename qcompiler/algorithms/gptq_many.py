@@ -18,7 +18,15 @@ from typing import NamedTuple
 
 import torch
 
-from qcompiler.algorithms.gptq import HessianFactor, QuantResult, _column_cost, _Groups, _sweep_block, check_spec
+from qcompiler.algorithms.gptq import (
+    HessianFactor,
+    QuantResult,
+    _column_cost,
+    _Groups,
+    _sweep_block,
+    check_spec,
+    swept_copy,
+)
 
 __all__ = ["GridSpec", "gptq_quantize_many", "batchable"]
 
@@ -69,11 +77,7 @@ def gptq_quantize_many(
         if not batchable(spec):
             raise ValueError(f"{spec} cannot share a sweep (integer grids on static groups only)")
     perm, U = factor.perm, factor.U
-    W = W.detach().float()
-    if bool(factor.dead.any()):
-        W = W.clone()
-        W[:, factor.dead] = 0.0
-    WT = W.t().contiguous() if perm is None else W.t().contiguous()[perm]
+    W, WT = swept_copy(W, factor)
     n_in, n_out = WT.shape
     cost = _column_cost(U, "mse")
     groups = [

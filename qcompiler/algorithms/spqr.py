@@ -23,7 +23,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from qcompiler.algorithms.gptq import HessianFactor, _prepare, inverse_hessian_cholesky
+from qcompiler.algorithms.gptq import HessianFactor, _prepare, inverse_hessian_cholesky, swept_copy
 from qcompiler.algorithms.quant_grid import Grid, _grid_for_range, fit_grid
 from qcompiler.errors import QuantizationError
 
@@ -181,9 +181,7 @@ def _setup(
         U, damp_used, steps = inverse_hessian_cholesky(Hp, damp)
     else:  # GPTQ's factor of the same H and damping (hessian_factor: the same conditioning and order)
         perm, U, damp_used, steps = factor.perm, factor.U, factor.damp, factor.damp_steps
-        Wp = W.detach().clone().float()
-        Wp[:, factor.dead] = 0.0
-        Wp = Wp if perm is None else Wp[:, perm]
+        Wp = swept_copy(W, factor)[1].t()  # [out, in] in processing order (the sweep transposes it back)
     perm = torch.arange(n_in, device=Wp.device) if perm is None else perm
     diag = torch.diagonal(U)
     # τ is relative to the layer's column variances: rows solved apart take them from the whole layer

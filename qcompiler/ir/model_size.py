@@ -81,7 +81,8 @@ def model_size(gm: GraphModule, stored_as: Mapping[str, torch.dtype] | None = No
         if op_spec is None or not op_spec.storage:
             continue
         a = OpArgs(op_spec, node)
-        stored = tuple(getattr(a.as_dict()[n], "target", id(a.as_dict()[n])) for n in op_spec.storage)
+        arguments = a.as_dict()
+        stored = tuple(getattr(arguments[n], "target", id(arguments[n])) for n in op_spec.storage)
         if stored in counted:
             continue
         counted.add(stored)
