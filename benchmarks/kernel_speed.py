@@ -1,19 +1,23 @@
 """Triton kernel speed against torch fp16 matmul (cuBLAS), with a correctness check at full size.
 
-    python benchmarks/kernel_speed.py            # on a CUDA GPU: LLM shapes at M = 1, 16, 512
+    python benchmarks/kernel_speed.py            # on a CUDA GPU: LLM shapes at M = 1, 4, 16, 64, 512
     python benchmarks/kernel_speed.py --smoke    # tiny shapes (CPU: under TRITON_INTERPRET=1); checks the script, not speed
 
-For each layer shape (in × out) and M it times, with ``triton.testing.do_bench`` (median), fp16
-``F.linear`` and each kernel the ``triton`` backend runs, on the same fp16 activations: W4A16 g128,
-W4A16 g128 act-order, W3A16 g128 (all on the kernel layout: the GEMV at M = 1, the dequantizing
-GEMM above, ``kernels/layout_*.py``), W8A8 per-token (activation quantizer + ``int8_gemm``), SpQR
-w3g16 with 1 % random outliers (kernel layout, outliers fused into the GEMV), and for comparison
-W4A16 g128 on the stored GPTQ layout (``gptq_gemm``, the fallback kernel). Speed-up = fp16 time /
+For each layer shape (in × out) and M it times, with ``triton.testing.do_bench_cudagraph`` (median
+of CUDA-graph replays: no Python or launch overhead on either side), fp16 ``F.linear`` and each
+kernel the ``triton`` backend runs, on the same fp16 activations: W4A16 g128, W4A16 g128
+act-order, W3A16 g128 (all on the kernel layout through ``kernels.layout_linear``: the decode GEMV
+at M = 1, the fused dequantizing GEMM below ``DEQUANT_MIN_M`` rows, dequantize + cuBLAS from it),
+W8A8 per-token (activation quantizer + ``int8_gemm``), SpQR w3g16 with 1 % random outliers
+(outliers fused into the GEMV), W4A16 g128 on the stored GPTQ layout (``gptq_gemm``, the fallback
+kernel), and two rows that decide the dispatch: the first GEMV (``layout_gemv.py``, K loop) at
+M = 1 and the fused GEMM at M ≥ 16 (the dequant + cuBLAS crossover). Speed-up = fp16 time /
 kernel time, measured side by side in one run. Effective bandwidth counts the bytes a kernel must
 read once (the tensors it reads — the repacked layout where there is one — activations, output);
 TFLOP/s counts 2·M·K·N. Before timing, each kernel's output is compared with its plain-torch
-reference on the GPU. Writes benchmarks/results/kernels.json. Without a GPU it says so and writes
-that instead.
+reference on the GPU. Rows run M-major (every shape at M = 1 first), so a time limit keeps the
+decode figures. Writes benchmarks/results/kernels.json. Without a GPU it says so and writes that
+instead.
 """
 
 from __future__ import annotations
@@ -29,8 +33,8 @@ from pathlib import Path
 import torch
 
 RESULTS = Path(__file__).resolve().parent / "results" / "kernels.json"
-SHAPES = [(4096, 4096), (4096, 11008), (11008, 4096)]  # (in_features, out_features)
-ROWS = [1, 16, 512]
+SHAPES = [(4096, 4096), (4096, 11008), (11008, 4096), (8192, 8192), (4096, 14336)]  # (in_features, out_features)
+ROWS = [1, 16, 512, 4, 64]  # the decode figures first
 PEAKS = {"H200": (4.8e12, 989e12), "H100": (3.35e12, 989e12), "A100": (2.0e12, 312e12)}  # HBM B/s, fp16 FLOP/s
 
 
@@ -76,75 +80,102 @@ def stored_bytes(tensors) -> int:
 
 
 def bench(fn, smoke: bool) -> float:
-    """Median milliseconds of ``fn()``."""
+    """Median milliseconds of ``fn()`` replayed from a CUDA graph (one call first: autotuning and
+    allocation happen outside the capture)."""
     if smoke:
         start = time.perf_counter()
         fn()
         return (time.perf_counter() - start) * 1e3
     import triton.testing
 
-    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+    fn()
+    return triton.testing.do_bench_cudagraph(fn, rep=50, return_mode="median")
 
 
-def run(shapes, rows, device, smoke: bool, partial=lambda rows: None) -> list[dict]:
-    """Every (shape, M) row; ``partial(rows_so_far)`` after each (a time limit keeps what was measured)."""
+def shape_cases(k, n, device, gen) -> dict:
+    """label -> (kernel, reference, stored tensors, rows it applies to) for one layer shape."""
     from qcompiler import kernels
     from qcompiler.kernels import kernel_layout
+    from qcompiler.kernels.layout_gemm import layout_gemm
+    from qcompiler.kernels.layout_gemv import layout_gemv
     from qcompiler.layouts.gptq import quant_linear
     from qcompiler.layouts.int8 import int8_linear
     from qcompiler.layouts.spqr import sparse_outlier_linear, spqr_dense_linear
 
+    every = lambda m: True  # noqa: E731
+    cases = {}
+    for label, bits, act in (("w4a16-g128", 4, False), ("w4a16-g128-act", 4, True), ("w3a16-g128", 3, False)):
+        packed, (b, g) = gptq_case(k, n, bits, act, gen)
+        packed = tuple(t.to(device) for t in packed)
+        layout = kernel_layout.layout_from_gptq(*packed, b, g)
+        reference = lambda x, p=packed, b=b, g=g: quant_linear(x.float(), *p, None, b, g)  # noqa: E731
+        stored = tuple(layout.tensors().values())
+        cases[label] = (lambda x, lay=layout: kernels.layout_linear(x, lay, None), reference, stored, every)
+        if label == "w4a16-g128":
+            cases["w4a16-g128-stored-layout"] = (
+                lambda x, p=packed, b=b, g=g: kernels.gptq_linear(x, *p, None, b, g),
+                reference,
+                packed,
+                every,
+            )
+            cases["w4a16-g128-first-gemv"] = (
+                lambda x, lay=layout: layout_gemv(x[0], lay, None)[None],
+                reference,
+                stored,
+                lambda m: m == 1,
+            )
+            cases["w4a16-g128-fused-gemm"] = (
+                lambda x, lay=layout: layout_gemm(x, lay, None),
+                reference,
+                stored,
+                lambda m: m >= 16,
+            )
+    wq = torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8).to(device)
+    ws = (torch.rand(n, generator=gen) * 1e-3).to(device)
+    cases["w8a8"] = (
+        lambda x: kernels.int8_linear(x, wq, ws, None, None, None),
+        lambda x: int8_linear(x.float(), wq, ws, None, None, None),
+        (wq, ws),
+        every,
+    )
+    dense, sparse = spqr_case(k, n, gen)
+    dense, sparse = tuple(t.to(device) for t in dense), tuple(t.to(device) for t in sparse)
+    spqr_layout = kernel_layout.layout_from_spqr(*dense, 3, 16, 3, 16, stat_dtype=torch.float16)
+    outliers = kernel_layout.outliers_from_csr(*sparse, spqr_layout.perm, torch.float16)
+
+    def spqr_ref(x, d=dense, s=sparse):
+        x = x.float()
+        return spqr_dense_linear(x, *d, None, 3, 16, 3, 16) + sparse_outlier_linear(x, *s, n)
+
+    cases["spqr-w3g16-1%"] = (
+        lambda x, lay=spqr_layout, o=outliers: kernels.layout_linear(x, lay, None, o),
+        spqr_ref,
+        tuple(spqr_layout.tensors().values()) + tuple(outliers.tensors().values()),
+        every,
+    )
+    return cases
+
+
+def run(shapes, rows, device, smoke: bool, partial=lambda rows: None) -> list[dict]:
+    """Every (M, shape) row, M-major; ``partial(rows_so_far)`` after each (a time limit keeps what was
+    measured)."""
     gen = torch.Generator().manual_seed(0)
     peak_bw, peak_flops = (
         next((v for k, v in PEAKS.items() if k in torch.cuda.get_device_name()), (None, None))
         if device.type == "cuda"
         else (None, None)
     )
+    layers = [(k, n, (torch.randn(n, k, generator=gen) * 0.02).half().to(device), shape_cases(k, n, device, gen))
+              for k, n in shapes]  # fmt: skip
     results = []
-    for k, n in shapes:
-        w16 = (torch.randn(n, k, generator=gen) * 0.02).half().to(device)
-        cases = {}
-        for label, bits, act in (("w4a16-g128", 4, False), ("w4a16-g128-act", 4, True), ("w3a16-g128", 3, False)):
-            packed, (b, g) = gptq_case(k, n, bits, act, gen)
-            packed = tuple(t.to(device) for t in packed)
-            layout = kernel_layout.layout_from_gptq(*packed, b, g)
-            cases[label] = (
-                lambda x, lay=layout: kernels.layout_linear(x, lay, None),
-                lambda x, p=packed, b=b, g=g: quant_linear(x.float(), *p, None, b, g),
-                tuple(layout.tensors().values()),
-            )
-            if label == "w4a16-g128":
-                cases["w4a16-g128-stored-layout"] = (
-                    lambda x, p=packed, b=b, g=g: kernels.gptq_linear(x, *p, None, b, g),
-                    cases[label][1],
-                    packed,
-                )
-        wq = torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8).to(device)
-        ws = (torch.rand(n, generator=gen) * 1e-3).to(device)
-        cases["w8a8"] = (
-            lambda x: kernels.int8_linear(x, wq, ws, None, None, None),
-            lambda x: int8_linear(x.float(), wq, ws, None, None, None),
-            (wq, ws),
-        )
-        dense, sparse = spqr_case(k, n, gen)
-        dense, sparse = tuple(t.to(device) for t in dense), tuple(t.to(device) for t in sparse)
-        spqr_layout = kernel_layout.layout_from_spqr(*dense, 3, 16, 3, 16, stat_dtype=torch.float16)
-        outliers = kernel_layout.outliers_from_csr(*sparse, spqr_layout.perm, torch.float16)
-
-        def spqr_ref(x, d=dense, s=sparse):
-            x = x.float()
-            return spqr_dense_linear(x, *d, None, 3, 16, 3, 16) + sparse_outlier_linear(x, *s, n)
-
-        cases["spqr-w3g16-1%"] = (
-            lambda x, lay=spqr_layout, o=outliers: kernels.layout_linear(x, lay, None, o),
-            spqr_ref,
-            tuple(spqr_layout.tensors().values()) + tuple(outliers.tensors().values()),
-        )
-        for m in rows:
+    for m in rows:
+        for k, n, w16, cases in layers:
             x = torch.randn(m, k, generator=gen).half().to(device)
             base_ms = bench(lambda: torch.nn.functional.linear(x, w16), smoke)
             row = {"in": k, "out": n, "M": m, "fp16_ms": base_ms}
-            for label, (kernel, reference, stored) in cases.items():
+            for label, (kernel, reference, stored, applies) in cases.items():
+                if not applies(m):
+                    continue
                 try:
                     got, want = kernel(x).float(), reference(x)
                 except Exception as exc:  # one broken kernel must not hide the others' figures
@@ -170,11 +201,11 @@ def run(shapes, rows, device, smoke: bool, partial=lambda rows: None) -> list[di
             print(
                 f"{k:>6}x{n:<6} M={m:<4} fp16 {base_ms:8.4f} ms | "
                 + " | ".join(
-                    f"{label} {row[label]['speedup_vs_fp16']:.2f}x {row[label]['GB_per_s']:.0f} GB/s"
-                    + (f" ({row[label]['bandwidth_fraction_of_peak']:.0%} HBM)" if peak_bw else "")
-                    + f" (err {row[label]['max_rel_err_vs_reference']:.1e})"
-                    for label in cases
-                    if "error" not in row[label]
+                    f"{label} {entry['speedup_vs_fp16']:.2f}x {entry['GB_per_s']:.0f} GB/s"
+                    + (f" ({entry['bandwidth_fraction_of_peak']:.0%} HBM)" if peak_bw else "")
+                    + f" (err {entry['max_rel_err_vs_reference']:.1e})"
+                    for label, entry in row.items()
+                    if isinstance(entry, dict) and "error" not in entry
                 ),
                 flush=True,
             )
@@ -192,7 +223,7 @@ def main(argv=None) -> int:
         gpu = torch.cuda.is_available()
         if not gpu:
             os.environ.setdefault("TRITON_INTERPRET", "1")
-        rows = run([(256, 128)], [1, 32], torch.device("cuda" if gpu else "cpu"), smoke=True)
+        rows = run([(256, 128)], [1, 4, 16, 64], torch.device("cuda" if gpu else "cpu"), smoke=True)
         record = {"mode": "smoke: tiny shapes, timings are meaningless", "rows": rows}
     elif not torch.cuda.is_available():
         message = (

@@ -112,9 +112,20 @@ def _gptq_gemm_kernel(
 
 
 def _decode_configs():
-    return [  # six, not the full product: each config is one more compile per kernel variant on a GPU
-        triton.Config({"BLOCK_M": 16, "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": sk}, num_warps=4, num_stages=3)
-        for bn, bk, sk in ((64, 128, 1), (64, 128, 4), (64, 64, 8), (128, 128, 1), (128, 128, 4), (128, 64, 8))
+    return [  # nine, not the full product: each config is one more compile per kernel variant on a GPU;
+        # the small tiles split 8-16 ways are what fills 132 SMs at M = 2-16 on a 4096-wide layer
+        triton.Config({"BLOCK_M": 16, "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": sk}, num_warps=w, num_stages=3)
+        for bn, bk, sk, w in (
+            (64, 128, 1, 4),
+            (64, 128, 4, 4),
+            (64, 64, 8, 4),
+            (128, 128, 1, 4),
+            (128, 128, 4, 4),
+            (128, 64, 8, 4),
+            (64, 64, 16, 2),
+            (32, 128, 8, 2),
+            (64, 32, 16, 2),
+        )
     ]
 
 
@@ -132,7 +143,7 @@ def tunable_pair(kernel) -> tuple[Tunable, Tunable]:
         Tunable(
             kernel,
             _decode_configs(),
-            key=["N", "K"],
+            key=["M", "N", "K"],  # M <= DECODE_MAX_M: few values, each with its own best split
             reset_to_zero=["out_ptr"],
             interpret_config={"BLOCK_M": 16, "BLOCK_N": 128, "BLOCK_K": 128, "SPLIT_K": 2},
         ),

@@ -1,4 +1,7 @@
-"""Decode at batch 1: ``y = x · Wᵀ`` for one activation row on the kernel layout, a GEMV.
+"""The first decode GEMV (a K loop per column block), kept beside ``decode_gemv.py`` — the one
+``layout_linear`` runs — until a GPU run of ``benchmarks/kernel_speed.py`` has timed both.
+
+Decode at batch 1: ``y = x · Wᵀ`` for one activation row on the kernel layout, a GEMV.
 
 A ``tl.dot`` needs 16 activation rows, so a one-row product through it wastes 15/16 of the work;
 this kernel multiplies and sums instead. Each program owns ``BLOCK_N`` output columns and walks
@@ -19,45 +22,11 @@ import torch
 import triton
 import triton.language as tl
 
-from qcompiler.kernels.gemm_parts import split_k_range
+from qcompiler.kernels.gemm_parts import add_fused_outliers, split_k_range, tile_codes
 from qcompiler.kernels.kernel_layout import KernelLayout, Outliers, plane_widths, rows_per_word
 from qcompiler.kernels.tuning import Tunable
 
 __all__ = ["layout_gemv"]
-
-
-@triton.jit
-def _unpacked_codes(
-    low_ptr,
-    high_ptr,
-    k0,
-    rn,
-    mask_n,
-    plane_rows,
-    N,
-    BITS: tl.constexpr,
-    WIDTH: tl.constexpr,
-    PER_WORD: tl.constexpr,
-    WORD_ROWS: tl.constexpr,
-):
-    """Codes ``[WORD_ROWS, PER_WORD, BLOCK_N]`` of rows ``k0 …`` from one load of ``WORD_ROWS`` words per column."""
-    ri = tl.arange(0, WORD_ROWS)
-    rj = tl.arange(0, PER_WORD)
-    word_row = k0 // PER_WORD + ri
-    words = tl.load(
-        low_ptr + word_row[:, None] * N + rn[None, :], mask=(word_row < plane_rows)[:, None] & mask_n[None, :], other=0
-    ).to(tl.uint32, bitcast=True)
-    codes = (words[:, None, :] >> (rj * WIDTH).to(tl.uint32)[None, :, None]) & ((1 << WIDTH) - 1)
-    if BITS == 3:  # the third bit: a 1-bit plane, 32 rows per word, so two low-plane words per high word
-        high_row = k0 // 32 + ri // 2
-        high = tl.load(
-            high_ptr + high_row[:, None] * N + rn[None, :],
-            mask=(high_row < plane_rows // 2)[:, None] & mask_n[None, :],
-            other=0,
-        ).to(tl.uint32, bitcast=True)
-        shift = ((ri % 2)[:, None] * 16 + rj[None, :]).to(tl.uint32)
-        codes = codes | (((high[:, None, :] >> shift[:, :, None]) & 1) << 2)
-    return codes.to(tl.float32)
 
 
 @triton.jit
@@ -91,13 +60,12 @@ def _layout_gemv_kernel(
     WORD_ROWS: tl.constexpr = BLOCK_K // PER_WORD
     ri = tl.arange(0, WORD_ROWS)
     rj = tl.arange(0, PER_WORD)
-    plane_rows = tl.cdiv(K, 32) * (32 // PER_WORD)
     k_lo, k_hi = split_k_range(pid_k, K, BLOCK_K, SPLIT_K)
     acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
     for k0 in range(k_lo, k_hi, BLOCK_K):
         rk = k0 + ri[:, None] * PER_WORD + rj[None, :]
         x = tl.load(x_ptr + rk, mask=rk < k_hi, other=0.0).to(tl.float32)
-        codes = _unpacked_codes(low_ptr, high_ptr, k0, rn, mask_n, plane_rows, N, BITS, WIDTH, PER_WORD, WORD_ROWS)
+        codes = tile_codes(low_ptr, high_ptr, k0, rn, mask_n, N, K, BITS, WIDTH, PER_WORD, WORD_ROWS).to(tl.float32)
         if GROUP % BLOCK_K == 0:  # the tile lies in one group: one row of statistics
             g = k0 // GROUP
             s = tl.load(scales_ptr + g * N + rn, mask=mask_n, other=0.0).to(tl.float32)
@@ -121,19 +89,10 @@ def _layout_gemv_kernel(
     else:
         tl.atomic_add(out_ptr + rn, acc, mask=mask_n)
     if HAS_OUTLIERS:  # this column block's outliers, shared out among its SPLIT_K programs
-        start = tl.load(row_ptr_ptr + pid_n * BLOCK_N)
-        end = tl.load(row_ptr_ptr + tl.minimum(pid_n * BLOCK_N + BLOCK_N, N))
-        share = tl.cdiv(end - start, SPLIT_K)
-        lo = start + pid_k * share
-        hi = tl.minimum(lo + share, end)
-        for c0 in range(lo, hi, 64):
-            idx = c0 + tl.arange(0, 64)
-            live = idx < hi
-            rows = tl.load(outlier_rows_ptr + idx, mask=live, other=0)
-            cols = tl.load(outlier_cols_ptr + idx, mask=live, other=0)
-            value = tl.load(outlier_values_ptr + idx, mask=live, other=0.0).to(tl.float32)
-            xv = tl.load(x_ptr + cols, mask=live, other=0.0).to(tl.float32)
-            tl.atomic_add(out_ptr + rows, xv * value, mask=live)
+        add_fused_outliers(
+            x_ptr, x_ptr, out_ptr, row_ptr_ptr, outlier_rows_ptr, outlier_cols_ptr, outlier_values_ptr,
+            pid_n, pid_k, SPLIT_K, N, False, BLOCK_N,
+        )  # fmt: skip
 
 
 _GEMV = Tunable(

@@ -12,13 +12,17 @@ from kernel_problems import gptq_problem
 
 from qcompiler.algorithms.spqr import spqr_quantize
 from qcompiler.kernels import UnsupportedKernel
+from qcompiler.kernels.decode_gemv import decode_gemv
 from qcompiler.kernels.kernel_layout import (
     dequantize_layout,
     layout_from_gptq,
     layout_from_spqr,
+    layout_linear_reference,
     outliers_from_csr,
     stack_experts,
 )
+from qcompiler.kernels.layout_dequant import dequantize_to_workspace
+from qcompiler.kernels.layout_gemv import layout_gemv
 from qcompiler.kernels.layout_linear import layout_experts_linear, layout_linear
 from qcompiler.layouts.gptq import dequantize_gptq, quant_experts_linear, quant_linear
 from qcompiler.layouts.spqr import dequantize_spqr_dense, pack_spqr, sparse_outlier_linear, spqr_dense_linear
@@ -53,7 +57,7 @@ def test_layout_stands_for_exactly_the_stored_gptq_weight(bits, group, act_order
 
 
 @pytest.mark.parametrize("bits,group,act_order,n_out,n_in", PROBLEMS)
-@pytest.mark.parametrize("rows", [1, 7, 45])  # GEMV, split-K GEMM, prefill GEMM
+@pytest.mark.parametrize("rows", [1, 7, 45, 70])  # GEMV, split-K GEMM, prefill GEMM, dequant + matmul
 def test_layout_kernels_equal_quant_linear(bits, group, act_order, n_out, n_in, rows, kernel_device):
     w, bias = gptq_problem(bits, group, act_order, n_out, n_in)
     layout = layout_from_gptq(*_on(kernel_device, w.qweight, w.qzeros, w.scales, w.g_idx), bits, group)
@@ -64,7 +68,7 @@ def test_layout_kernels_equal_quant_linear(bits, group, act_order, n_out, n_in, 
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("rows", [1, 33])
+@pytest.mark.parametrize("rows", [1, 33, 64])
 def test_layout_kernels_take_half_precision_activations(dtype, rows, kernel_device):
     w, bias = gptq_problem(3, 32, True, 96, 128)
     layout = layout_from_gptq(*_on(kernel_device, w.qweight, w.qzeros, w.scales, w.g_idx), 3, 32)
@@ -85,7 +89,7 @@ def _spqr(n_out=160, n_in=160, seed=0):
     return dense, (t["row_ptr"], t["col_idx"], t["values"])
 
 
-@pytest.mark.parametrize("rows", [1, 9, 50])  # one row: outliers fused into the GEMV
+@pytest.mark.parametrize("rows", [1, 9, 50, 64])  # one row: outliers fused into the GEMV
 def test_spqr_layout_with_its_outliers_equals_dense_plus_sparse(rows, kernel_device):
     dense, sparse = _spqr()
     layout = layout_from_spqr(*_on(kernel_device, *dense), 3, 16, 3, 16)
@@ -97,6 +101,56 @@ def test_spqr_layout_with_its_outliers_equals_dense_plus_sparse(rows, kernel_dev
     want = spqr_dense_linear(x, *dense, bias, 3, 16, 3, 16) + sparse_outlier_linear(x, *sparse, 160)
     got = layout_linear(x.to(kernel_device), layout, bias.to(kernel_device), outliers)
     torch.testing.assert_close(got.cpu(), want, **FP32_TOL)
+
+
+@pytest.mark.parametrize("bits,group,act_order,n_out,n_in", PROBLEMS)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_decode_gemv_in_half_precision_equals_the_plain_torch_twin(bits, group, act_order, n_out, n_in, dtype,
+                                                                    kernel_device):  # fmt: skip
+    """fp16: codes through the fp16 magic number, products in fp16, partial sums added in fp16;
+    bf16: the fp32 magic. Within the half-precision tolerance of the fp32 twin, every bit width."""
+    w, bias = gptq_problem(bits, group, act_order, n_out, n_in, seed=3)
+    scales = w.scales.half()  # GPTQ's stored scales are fp16 (exact in the fp16 path)
+    layout = layout_from_gptq(*_on(kernel_device, w.qweight, w.qzeros, scales, w.g_idx), bits, group)
+    x = torch.randn(n_in, generator=torch.Generator().manual_seed(bits)).to(dtype)
+    want = layout_linear_reference(x.float().to(kernel_device), layout, bias.to(kernel_device))
+    got = decode_gemv(x.to(kernel_device), layout, bias.to(kernel_device, dtype))
+    assert got.dtype == dtype
+    torch.testing.assert_close(got.float().cpu(), want.cpu(), **HALF_TOL[dtype])
+
+
+@pytest.mark.parametrize("bits,group,act_order,n_out,n_in", PROBLEMS)
+def test_prefill_workspace_is_the_twins_weight_bit_for_bit(bits, group, act_order, n_out, n_in, kernel_device):
+    """The dequantized workspace cuBLAS reads from DEQUANT_MIN_M rows on: rows in layout order."""
+    w, _ = gptq_problem(bits, group, act_order, n_out, n_in, seed=5)
+    layout = layout_from_gptq(*_on(kernel_device, w.qweight, w.qzeros, w.scales, w.g_idx), bits, group)
+    want = dequantize_layout(layout).t()
+    if layout.perm is not None:
+        want = want[layout.perm]
+    assert torch.equal(dequantize_to_workspace(layout, torch.float32), want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_decode_gemv_adds_spqr_outliers_through_the_permutation(dtype, kernel_device):
+    """Outliers' columns are layout rows: the kernel reads ``x[perm[col]]`` from column-order x."""
+    dense, sparse = _spqr()
+    layout = layout_from_spqr(*_on(kernel_device, *dense), 3, 16, 3, 16, stat_dtype=dtype)
+    outliers = outliers_from_csr(*_on(kernel_device, *sparse), layout.perm, dtype)
+    x = torch.randn(160, generator=torch.Generator().manual_seed(4))
+    want = spqr_dense_linear(x[None], *dense, None, 3, 16, 3, 16) + sparse_outlier_linear(x[None], *sparse, 160)
+    got = decode_gemv(x.to(kernel_device, dtype), layout, None, outliers)
+    torch.testing.assert_close(got.float().cpu(), want[0], **(HALF_TOL[dtype] if dtype != torch.float32 else FP32_TOL))
+
+
+@pytest.mark.parametrize("bits,group,act_order,n_out,n_in", PROBLEMS[:4])
+def test_first_gemv_still_equals_the_twin(bits, group, act_order, n_out, n_in, kernel_device):
+    """The K-loop GEMV the benchmark times beside the decode GEMV (x gathered into layout order first)."""
+    w, bias = gptq_problem(bits, group, act_order, n_out, n_in)
+    layout = layout_from_gptq(*_on(kernel_device, w.qweight, w.qzeros, w.scales, w.g_idx), bits, group)
+    x = torch.randn(n_in, generator=torch.Generator().manual_seed(1)).to(kernel_device)
+    rows = x if layout.perm is None else x.index_select(0, layout.perm)
+    got = layout_gemv(rows.contiguous(), layout, bias.to(kernel_device))
+    torch.testing.assert_close(got.cpu(), layout_linear_reference(x, layout, bias.to(kernel_device)).cpu(), **FP32_TOL)
 
 
 @pytest.mark.parametrize("counts", [[1, 0, 1, 1], [5, 0, 3, 9]])  # GEMV per expert; GEMMs
