@@ -25,6 +25,7 @@ both; the plain-torch twin both are checked against is ``kernel_layout.layout_li
 
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
@@ -137,8 +138,13 @@ def accumulator_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
     if dtype == torch.float16:
         return dtype
     if dtype == torch.bfloat16 and not INTERPRET and device.type == "cuda":
-        return dtype if torch.cuda.get_device_capability(device) >= (9, 0) else torch.float32
+        return dtype if _capability(device.index) >= (9, 0) else torch.float32
     return torch.float32
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(index: Optional[int]) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
 
 
 def decode_gemv(
