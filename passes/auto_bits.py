@@ -30,6 +30,7 @@ from qcompiler.passes.gptq_candidates import solve_gptq_candidates
 from qcompiler.passes.mixed_precision import MixedPrecision, candidate_grid, candidate_quantizer, parse_candidate
 from qcompiler.passes.rtn import RTN
 from qcompiler.passes.signround import SignRound
+from qcompiler.passes.spqr_candidates import solve_spqr_candidates
 from qcompiler.pipeline.block_walk import quantize_block_linears
 from qcompiler.pipeline.fisher_sensitivity import FisherUnavailable, measure_fisher_sensitivities
 from qcompiler.pipeline.layer_filter import ignore_reason
@@ -189,7 +190,7 @@ class AutoBits(WeightQuantizer):
             samples=self.samples,
             kl=kl,
             eligible=lambda path: not is_router(path) and ignore_reason(path, self.ignore) is None,
-            together=solve_gptq_candidates,  # the GPTQ candidates of a layer in one sweep, code for code
+            together=_solve_together,  # a layer's GPTQ candidates in one sweep, its SpQR ones in another
         )
         if self.sensitivity == "fisher":
             try:
@@ -244,3 +245,9 @@ def _least_bits(name: str, n_out: int, n_in: int) -> float:
         return bits * n_out * n_in
     groups = -(-n_in // group)  # the last group may be shorter
     return bits * n_out * n_in + groups * n_out * (16 + bits)
+
+
+def _solve_together(candidates: dict, layer, W, H, whole) -> dict:
+    """The candidates of one layer that share a sweep: its GPTQ ones, and its SpQR ones (each result
+    its own solve's, bit for bit); the rest are solved one by one by the caller."""
+    return {**solve_gptq_candidates(candidates, layer, W, H), **solve_spqr_candidates(candidates, layer, W, H, whole)}

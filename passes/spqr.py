@@ -116,16 +116,24 @@ class SpQR(WeightQuantizer):
     ) -> LayerQuant:
         """SpQR on one layer: dense low-bit codes with bi-level statistics plus fp16 outliers.
         ``whole``: the layer's weight when ``W`` is a range of its rows (``quantize_row_range``)."""
+        self.check_shape(layer, W)
+        if self.outlier_fraction is None:
+            res, tau = self._quantize(W, H, self.outlier_threshold, whole), self.outlier_threshold
+        else:
+            res, tau = self._within_budget(W, H)
+        return self.layer_quant(W, res, tau)
+
+    def check_shape(self, layer: LinearLayer, W: torch.Tensor) -> None:
+        """Refuse a layer the SpQR layout cannot hold, naming it."""
         check_packable(layer, W, self.bits)
         if W.shape[1] < self.group_size or W.shape[0] < self.stat_group_size:
             raise QuantizationError(
                 f"layer {layer.path} ({W.shape[0]}x{W.shape[1]}) is narrower than one "
                 f"group ({self.group_size} columns, {self.stat_group_size} rows)"
             )
-        if self.outlier_fraction is None:
-            res, tau = self._quantize(W, H, self.outlier_threshold, whole), self.outlier_threshold
-        else:
-            res, tau = self._within_budget(W, H)
+
+    def layer_quant(self, W: torch.Tensor, res: SpQRResult, tau: float) -> LayerQuant:
+        """The stored tensors, figures and rewrite of one solved layer (or rows of one)."""
         tensors = pack_spqr(res, self.bits, self.stat_bits)
         figures = {
             "bits": self.bits,

@@ -11,7 +11,14 @@ import qcompiler as qc
 from qcompiler.algorithms.gptq import gptq_quantize, hessian_factor
 from qcompiler.algorithms.output_error import output_error
 from qcompiler.algorithms.quant_grid import fit_grid
-from qcompiler.algorithms.spqr import leave_one_out_reduction, quantize_stats, spqr_quantize, spqr_quantize_reference
+from qcompiler.algorithms.spqr import (
+    SpQRPart,
+    leave_one_out_reduction,
+    quantize_stats,
+    spqr_quantize,
+    spqr_quantize_many,
+    spqr_quantize_reference,
+)
 from qcompiler.evaluation.eval import bits_per_parameter
 from qcompiler.layouts import stored_bits
 from qcompiler.layouts.spqr import dequantize_spqr_dense, pack_spqr, sparse_outlier_linear, spqr_dense_linear
@@ -56,6 +63,26 @@ def test_a_shared_hessian_factor_gives_the_same_solve():
     shared = spqr_quantize(W, H, outlier_threshold=0.3, factor=hessian_factor(H, 0.01, True))
     for field in ("codes", "dequantized", "outliers", "outlier_values", "perm", "scales", "zeros"):
         assert torch.equal(getattr(own, field), getattr(shared, field)), field
+
+
+@pytest.mark.parametrize("tau", [0.3, float("inf")])
+def test_stacked_parts_are_each_parts_own_solve_bit_for_bit(tau):
+    """auto:B's SpQR candidates of a layer in one sweep: widths and outlier thresholds per row; rows of
+    one layer with its whole weight's threshold; a second layer (another τ) on the same Hessian."""
+    W, H = problem(out=96, seed=4)
+    other = problem(out=64, seed=5)[0][16:48] * 3.0
+    parts = [SpQRPart(W[:48], 3, W), SpQRPart(W[:48], 4, W), SpQRPart(other, 2), SpQRPart(W, 3)]
+    f = hessian_factor(H, 0.01, True)
+    stacked = spqr_quantize_many(parts, H, outlier_threshold=tau, block_size=32, factor=f)
+    for part, got in zip(parts, stacked):
+        alone = spqr_quantize(
+            part.W, H, bits=part.bits, tau_weight=part.tau_weight, outlier_threshold=tau, block_size=32, factor=f
+        )
+        for field in got._fields:
+            a, b = getattr(got, field), getattr(alone, field)
+            assert torch.equal(a, b) if torch.is_tensor(a) else a == b, (part.bits, field)
+    assert stacked[0].threshold != stacked[2].threshold or tau == float("inf")
+    assert not torch.equal(stacked[0].codes, stacked[1].codes)
 
 
 def test_leave_one_out_matches_brute_force():
@@ -201,3 +228,26 @@ def test_bad_settings_and_narrow_layers():
             Narrow(), (torch.randn(2, 32),), recipe="spqr-w3g16", calibration=[(torch.randn(16, 32),)], progress=False
         )
     assert re.search(r"layers\.0: kept in full precision \(.*(narrower than one group|cannot be stored)", notes), notes
+
+
+def test_auto_bits_spqr_candidates_solved_together_store_each_candidates_own_tensors():
+    """What auto:B scores on a sample of a layer's rows: both default SpQR candidates from one sweep,
+    as LayerQuants equal to ``SpQR.quantize_rows``'s bit for bit (τ the whole layer's); GPTQ left out."""
+    from types import SimpleNamespace
+
+    from qcompiler.passes.mixed_precision import candidate_quantizer
+    from qcompiler.passes.spqr_candidates import solve_spqr_candidates
+
+    W, H = problem(out=128, seed=6)
+    layer = SimpleNamespace(path="model.layers.0.mlp.down_proj", transposed=False)
+    quantizers = {n: candidate_quantizer(n) for n in ("spqr-w3g16", "spqr-w4g16", "gptq-w4g128")}
+    rows = torch.cat([torch.arange(32), torch.arange(64, 96)])
+    solved = solve_spqr_candidates(quantizers, layer, W.index_select(0, rows), H, W)
+    assert set(solved) == {"spqr-w3g16", "spqr-w4g16"}
+    for name, got in solved.items():
+        want = quantizers[name].quantize_rows(layer, W, H, rows)
+        assert got.tensors.keys() == want.tensors.keys()
+        for key in want.tensors:
+            assert torch.equal(got.tensors[key], want.tensors[key]), (name, key)
+        assert torch.equal(got.dequantized, want.dequantized)
+        assert got.figures == want.figures and got.rewrite == want.rewrite

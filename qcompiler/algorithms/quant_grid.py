@@ -48,23 +48,35 @@ def fit_grid(w: torch.Tensor, bits: int, sym: bool) -> Grid:
     return _grid_for_range(w.amin(dim=1, keepdim=True), w.amax(dim=1, keepdim=True), bits, sym)
 
 
-def _grid_for_range(lo: torch.Tensor, hi: torch.Tensor, bits: int, sym: bool, flip: bool = False) -> Grid:
+def _grid_for_range(
+    lo: torch.Tensor, hi: torch.Tensor, bits: int, sym: bool, flip: bool = False, maxq: Optional[torch.Tensor] = None
+) -> Grid:
     """The grid covering ``[lo, hi]`` per row (widened to contain 0). Symmetric: the signed extreme on
-    the codes' longer side (``flip``: on the shorter one, a candidate the searched grid also tries)."""
-    maxq = 2**bits - 1
+    the codes' longer side (``flip``: on the shorter one, a candidate the searched grid also tries).
+    ``maxq`` (asymmetric only): each row's largest code ``[rows, 1]``, rows of different widths stacked
+    (the same values as each row's own ``bits``)."""
+    if not sym:
+        return _asymmetric(lo, hi, 2**bits - 1 if maxq is None else maxq)
+    if maxq is not None:
+        raise ValueError("per-row code widths are for asymmetric grids")
     xmin, xmax = lo.clamp(max=0), hi.clamp(min=0)
-    if sym:
-        extreme = torch.where(xmax >= -xmin, xmax, xmin)
-        extreme = torch.where(extreme == 0, torch.ones_like(extreme), extreme)
-        scale = (extreme / (-(2 ** (bits - 1)) if not flip else 2 ** (bits - 1))).half().float()
-        scale = torch.where(scale != 0, scale, torch.full_like(scale, 2.0**-24))  # fp16 underflow guard
-        return Grid(scale, torch.full_like(scale, float(2 ** (bits - 1))))
+    extreme = torch.where(xmax >= -xmin, xmax, xmin)
+    extreme = torch.where(extreme == 0, torch.ones_like(extreme), extreme)
+    scale = (extreme / (-(2 ** (bits - 1)) if not flip else 2 ** (bits - 1))).half().float()
+    scale = torch.where(scale != 0, scale, torch.full_like(scale, 2.0**-24))  # fp16 underflow guard
+    return Grid(scale, torch.full_like(scale, float(2 ** (bits - 1))))
+
+
+def _asymmetric(lo: torch.Tensor, hi: torch.Tensor, maxq) -> Grid:
+    """The asymmetric grid over ``[min(lo, 0), max(hi, 0)]``; ``maxq`` an int or a per-row tensor."""
+    xmin, xmax = lo.clamp(max=0), hi.clamp(min=0)
     empty = (xmin == 0) & (xmax == 0)
     xmin = torch.where(empty, -torch.ones_like(xmin), xmin)
     xmax = torch.where(empty, torch.ones_like(xmax), xmax)
     scale = ((xmax - xmin) / maxq).half().float()
     scale = torch.where(scale > 0, scale, torch.full_like(scale, 2.0**-24))  # fp16 underflow guard
-    return Grid(scale, torch.round(-xmin / scale).clamp(0, maxq))
+    zero = torch.round(-xmin / scale)
+    return Grid(scale, zero.clamp(0, maxq) if isinstance(maxq, int) else zero.clamp_(min=0).minimum(maxq))
 
 
 def quantize(w: torch.Tensor, grid: Grid, bits: int) -> torch.Tensor:

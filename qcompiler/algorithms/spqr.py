@@ -19,17 +19,20 @@ changes, each per group of ``β1`` consecutive (permuted) columns:
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple, Optional
 
 import torch
 
-from qcompiler.algorithms.gptq import HessianFactor, _prepare, inverse_hessian_cholesky, swept_copy
-from qcompiler.algorithms.quant_grid import Grid, _grid_for_range, fit_grid
+from qcompiler.algorithms.gptq import HessianFactor, _prepare, hessian_factor, swept_copy
+from qcompiler.algorithms.quant_grid import Grid, _grid_for_range
 from qcompiler.errors import QuantizationError
 
 __all__ = [
     "SpQRResult",
+    "SpQRPart",
     "spqr_quantize",
+    "spqr_quantize_many",
     "spqr_quantize_reference",
     "leave_one_out_reduction",
     "quantize_stats",
@@ -86,33 +89,38 @@ def quantize_stats(v: torch.Tensor, bits: int, group: int) -> tuple[torch.Tensor
     return codes.reshape(-1).to(torch.int32), torch.stack([step, minimum], dim=1), v_hat
 
 
-def _grid_quant(w: torch.Tensor, grid: Grid, bits: int) -> torch.Tensor:
-    """Dequantized ``w`` on a grid whose zero may be fractional (bi-level statistics)."""
-    q = torch.clamp(torch.round(w / grid.scale + grid.zero), 0, 2**bits - 1)
+def _grid_quant(w: torch.Tensor, grid: Grid, maxq) -> torch.Tensor:
+    """Dequantized ``w`` on a grid whose zero may be fractional (bi-level statistics); ``maxq`` the
+    largest code, an int or per row ``[rows, 1]`` (parts of several widths stacked)."""
+    q = torch.round(w / grid.scale + grid.zero)
+    q = q.clamp_(0, maxq) if isinstance(maxq, int) else q.clamp_(min=0).minimum(maxq)
     return grid.scale * (q - grid.zero), q
 
 
-def leave_one_out_reduction(G: torch.Tensor, d: torch.Tensor, bits: int) -> torch.Tensor:
+def leave_one_out_reduction(
+    G: torch.Tensor, d: torch.Tensor, bits: int, maxq: Optional[torch.Tensor] = None
+) -> torch.Tensor:
     """For each weight of group ``G`` [out, k]: how much the group's OBS error (weights scaled by
     ``1/d``) drops when that weight is left out of the min-max fit and not quantized.
 
-    The fit without weight ``i`` needs only the range of the others: the second smallest (largest)
-    value where ``i`` is the row's minimum (maximum). Each of the ``k`` grids then rounds the whole
-    group at once, ``[out, k, k]``, with ``i``'s own term zeroed (no ``[out, k, k−1]`` gather of
-    the others and no ``k`` separate fits: about 2x faster at 256 x 16)."""
-    out, k = G.shape
+    The fit without weight ``i`` needs only the range of the others, which differs from the whole
+    group's only where ``i`` is the row's minimum or maximum (then the second smallest or largest
+    value bounds it). Every other weight leaves the grid as it is, so its reduction is just its own
+    term of the error; only the two extremes of each row need a second rounding of the group — two
+    ``[out, k]`` roundings instead of ``k`` (8x less work at groups of 16). ``maxq``: per-row largest
+    codes ``[out, 1]`` instead of ``bits`` (rows of several widths stacked)."""
+    levels = 2**bits - 1 if maxq is None else maxq
     v, ix = torch.sort(G, dim=1)
-    column = torch.arange(k, device=G.device)
-    lo = torch.where(column == ix[:, :1], v[:, 1:2], v[:, :1])  # [out, k]: min of the others
-    hi = torch.where(column == ix[:, -1:], v[:, -2:-1], v[:, -1:])
-    grid = _grid_for_range(lo.reshape(-1, 1), hi.reshape(-1, 1), bits, sym=False)
-    scale, zero = grid.scale.view(out, k, 1), grid.zero.view(out, k, 1)
-    rec = _grid_quant(G.unsqueeze(1), Grid(scale, zero), bits)[0]  # [out, k grids, k weights]
-    err = ((rec - G.unsqueeze(1)) / d).square_()
-    err.diagonal(dim1=1, dim2=2).zero_()  # weight i is not quantized under its own fit
-    base_rec, _ = _grid_quant(G, fit_grid(G, bits, sym=False), bits)
-    base_err = ((base_rec - G) / d).pow(2).sum(-1, keepdim=True)  # [out, 1]
-    return base_err - err.sum(-1)
+    base = _grid_for_range(v[:, :1], v[:, -1:], bits, sym=False, maxq=maxq)  # = fit_grid(G): the same range
+    own = ((_grid_quant(G, base, levels)[0] - G) / d).square_()  # [out, k]
+    base_err = own.sum(-1, keepdim=True)
+    reduction = own
+    for lo, hi, at in ((v[:, 1:2], v[:, -1:], ix[:, :1]), (v[:, :1], v[:, -2:-1], ix[:, -1:])):
+        grid = _grid_for_range(lo, hi, bits, sym=False, maxq=maxq)
+        err = ((_grid_quant(G, grid, levels)[0] - G) / d).square_()
+        err.scatter_(1, at, 0.0)  # the left-out weight is not quantized under its own fit
+        reduction = reduction.scatter(1, at, base_err - err.sum(-1, keepdim=True))
+    return reduction
 
 
 class _GroupState:
@@ -125,10 +133,13 @@ class _GroupState:
         bits: int,
         stat_bits: Optional[int],
         stat_group: int,
-        tau: float,
+        tau,
         device: torch.device,
+        maxq: Optional[torch.Tensor] = None,
     ):
+        """``tau``: a float, or per row ``[n_out, 1]``; ``maxq``: per-row largest codes (stacked parts)."""
         self.bits, self.stat_bits, self.stat_group, self.tau = bits, stat_bits, stat_group, tau
+        self.maxq, self.outliers = maxq, not (isinstance(tau, float) and tau == float("inf"))
         self.scales = torch.zeros(n_groups, n_out, device=device)
         self.zeros = torch.zeros(n_groups, n_out, device=device)
         self.scale_codes = torch.zeros(n_groups, n_out, dtype=torch.int32, device=device)
@@ -138,12 +149,14 @@ class _GroupState:
         self.zero_stats = torch.zeros(n_groups, n_runs, 2, dtype=torch.float16, device=device)
 
     def fit(self, g: int, G: torch.Tensor, d: torch.Tensor) -> Grid:
-        if self.tau != float("inf"):
-            candidates = leave_one_out_reduction(G, d, self.bits) > self.tau
+        if self.outliers:
+            candidates = leave_one_out_reduction(G, d, self.bits, self.maxq) > self.tau
             keep = (~candidates).float()
             mean = (G * keep).sum(1, keepdim=True) / keep.sum(1, keepdim=True).clamp(min=1)
             G = torch.where(candidates, mean, G)
-        grid = fit_grid(G, self.bits, sym=False)
+        grid = _grid_for_range(
+            G.amin(dim=1, keepdim=True), G.amax(dim=1, keepdim=True), self.bits, False, maxq=self.maxq
+        )
         scale, zero = grid.scale[:, 0], grid.zero[:, 0]
         if self.stat_bits is not None:
             self.scale_codes[g], self.scale_stats[g], scale = quantize_stats(scale, self.stat_bits, self.stat_group)
@@ -154,19 +167,16 @@ class _GroupState:
 
 
 def _quantize_column(w: torch.Tensor, grid: Grid, bits: int, d: float, tau: float):
-    """Dense value, code, outlier mask and the fp16 outlier residual of one column."""
-    dense, code = _grid_quant(w.unsqueeze(1), grid, bits)
+    """Dense value, code, outlier mask and the fp16 outlier residual of one column: an outlier's OBS
+    error ``((w − dense) / d)²`` exceeds ``τ``, i.e. ``|w − dense| > d·√τ``."""
+    dense, code = _grid_quant(w.unsqueeze(1), grid, 2**bits - 1)
     dense, code = dense[:, 0], code[:, 0]
-    outlier = ((w - dense) / d).pow(2) > tau
+    outlier = (w - dense).abs() > d * math.sqrt(tau)
     residual = torch.where(outlier, w - dense, torch.zeros_like(w)).half()
     return dense, code, outlier, residual
 
 
-def _setup(
-    W, H, bits, group_size, stat_bits, stat_group_size, outlier_threshold, act_order, damp, tau_weight=None, factor=None
-):
-    check_spqr_spec(bits, group_size, stat_bits, stat_group_size)
-    n_out, n_in = W.shape
+def _check(n_out: int, n_in: int, group_size, stat_bits, stat_group_size, outlier_threshold) -> None:
     if n_in < group_size or n_in % group_size:
         raise QuantizationError(f"in_features={n_in} is not a multiple of the SpQR group size {group_size}")
     if stat_bits is not None and n_out % stat_group_size:
@@ -176,37 +186,43 @@ def _setup(
             f"outlier_threshold={outlier_threshold} selects every weight as an outlier; "
             f"use a positive relative threshold (0.1-1.0 is typical) or outlier_fraction"
         )
-    if factor is None:
-        Wp, Hp, perm = _prepare(W, H, act_order)
-        U, damp_used, steps = inverse_hessian_cholesky(Hp, damp)
-    else:  # GPTQ's factor of the same H and damping (hessian_factor: the same conditioning and order)
-        perm, U, damp_used, steps = factor.perm, factor.U, factor.damp, factor.damp_steps
-        Wp = swept_copy(W, factor)[1].t()  # [out, in] in processing order (the sweep transposes it back)
-    perm = torch.arange(n_in, device=Wp.device) if perm is None else perm
-    diag = torch.diagonal(U)
-    # τ is relative to the layer's column variances: rows solved apart take them from the whole layer
-    Ws = Wp if tau_weight is None else _prepare(tau_weight, H, act_order)[0]
-    scale = (Ws.var(dim=0) / diag.pow(2)).mean().item()
-    del Ws
-    tau = outlier_threshold * scale if outlier_threshold != float("inf") else float("inf")
-    state = _GroupState(n_out, n_in // group_size, bits, stat_bits, stat_group_size, tau, Wp.device)
-    return Wp, U, perm, state, tau, damp_used, steps
 
 
-def _finish(codes, dense, residual, outlier, perm, state, tau, damp, steps) -> SpQRResult:
+def _absolute_tau(Wp: torch.Tensor, diag: torch.Tensor, outlier_threshold: float) -> float:
+    """τ relative to the layer's column variances, ``τ · mean_j(var_rows(W[:, j]) / U_jj²)``."""
+    if outlier_threshold == float("inf"):
+        return float("inf")
+    return outlier_threshold * (Wp.contiguous().var(dim=0) / diag.pow(2)).mean().item()
+
+
+def _setup(W, H, bits, group_size, stat_bits, stat_group_size, outlier_threshold, act_order, damp):
+    """The straightforward reference's start: its own factor of ``H``, ``W`` permuted."""
+    check_spqr_spec(bits, group_size, stat_bits, stat_group_size)
+    _check(*W.shape, group_size, stat_bits, stat_group_size, outlier_threshold)
+    Wp, Hp, perm = _prepare(W, H, act_order)
+    f = hessian_factor(H, damp, act_order)
+    perm = torch.arange(W.shape[1], device=Wp.device) if perm is None else perm
+    tau = _absolute_tau(Wp, torch.diagonal(f.U), outlier_threshold)
+    state = _GroupState(W.shape[0], W.shape[1] // group_size, bits, stat_bits, stat_group_size, tau, Wp.device)
+    return Wp, f.U, perm, state, tau, f.damp, f.damp_steps
+
+
+def _finish(codes, dense, residual, outlier, perm, state, rows: slice, tau, damp, steps) -> SpQRResult:
+    """One part's result: its ``rows`` of the (stacked) sweep's tensors and statistics."""
     inv = torch.argsort(perm)
-    dense_o, residual_o, outlier_o = dense[:, inv], residual[:, inv], outlier[:, inv]
+    dense_o, residual_o, outlier_o = dense[rows][:, inv], residual[rows][:, inv], outlier[rows][:, inv]
     deq = dense_o + residual_o.float()
     if outlier_o.all():
         raise QuantizationError("the outlier threshold selected every weight; raise it")
+    runs = slice(rows.start // state.stat_group, rows.stop // state.stat_group) if state.stat_bits else slice(0, 0)
     return SpQRResult(
-        codes.to(torch.int32),
-        state.scale_codes,
-        state.zero_codes,
-        state.scale_stats,
-        state.zero_stats,
-        state.scales,
-        state.zeros,
+        codes[rows].to(torch.int32),
+        state.scale_codes[:, rows],
+        state.zero_codes[:, rows],
+        state.scale_stats[:, runs],
+        state.zero_stats[:, runs],
+        state.scales[:, rows],
+        state.zeros[:, rows],
         perm,
         outlier_o,
         residual_o,
@@ -216,6 +232,15 @@ def _finish(codes, dense, residual, outlier, perm, state, tau, damp, steps) -> S
         steps,
         tau,
     )
+
+
+class SpQRPart(NamedTuple):
+    """Rows to quantize in a stacked SpQR sweep: ``W`` at ``bits``, with the outlier threshold relative
+    to ``tau_weight`` (the whole layer's weight when ``W`` is some of its rows; None: ``W`` itself)."""
+
+    W: torch.Tensor
+    bits: int
+    tau_weight: Optional[torch.Tensor] = None
 
 
 def spqr_quantize(
@@ -237,42 +262,108 @@ def spqr_quantize(
     weight when ``W`` is a range of its rows (the relative threshold is the whole layer's; every
     other step is row by row, so the range's result equals those rows of the whole one's).
     ``factor``: ``hessian_factor(H, damp, act_order)`` when it is already computed (shared)."""
-    Wp, U, perm, state, tau, damp_used, steps = _setup(
-        W, H, bits, group_size, stat_bits, stat_group_size, outlier_threshold, act_order, damp, tau_weight, factor
-    )
-    n_out, n_in = Wp.shape
+    return spqr_quantize_many(
+        [SpQRPart(W, bits, tau_weight)],
+        H,
+        group_size=group_size,
+        stat_bits=stat_bits,
+        stat_group_size=stat_group_size,
+        outlier_threshold=outlier_threshold,
+        act_order=act_order,
+        damp=damp,
+        block_size=block_size,
+        factor=factor,
+    )[0]
+
+
+def spqr_quantize_many(
+    parts: list[SpQRPart],
+    H: torch.Tensor,
+    *,
+    group_size: int = 16,
+    stat_bits: Optional[int] = 3,
+    stat_group_size: int = 16,
+    outlier_threshold: float = 0.2,
+    act_order: bool = True,
+    damp: float = 0.01,
+    block_size: int = 128,
+    factor: Optional[HessianFactor] = None,
+) -> list[SpQRResult]:
+    """``[spqr_quantize(part.W, H, bits=part.bits, tau_weight=part.tau_weight, ...)]`` for every part,
+    from one sweep over their stacked rows: every step is row by row given ``H``'s factor, so each
+    part's result is its own solve's, bit for bit, while the sweep's per-column loop — the cost of a
+    solve on a few hundred rows — runs once (``auto:B``'s two SpQR candidates of a layer)."""
+    for part in parts:
+        check_spqr_spec(part.bits, group_size, stat_bits, stat_group_size)
+        _check(*part.W.shape, group_size, stat_bits, stat_group_size, outlier_threshold)
+    if len({part.W.shape[1] for part in parts}) != 1:
+        raise QuantizationError("spqr_quantize_many: the parts read different numbers of inputs")
+    f = factor if factor is not None else hessian_factor(H, damp, act_order)
+    U, diag = f.U, torch.diagonal(f.U)
+    perm = torch.arange(parts[0].W.shape[1], device=U.device) if f.perm is None else f.perm
+    taus, columns, bounds = [], [], []
+    for part in parts:
+        WT = swept_copy(part.W, f)[1]  # [in, rows] in processing order
+        Ws = WT.t() if part.tau_weight is None else swept_copy(part.tau_weight, f)[1].t()
+        taus.append(_absolute_tau(Ws, diag, outlier_threshold))
+        start = bounds[-1].stop if bounds else 0
+        bounds.append(slice(start, start + WT.shape[1]))
+        columns.append(WT)
+    WT = columns[0] if len(columns) == 1 else torch.cat(columns, dim=1)  # [in, Σ rows]
+    del columns, Ws
+    n_in, n_out = WT.shape
+
+    def per_row(values) -> torch.Tensor:
+        return torch.cat(
+            [torch.full((b.stop - b.start, 1), float(v), device=WT.device) for b, v in zip(bounds, values)]
+        )
+
+    one_width = len({part.bits for part in parts}) == 1
+    maxq = 2 ** parts[0].bits - 1 if one_width else per_row(2**part.bits - 1 for part in parts)
+    one_tau = len(set(taus)) == 1
+    state = _GroupState(
+        n_out, n_in // group_size, parts[0].bits, stat_bits, stat_group_size,
+        taus[0] if one_tau else per_row(taus), WT.device, None if one_width else maxq,
+    )  # fmt: skip
+    # per column, the outlier bound d·√τ as each part's own solve compares it: d·√τ in double, then float32
+    root = [math.sqrt(t) for t in taus]
+    bound = None if one_tau else (torch.tensor(root, dtype=torch.float64)[None, :] * diag.double()[:, None])
+    if bound is not None:
+        bound = torch.cat([bound[:, k : k + 1].expand(-1, b.stop - b.start) for k, b in enumerate(bounds)], 1).float()
+    low = torch.zeros(n_out, device=WT.device) if not one_width else None
+    top = maxq if one_width else maxq[:, 0]
     block_size = max(group_size, block_size // group_size * group_size)
     # the sweep runs on Wᵀ, as GPTQ's does: a column is a contiguous row, each column's rounding and
     # rank-1 update in-place vector ops (the column-strided version spent 0.7 of its 0.85 s at
     # 640 x 2048 in temporaries); same arithmetic as ``spqr_quantize_reference``, column by column
-    WT = Wp.t().contiguous()
-    del Wp
     codesT, denseT = torch.empty_like(WT), torch.empty_like(WT)
     residualT = torch.empty_like(WT, dtype=torch.float16)
     outlierT = torch.empty_like(WT, dtype=torch.bool)
-    maxq = 2**bits - 1
     for i1 in range(0, n_in, block_size):
         i2 = min(i1 + block_size, n_in)
         W1, U1 = WT[i1:i2], U[i1:i2, i1:i2]
         d1 = torch.diagonal(U1)
-        diag = d1.tolist()
+        diag1 = d1.tolist()
         Err1 = torch.empty(i2 - i1, n_out, device=WT.device)
-        for i in range(i2 - i1):
+        for i in range(i2 - i1):  # 13 tensor ops per column: the loop's cost is their count
             j = i1 + i
             if j % group_size == 0:
                 grid = state.fit(j // group_size, W1[i : i + group_size].t(), d1[i : i + group_size])
                 scale, zero = grid.scale[:, 0], grid.zero[:, 0]
-            w, d = W1[i], diag[i]
-            code = torch.div(w, scale, out=codesT[j]).add_(zero).round_().clamp_(0, maxq)
-            dense = torch.sub(code, zero, out=denseT[j]).mul_(scale)
-            outlier = torch.gt(((w - dense) / d).square_(), tau, out=outlierT[j])
-            residual = residualT[j]
-            residual.copy_(torch.where(outlier, w - dense, 0.0))
-            torch.div(w - (dense + residual.float()), d, out=Err1[i])
+            w, d = W1[i], diag1[i]
+            code = torch.div(w, scale, out=codesT[j]).add_(zero).round_()
+            code = code.clamp_(0, top) if one_width else code.clamp_(min=low, max=top)
+            diff = w - torch.sub(code, zero, out=denseT[j]).mul_(scale)
+            outlier = torch.gt(diff.abs(), d * root[0] if bound is None else bound[j], out=outlierT[j])
+            residualT[j] = torch.where(outlier, diff, 0.0)
+            torch.sub(diff, residualT[j], out=Err1[i]).div_(d)  # what the outlier's fp16 value leaves
             W1[i + 1 :].addr_(U1[i, i + 1 :], Err1[i], alpha=-1)
         WT[i2:].addmm_(U[i1:i2, i2:].t(), Err1, alpha=-1)
     codes, dense, residual, outlier = codesT.t(), denseT.t(), residualT.t(), outlierT.t()
-    return _finish(codes, dense, residual, outlier, perm, state, tau, damp_used, steps)
+    return [
+        _finish(codes, dense, residual, outlier, perm, state, rows, tau, f.damp, f.damp_steps)
+        for rows, tau in zip(bounds, taus)
+    ]
 
 
 def spqr_quantize_reference(
@@ -300,6 +391,6 @@ def spqr_quantize_reference(
             grid = state.fit(j // group_size, Wp[:, j : j + group_size], torch.diagonal(U)[j : j + group_size])
         w = Wp[:, j].clone()
         dense[:, j], codes[:, j], outlier[:, j], residual[:, j] = _quantize_column(w, grid, bits, U[j, j].item(), tau)
-        err = (w - (dense[:, j] + residual[:, j].float())) / U[j, j]
+        err = (w - dense[:, j] - residual[:, j].float()) / U[j, j]
         Wp[:, j + 1 :] -= err.unsqueeze(1) * U[j, j + 1 :].unsqueeze(0)
-    return _finish(codes, dense, residual, outlier, perm, state, tau, damp_used, steps)
+    return _finish(codes, dense, residual, outlier, perm, state, slice(0, n_out), tau, damp_used, steps)

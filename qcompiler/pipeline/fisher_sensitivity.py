@@ -78,33 +78,39 @@ class _Probed(StoredWeights):
         return out + probe
 
 
-def sample_tokens(log_probs: torch.Tensor, gen: torch.Generator, rows_at_once: int = 256) -> torch.Tensor:
-    """One token per row of ``log_probs`` ``[n, vocabulary]``, drawn from ``exp(log_probs)`` by inverting
+def sample_tokens(probs: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+    """One token per row of ``probs`` ``[n, vocabulary]`` (each row a distribution), drawn by inverting
     its cumulative sum (scaled by each row's total, so float32 drift in the sum picks no token outside
     the vocabulary). ``torch.multinomial`` took 16 s of the 42 s Fisher pass on Gemma-3 270M's
-    2,048 x 262,144 logits; this ~1 s, in row chunks (no second full-size buffer)."""
-    u = torch.rand(log_probs.shape[0], 1, generator=gen, dtype=torch.float64)
-    tokens = torch.empty(log_probs.shape[0], dtype=torch.long)
-    for start in range(0, log_probs.shape[0], rows_at_once):
-        cdf = log_probs[start : start + rows_at_once].float().exp().cumsum_(-1)
-        target = (u[start : start + rows_at_once] * cdf[:, -1:].double()).float()
-        picked = torch.searchsorted(cdf, target, right=True)[:, 0]
-        tokens[start : start + rows_at_once] = picked.clamp_(max=cdf.shape[-1] - 1)
-    return tokens
+    2,048 x 262,144 logits."""
+    u = torch.rand(probs.shape[0], 1, generator=gen, dtype=torch.float64)
+    cdf = probs.float().cumsum(-1)
+    target = (u * cdf[:, -1:].double()).float()
+    return torch.searchsorted(cdf, target, right=True)[:, 0].clamp_(max=cdf.shape[-1] - 1)
 
 
-def _probe_loss(out: torch.Tensor, mask: Optional[torch.Tensor], kl: bool, gen: torch.Generator):
-    """The scalar whose gradient's square estimates the Fisher's diagonal, and the positions it covers."""
-    out = out.float()
+def _output_gradient(out: torch.Tensor, mask: Optional[torch.Tensor], kl: bool, gen: torch.Generator, rows_at_once=256):
+    """The gradient, with respect to the output, of the scalar whose gradients' squares estimate the
+    Fisher's diagonal, and the positions it covers. KL: ``−Σ_t log p_t(y_t)`` with ``y_t`` drawn from
+    the model's own next-token distribution, whose gradient is ``p_t − onehot(y_t)``: written directly
+    from one softmax per row chunk (the same softmax the tokens are drawn from) instead of autograd
+    through ``log_softmax`` and ``gather`` — two fewer passes over positions × vocabulary, ~5 s of
+    Gemma-3 270M's 30 s Fisher pass. Relative error: ``r · out / ‖out‖`` for a random normal ``r``."""
     keep = torch.ones(out.shape[:-1]) if mask is None or mask.shape != out.shape[: mask.dim()] else mask.float()
-    if kl:  # −log p(y), y drawn from the model's own next-token distribution
-        log_probs = out.log_softmax(-1)
-        y = sample_tokens(log_probs.detach().reshape(-1, out.shape[-1]), gen).reshape(out.shape[:-1])
-        logp = log_probs.gather(-1, y[..., None])[..., 0]
-        return -(logp * keep).sum(), float(keep.sum())
-    r = torch.randn(out.shape, generator=gen)
-    norm = (out.detach().square() * keep[..., None]).sum().sqrt().clamp_min(1e-30)
-    return (out * r * keep[..., None]).sum() / norm, 1.0
+    if not kl:
+        norm = (out.detach().float().square() * keep[..., None]).sum().sqrt().clamp_min(1e-30)
+        r = torch.randn(out.shape, generator=gen)
+        return (r * keep[..., None] / norm).to(out.dtype), 1.0
+    flat = out.detach().reshape(-1, out.shape[-1])
+    grad = torch.empty(flat.shape, dtype=torch.float32)
+    weight = keep.reshape(-1, 1)
+    for start in range(0, flat.shape[0], rows_at_once):
+        chunk = grad[start : start + rows_at_once]
+        torch.softmax(flat[start : start + rows_at_once].float(), dim=-1, out=chunk)
+        y = sample_tokens(chunk, gen)
+        chunk[torch.arange(chunk.shape[0]), y] -= 1.0
+        chunk.mul_(weight[start : start + rows_at_once])
+    return grad.view(out.shape).to(out.dtype), float(keep.sum())
 
 
 def output_fisher(
@@ -128,10 +134,10 @@ def output_fisher(
         runner = _Probed(gm, nodes)
         with torch.enable_grad():
             out = first_output(runner, batch)
-            loss, n = _probe_loss(out, mask, kl, gen)
+            seed, n = _output_gradient(out, mask, kl, gen)
             probes = list(runner.probes.items())
             try:
-                grads = torch.autograd.grad(loss, [p for _, p in probes], allow_unused=True)
+                grads = torch.autograd.grad(out, [p for _, p in probes], grad_outputs=seed, allow_unused=True)
             except RuntimeError as e:  # an op without a derivative
                 raise FisherUnavailable(str(e).splitlines()[0][:200]) from None
         for (path, probe), g in zip(probes, grads):
@@ -140,7 +146,7 @@ def output_fisher(
                 g2 = g2.index_select(-1, channels[path])
             parts.setdefault(path, []).append(g2.reshape(-1, g2.shape[-1]).to(torch.bfloat16))
         count += n
-        del out, loss, probes, grads
+        del out, seed, probes, grads
     return {path: torch.cat(p).div_(max(count, 1.0)) for path, p in parts.items()}
 
 

@@ -155,7 +155,7 @@ def score_candidates(
     ],
     keep_rows: int = 0,
     row_sample: Optional[dict[str, torch.Tensor]] = None,
-    together: Optional[Callable[[dict, LinearLayer, torch.Tensor, Optional[torch.Tensor]], dict]] = None,
+    together: Optional[Callable[..., dict]] = None,
     walk_on: Optional[list] = None,
 ) -> dict[str, dict[str, CandidateScore]]:
     """The walk both measures share: block by block on FP inputs (nothing is quantized while
@@ -164,10 +164,12 @@ def score_candidates(
     stored weight, its float32 copy W, stats)`` opens for the layer (and closes after its last candidate).
     ``row_sample[path]``: the weight rows a layer's candidates are solved on (``quantize_rows``: those
     rows of the whole solve); ``W`` is then those rows, and the damage and stored bits are scaled by
-    ``out / rows`` — an unbiased estimate of the whole layer's sums. ``together(candidates, layer, W,
-    H)``: the results of the candidates it can solve at once (None: cannot hold the shape), the same
-    as each one's own solve. ``walk_on``: the batches the walk (and so each layer's Hessian) runs on
-    instead of the whole calibration."""
+    ``out / rows`` — an unbiased estimate of the whole layer's sums. ``together(candidates, layer, W, H,
+    whole)``: the results of the candidates it can solve at once (None: cannot hold the shape), the same
+    as each one's own solve (``whole``: the layer's weight when ``W`` is a sample of its rows).
+    ``walk_on``: the batches the walk (and so each layer's Hessian) runs on instead of the whole
+    calibration.
+    """
     engine = CalibrationEngine.for_pass(gm, ctx if walk_on is None else replace(ctx, calibration=walk_on))
     table: dict[str, dict[str, CandidateScore]] = {}
     for seg in engine.blocks():
@@ -186,7 +188,7 @@ def score_candidates(
             share = 1.0 if rows is None else W.shape[0] / rows.numel()
             row = {}
             scored = W if rows is None else W.index_select(0, rows)
-            solved = {} if together is None else together(candidates, layer, scored, H)
+            solved = {} if together is None else together(candidates, layer, scored, H, None if rows is None else W)
             with layer_damage(layer, stored, scored, stats[layer.path]) as damage:
                 for name, quantizer in candidates.items():
                     try:
