@@ -156,7 +156,8 @@ def quantize(
     ),
     embeddings: Optional[str] = typer.Option(
         None,
-        help="also quantize the token embeddings (and a head tied to them) in the graph: wBITSgGROUP, e.g. w8g128",
+        help="also quantize the token embeddings in the graph (a tied head's table by GPTQ on its inputs): "
+        "wBITSgGROUP, e.g. w4g64",
     ),
     calib: str = typer.Option(
         "bundled",

@@ -12,6 +12,7 @@ from client_runtimes import genai_tokens
 import qcompiler as qc
 from qcompiler.cli import main
 from qcompiler.models import load
+from qcompiler.pipeline.recipe_files import resolve_recipe, with_embeddings
 
 
 @pytest.fixture(scope="module")
@@ -327,14 +328,17 @@ def test_bits_group_size_and_ignore_shortcuts_set_the_recipes_passes(tmp_path, c
     )
 
 
-def test_embeddings_option_quantizes_the_table_after_the_recipe(tmp_path, capsys):
-    """``--embeddings w8g128`` appends QuantizeEmbeddings(bits=8, group_size=128) to the recipe: the
-    saved graph looks tokens up in the quantized table; a spec that is not wBITSgGROUP is one line."""
+def test_embeddings_option_quantizes_the_table_before_the_weight_solves(tmp_path, capsys):
+    """``--embeddings w8g128`` puts QuantizeEmbeddings(bits=8, group_size=128) before the recipe's first
+    weight-quantizing pass (after rotations, which fold into the table): the saved graph looks tokens
+    up in the quantized table; a spec that is not wBITSgGROUP is one line."""
     out = tmp_path / "o"
     args = ["quantize", "bundled:tinylm", "--recipe", "rtn-w4g128", "--embeddings", "w8g128", "--samples", "2"]
     assert main([*args, "--out", str(out)]) == 0
     cm = qc.load(out)
-    assert [p.name for p in cm.report.passes] == ["RTN", "QuantizeEmbeddings"]
+    assert [p.name for p in cm.report.passes] == ["QuantizeEmbeddings", "RTN"]
+    rotated = with_embeddings(resolve_recipe("rotate-gptq-w4g128"), "w4g64").passes
+    assert [type(p).__name__ for p in rotated] == ["Rotate", "QuantizeEmbeddings", "GPTQ"]
     assert {r["bits"] for r in cm.report.layer_table("QuantizeEmbeddings")} == {8}
     assert any("quant_embedding" in str(n.target) for n in cm.graph_module.graph.nodes)
     assert main(["quantize", "bundled:tinylm", "--embeddings", "w8", "--out", str(tmp_path / "p")]) == 2

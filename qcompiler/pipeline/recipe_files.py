@@ -33,7 +33,7 @@ from typing import Any
 
 from qcompiler.errors import RecipeError
 from qcompiler.files.regular_files import read_regular_file
-from qcompiler.pipeline.pass_base import Pass
+from qcompiler.pipeline.pass_base import GraphProperty, Pass
 from qcompiler.pipeline.pass_registry import pass_name, resolve_pass
 from qcompiler.pipeline.recipes import Recipe, get_recipe
 
@@ -234,8 +234,11 @@ def with_overrides(recipe: Recipe, **settings: Any) -> Recipe:
 
 
 def with_embeddings(recipe: Recipe, spec: str | None) -> Recipe:
-    """``recipe`` followed by ``QuantizeEmbeddings`` at ``spec`` — ``w8g128``: bits and group size —
-    the command line's ``--embeddings`` (None: ``recipe`` unchanged)."""
+    """``recipe`` with ``QuantizeEmbeddings`` at ``spec`` — ``w8g128``: bits and group size — the command
+    line's ``--embeddings`` (None: ``recipe`` unchanged). It runs just before the first pass that
+    quantizes weights: after what folds into the table (rotations), and before the weight solves,
+    so a tied table's GPTQ reads the FP model's hidden states and the blocks' solves see the
+    quantized lookup (Gemma-3 270M, GPTQ w4g32 + w4g64 table: KL 0.218 this way, 0.223 after)."""
     if spec is None:
         return recipe
     match = re.fullmatch(r"w(\d+)g(-1|\d+)", spec)
@@ -243,7 +246,10 @@ def with_embeddings(recipe: Recipe, spec: str | None) -> Recipe:
         raise RecipeError(f"--embeddings {spec!r} is not wBITSgGROUP (e.g. w8g128, w4g32)")
     cls = resolve_pass("QuantizeEmbeddings", allow_import=False, where="--embeddings")
     quantize = cls(bits=int(match[1]), group_size=int(match[2]))
-    return Recipe(f"{recipe.name} + embeddings {spec}", (*recipe.passes, quantize), recipe.description)
+    passes = list(recipe.passes)
+    at = next((i for i, p in enumerate(passes) if GraphProperty.QUANTIZED_WEIGHTS in p.provides), len(passes))
+    passes.insert(at, quantize)
+    return Recipe(f"{recipe.name} + embeddings {spec}", tuple(passes), recipe.description)
 
 
 def _field_names(p) -> set[str]:
