@@ -67,6 +67,17 @@ def test_layout_kernels_equal_quant_linear(bits, group, act_order, n_out, n_in, 
     torch.testing.assert_close(got.cpu(), want, **FP32_TOL)
 
 
+@pytest.mark.parametrize("rows", range(1, 18))  # the decode GEMV, then the split-K GEMM per M, then prefill
+def test_every_decode_batch_size_equals_quant_linear(rows, kernel_device):
+    w, bias = gptq_problem(3, 32, True, 96, 160, seed=7)
+    layout = layout_from_gptq(*_on(kernel_device, w.qweight, w.qzeros, w.scales, w.g_idx), 3, 32)
+    x = torch.randn(rows, 160, generator=torch.Generator().manual_seed(rows))
+    want = quant_linear(x, w.qweight, w.qzeros, w.scales, w.g_idx, bias, 3, 32)
+    torch.testing.assert_close(
+        layout_linear(x.to(kernel_device), layout, bias.to(kernel_device)).cpu(), want, **FP32_TOL
+    )
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 33, 64])
 def test_layout_kernels_take_half_precision_activations(dtype, rows, kernel_device):
