@@ -299,8 +299,25 @@ def spqr_quantize_many(
     if len({part.W.shape[1] for part in parts}) != 1:
         raise QuantizationError("spqr_quantize_many: the parts read different numbers of inputs")
     f = factor if factor is not None else hessian_factor(H, damp, act_order)
-    U, diag = f.U, torch.diagonal(f.U)
-    perm = torch.arange(parts[0].W.shape[1], device=U.device) if f.perm is None else f.perm
+    perm = torch.arange(parts[0].W.shape[1], device=f.U.device) if f.perm is None else f.perm
+    WT, bounds, taus = _stacked(parts, f, outlier_threshold)
+    limits = _row_limits(parts, bounds, taus, torch.diagonal(f.U), WT.device)
+    n_in, n_out = WT.shape
+    state = _GroupState(
+        n_out, n_in // group_size, parts[0].bits, stat_bits, stat_group_size,
+        limits.tau, WT.device, None if isinstance(limits.top, int) else limits.top[:, None],
+    )  # fmt: skip
+    codes, dense, residual, outlier = _sweep(WT, f.U, state, group_size, block_size, limits)
+    return [
+        _finish(codes, dense, residual, outlier, perm, state, rows, tau, f.damp, f.damp_steps)
+        for rows, tau in zip(bounds, taus)
+    ]
+
+
+def _stacked(parts: list[SpQRPart], f: HessianFactor, outlier_threshold: float):
+    """The parts' ``Wᵀ`` side by side ``[in, Σ rows]`` in processing order, each part's rows (a slice of
+    the stack) and its absolute τ (relative to its ``tau_weight``)."""
+    diag = torch.diagonal(f.U)
     taus, columns, bounds = [], [], []
     for part in parts:
         WT = swept_copy(part.W, f)[1]  # [in, rows] in processing order
@@ -309,33 +326,44 @@ def spqr_quantize_many(
         start = bounds[-1].stop if bounds else 0
         bounds.append(slice(start, start + WT.shape[1]))
         columns.append(WT)
-    WT = columns[0] if len(columns) == 1 else torch.cat(columns, dim=1)  # [in, Σ rows]
-    del columns, Ws
-    n_in, n_out = WT.shape
+    return (columns[0] if len(columns) == 1 else torch.cat(columns, dim=1)), bounds, taus
 
+
+class _RowLimits(NamedTuple):
+    """What the sweep bounds each row by: its largest code (an int when every part has the same width,
+    else ``[rows]`` with ``low`` its zeros) and its outlier test (``root``·d for one τ, else ``bound[j]``,
+    the per-row ``d_j·√τ`` formed in double as a part's own solve forms it, then rounded to float32)."""
+
+    top: object
+    low: Optional[torch.Tensor]
+    tau: object
+    root: float
+    bound: Optional[torch.Tensor]
+
+
+def _row_limits(parts, bounds, taus, diag: torch.Tensor, device) -> _RowLimits:
     def per_row(values) -> torch.Tensor:
-        return torch.cat(
-            [torch.full((b.stop - b.start, 1), float(v), device=WT.device) for b, v in zip(bounds, values)]
-        )
+        return torch.cat([torch.full((b.stop - b.start,), float(v), device=device) for b, v in zip(bounds, values)])
 
-    one_width = len({part.bits for part in parts}) == 1
-    maxq = 2 ** parts[0].bits - 1 if one_width else per_row(2**part.bits - 1 for part in parts)
-    one_tau = len(set(taus)) == 1
-    state = _GroupState(
-        n_out, n_in // group_size, parts[0].bits, stat_bits, stat_group_size,
-        taus[0] if one_tau else per_row(taus), WT.device, None if one_width else maxq,
-    )  # fmt: skip
-    # per column, the outlier bound d·√τ as each part's own solve compares it: d·√τ in double, then float32
-    root = [math.sqrt(t) for t in taus]
-    bound = None if one_tau else (torch.tensor(root, dtype=torch.float64)[None, :] * diag.double()[:, None])
-    if bound is not None:
-        bound = torch.cat([bound[:, k : k + 1].expand(-1, b.stop - b.start) for k, b in enumerate(bounds)], 1).float()
-    low = torch.zeros(n_out, device=WT.device) if not one_width else None
-    top = maxq if one_width else maxq[:, 0]
+    one_width, one_tau = len({part.bits for part in parts}) == 1, len(set(taus)) == 1
+    top = 2 ** parts[0].bits - 1 if one_width else per_row(2**part.bits - 1 for part in parts)
+    low = None if one_width else torch.zeros_like(top)
+    bound = None
+    if not one_tau:
+        root = torch.tensor([math.sqrt(t) for t in taus], dtype=torch.float64)[None, :] * diag.double()[:, None]
+        bound = torch.cat([root[:, k : k + 1].expand(-1, b.stop - b.start) for k, b in enumerate(bounds)], 1).float()
+    return _RowLimits(top, low, taus[0] if one_tau else per_row(taus)[:, None], math.sqrt(taus[0]), bound)
+
+
+def _sweep(WT: torch.Tensor, U: torch.Tensor, state: _GroupState, group_size: int, block_size: int, limits):
+    """SpQR's sweep over ``Wᵀ`` (rows in processing order, updated in place): codes, dense values, fp16
+    outlier residuals and the outlier mask, each ``[out, in]``. As GPTQ's, a column is a contiguous
+    row, each column's rounding and rank-1 update in-place vector ops (the column-strided version
+    spent 0.7 of its 0.85 s at 640 x 2048 in temporaries); the same arithmetic as
+    ``spqr_quantize_reference``, column by column."""
+    n_in, n_out = WT.shape
     block_size = max(group_size, block_size // group_size * group_size)
-    # the sweep runs on Wᵀ, as GPTQ's does: a column is a contiguous row, each column's rounding and
-    # rank-1 update in-place vector ops (the column-strided version spent 0.7 of its 0.85 s at
-    # 640 x 2048 in temporaries); same arithmetic as ``spqr_quantize_reference``, column by column
+    top, low, root, bound = limits.top, limits.low, limits.root, limits.bound
     codesT, denseT = torch.empty_like(WT), torch.empty_like(WT)
     residualT = torch.empty_like(WT, dtype=torch.float16)
     outlierT = torch.empty_like(WT, dtype=torch.bool)
@@ -352,18 +380,14 @@ def spqr_quantize_many(
                 scale, zero = grid.scale[:, 0], grid.zero[:, 0]
             w, d = W1[i], diag1[i]
             code = torch.div(w, scale, out=codesT[j]).add_(zero).round_()
-            code = code.clamp_(0, top) if one_width else code.clamp_(min=low, max=top)
+            code = code.clamp_(0, top) if low is None else code.clamp_(min=low, max=top)
             diff = w - torch.sub(code, zero, out=denseT[j]).mul_(scale)
-            outlier = torch.gt(diff.abs(), d * root[0] if bound is None else bound[j], out=outlierT[j])
+            outlier = torch.gt(diff.abs(), d * root if bound is None else bound[j], out=outlierT[j])
             residualT[j] = torch.where(outlier, diff, 0.0)
             torch.sub(diff, residualT[j], out=Err1[i]).div_(d)  # what the outlier's fp16 value leaves
             W1[i + 1 :].addr_(U1[i, i + 1 :], Err1[i], alpha=-1)
         WT[i2:].addmm_(U[i1:i2, i2:].t(), Err1, alpha=-1)
-    codes, dense, residual, outlier = codesT.t(), denseT.t(), residualT.t(), outlierT.t()
-    return [
-        _finish(codes, dense, residual, outlier, perm, state, rows, tau, f.damp, f.damp_steps)
-        for rows, tau in zip(bounds, taus)
-    ]
+    return codesT.t(), denseT.t(), residualT.t(), outlierT.t()
 
 
 def spqr_quantize_reference(
