@@ -12,9 +12,10 @@ before or after it.
 How the table is rounded (``method``): a lookup has no input Hessian (its "inputs" are one-hot), so
 an untied table is rounded to nearest on the chosen grid. A tied table is also the head, a linear
 whose inputs the calibration reaches: GPTQ on the head's input Hessian (gathered by running the
-graph up to the head, after whatever the recipe quantized) moves each token row's rounding error
+graph up to the head, through whatever ran before: ``--embeddings`` puts this pass before the weight
+solves, so that is the FP model, rotated if the recipe rotates) moves each token row's rounding error
 where the head's outputs feel it least. On Gemma-3 270M at 4 bits that cut the next-token KL the
-table adds by a third to a half (docs/results.md, "Quantized embeddings"), though the lookup reads
+table adds by a fifth to nearly a half (docs/results.md, "Quantized embeddings"), though the lookup reads
 the rows unweighted. ``"auto"``: GPTQ where there is a tied linear and calibration, else RTN.
 """
 
