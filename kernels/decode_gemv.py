@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from qcompiler.kernels.gemm_parts import add_fused_outliers, tile_codes
+from qcompiler.kernels.gemm_parts import add_fused_outliers, tile_codes, tile_stats
 from qcompiler.kernels.kernel_layout import KernelLayout, Outliers, plane_widths, rows_per_word
 from qcompiler.kernels.tuning import INTERPRET, Tunable
 
@@ -82,14 +82,7 @@ def _decode_gemv_kernel(
     else:
         col = rk
     codes = tile_codes(low_ptr, high_ptr, k0, rn, mask_n, N, K, BITS, WIDTH, PER_WORD, WORD_ROWS)
-    if GROUP % BLOCK_K == 0:  # the tile lies in one group: one row of statistics
-        stat = (k0 // GROUP) * N + rn[None, :]
-        stat_mask = mask_n[None, :]
-    else:  # small groups: each word row lies in one group (GROUP is a multiple of PER_WORD)
-        stat = ((k0 + ri * PER_WORD) // GROUP)[:, None] * N + rn[None, :]
-        stat_mask = ((k0 + ri * PER_WORD) < K)[:, None] & mask_n[None, :]
-    s = tl.load(scales_ptr + stat, mask=stat_mask, other=0.0).to(tl.float32)
-    z = tl.load(zeros_ptr + stat, mask=stat_mask, other=0.0).to(tl.float32)
+    s, z = tile_stats(scales_ptr, zeros_ptr, k0, rn, mask_n, N, K, GROUP, PER_WORD, WORD_ROWS, BLOCK_K)
     if DEQUANT == 0:  # fp16: 1024 + code as an fp16, exact; c·s − z·s in one half FMA
         c = (codes | 0x6400).to(tl.uint16).to(tl.float16, bitcast=True) - 1024.0
         w = c * s.to(tl.float16)[:, None, :] + (-(z * s)).to(tl.float16)[:, None, :]

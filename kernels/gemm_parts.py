@@ -68,6 +68,24 @@ def tile_codes(low_ptr, high_ptr, k0, rn, mask_n, N, K, BITS: tl.constexpr, WIDT
 
 
 @triton.jit
+def tile_stats(scales_ptr, zeros_ptr, k0, rn, mask_n, N, K, GROUP: tl.constexpr, PER_WORD: tl.constexpr,
+               WORD_ROWS: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
+    """float32 scales and zeros of the tile at rows ``k0 …``: ``[1, BLOCK_N]`` when the tile lies in one
+    group, else ``[WORD_ROWS, BLOCK_N]``, one row per word row (each in one group: ``GROUP`` is a
+    multiple of ``PER_WORD``); broadcast over a ``tile_codes`` tile as ``[:, None, :]``."""
+    if GROUP % BLOCK_K == 0:
+        stat = (k0 // GROUP) * N + rn[None, :]
+        stat_mask = mask_n[None, :]
+    else:
+        first = k0 + tl.arange(0, WORD_ROWS) * PER_WORD
+        stat = (first // GROUP)[:, None] * N + rn[None, :]
+        stat_mask = (first < K)[:, None] & mask_n[None, :]
+    s = tl.load(scales_ptr + stat, mask=stat_mask, other=0.0).to(tl.float32)
+    z = tl.load(zeros_ptr + stat, mask=stat_mask, other=0.0).to(tl.float32)
+    return s, z
+
+
+@triton.jit
 def add_fused_outliers(x_ptr, perm_ptr, out_ptr, row_ptr_ptr, rows_ptr, cols_ptr, values_ptr, pid_n, pid_k,
                        programs_k, N, HAS_PERM: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
     """SpQR's outliers of output rows ``pid_n·BLOCK_N …`` shared out among the ``programs_k`` programs of

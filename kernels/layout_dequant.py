@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from qcompiler.kernels.gemm_parts import tile_codes
+from qcompiler.kernels.gemm_parts import tile_codes, tile_stats
 from qcompiler.kernels.kernel_layout import KernelLayout, plane_widths, rows_per_word
 from qcompiler.kernels.tuning import Tunable
 
@@ -48,11 +48,7 @@ def _dequantize_kernel(
     k0 = pid_k * BLOCK_K
     rk = k0 + ri[:, None] * PER_WORD + rj[None, :]
     codes = tile_codes(low_ptr, high_ptr, k0, rn, mask_n, N, K, BITS, WIDTH, PER_WORD, WORD_ROWS).to(tl.float32)
-    first = k0 + ri * PER_WORD  # a word row lies in one group (GROUP is a multiple of PER_WORD)
-    stat = (first // GROUP)[:, None] * N + rn[None, :]
-    stat_mask = (first < K)[:, None] & mask_n[None, :]
-    s = tl.load(scales_ptr + stat, mask=stat_mask, other=0.0).to(tl.float32)
-    z = tl.load(zeros_ptr + stat, mask=stat_mask, other=0.0).to(tl.float32)
+    s, z = tile_stats(scales_ptr, zeros_ptr, k0, rn, mask_n, N, K, GROUP, PER_WORD, WORD_ROWS, BLOCK_K)
     w = (codes - z[:, None, :]) * s[:, None, :]
     live = (rk < K)[:, :, None] & mask_n[None, None, :]
     tl.store(out_ptr + rk[:, :, None] * N + rn[None, None, :], w.to(out_ptr.dtype.element_ty), mask=live)

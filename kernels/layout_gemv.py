@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from qcompiler.kernels.gemm_parts import add_fused_outliers, split_k_range, tile_codes
+from qcompiler.kernels.gemm_parts import add_fused_outliers, split_k_range, tile_codes, tile_stats
 from qcompiler.kernels.kernel_layout import KernelLayout, Outliers, plane_widths, rows_per_word
 from qcompiler.kernels.tuning import Tunable
 
@@ -66,18 +66,8 @@ def _layout_gemv_kernel(
         rk = k0 + ri[:, None] * PER_WORD + rj[None, :]
         x = tl.load(x_ptr + rk, mask=rk < k_hi, other=0.0).to(tl.float32)
         codes = tile_codes(low_ptr, high_ptr, k0, rn, mask_n, N, K, BITS, WIDTH, PER_WORD, WORD_ROWS).to(tl.float32)
-        if GROUP % BLOCK_K == 0:  # the tile lies in one group: one row of statistics
-            g = k0 // GROUP
-            s = tl.load(scales_ptr + g * N + rn, mask=mask_n, other=0.0).to(tl.float32)
-            z = tl.load(zeros_ptr + g * N + rn, mask=mask_n, other=0.0).to(tl.float32)
-            w = (codes - z[None, None, :]) * s[None, None, :]
-        else:  # small groups: each word row lies in one group (GROUP is a multiple of PER_WORD)
-            first = k0 + ri * PER_WORD
-            g = first // GROUP
-            stat_mask = (first < K)[:, None] & mask_n[None, :]
-            s = tl.load(scales_ptr + g[:, None] * N + rn[None, :], mask=stat_mask, other=0.0).to(tl.float32)
-            z = tl.load(zeros_ptr + g[:, None] * N + rn[None, :], mask=stat_mask, other=0.0).to(tl.float32)
-            w = (codes - z[:, None, :]) * s[:, None, :]
+        s, z = tile_stats(scales_ptr, zeros_ptr, k0, rn, mask_n, N, K, GROUP, PER_WORD, WORD_ROWS, BLOCK_K)
+        w = (codes - z[:, None, :]) * s[:, None, :]
         acc += tl.sum(tl.sum(w * x[:, :, None], axis=1), axis=0)
     if HAS_BIAS:
         if pid_k == 0:

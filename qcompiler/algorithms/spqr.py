@@ -24,7 +24,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from qcompiler.algorithms.gptq import HessianFactor, _prepare, hessian_factor, swept_copy
+from qcompiler.algorithms.gptq import HessianFactor, hessian_factor, swept_copy
 from qcompiler.algorithms.quant_grid import Grid, _grid_for_range
 from qcompiler.errors import QuantizationError
 
@@ -199,9 +199,9 @@ def _setup(W, H, bits, group_size, stat_bits, stat_group_size, outlier_threshold
     """The straightforward reference's start: its own factor of ``H``, ``W`` permuted."""
     check_spqr_spec(bits, group_size, stat_bits, stat_group_size)
     _check(*W.shape, group_size, stat_bits, stat_group_size, outlier_threshold)
-    Wp, Hp, perm = _prepare(W, H, act_order)
     f = hessian_factor(H, damp, act_order)
-    perm = torch.arange(W.shape[1], device=Wp.device) if perm is None else perm
+    Wp = swept_copy(W, f)[1].t().contiguous()  # [out, in]: dead inputs zeroed, processing order
+    perm = torch.arange(W.shape[1], device=Wp.device) if f.perm is None else f.perm
     tau = _absolute_tau(Wp, torch.diagonal(f.U), outlier_threshold)
     state = _GroupState(W.shape[0], W.shape[1] // group_size, bits, stat_bits, stat_group_size, tau, Wp.device)
     return Wp, f.U, perm, state, tau, f.damp, f.damp_steps
