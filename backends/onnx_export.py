@@ -36,7 +36,7 @@ from qcompiler.backends.onnx_dtype import widen_half_floats, widened_inputs
 from qcompiler.backends.onnx_layout import lower_for_onnx
 from qcompiler.backends.onnx_translations import MSFT_OPSET
 from qcompiler.errors import BackendError
-from qcompiler.files.atomic import temporary_sibling
+from qcompiler.files.atomic import naming_output, temporary_sibling
 from qcompiler.frontend import causal_lm
 from qcompiler.frontend.capture import dynamic_shapes_for
 from qcompiler.ir.op_registry import implementation, implementations, spec
@@ -227,13 +227,14 @@ def _write_checked(model: onnx.ModelProto, path: Path) -> None:
         tmp = tmpdir / path.name
         # initializer bytes, not model.ByteSize(): protobuf cannot even measure a message over 2 GB
         external = sum(len(t.raw_data) for t in model.graph.initializer) > _TWO_GB
-        onnx.save_model(
-            model,
-            str(tmp),
-            save_as_external_data=external,
-            all_tensors_to_one_file=True,
-            location=path.name + ".data" if external else None,
-        )
+        with naming_output(path):
+            onnx.save_model(
+                model,
+                str(tmp),
+                save_as_external_data=external,
+                all_tensors_to_one_file=True,
+                location=path.name + ".data" if external else None,
+            )
         try:
             onnx.checker.check_model(str(tmp), full_check=True)
         except onnx.checker.ValidationError as exc:

@@ -18,6 +18,8 @@ here, on a copy of the graph, as ops with their own torch references (tested aga
   outliers are gathered from the input and multiplied by a small dense ``[k, N]`` block.
 - ``qc.spqr_experts_linear`` → ``qc.experts_matmul_nbits`` (each expert's dense branch as above)
   plus ``qc.experts_gathered_outlier_linear`` (each expert's own outlier columns and block).
+- ``qc.quant_embedding`` → ``qc.gather_block_quantized`` (``onnx_embedding.py``: GatherBlockQuantized
+  over the table's MatMulNBits bytes, which a tied head shares).
 - ``qc.matmul_nbits`` nodes that read one input (q/k/v; gate/up) → one node over the stacked
   tensors and a split (``onnx_siblings.py``).
 """
@@ -34,7 +36,7 @@ from torch.fx import GraphModule
 from qcompiler.algorithms.gguf_bytes import unpack
 from qcompiler.algorithms.gguf_grids import BY_NAME, sub_block_grid
 from qcompiler.algorithms.packing import unpack_rows
-from qcompiler.backends import onnx_hadamard  # noqa: F401  (registers the qc.hadamard lowering)
+from qcompiler.backends import onnx_embedding, onnx_hadamard  # noqa: F401  (register their lowerings)
 from qcompiler.backends.onnx_nbits import gptq_to_nbits, to_matmul_nbits_layout
 from qcompiler.backends.onnx_siblings import fuse_sibling_nbits
 from qcompiler.ir.experts import find_expert_linears
@@ -307,12 +309,6 @@ refuse(
     "fp8_kv_quant",
     "the FP8 KV cache (FP8KVCache) is not exported to ONNX yet; export it with --format compressed-tensors "
     "(vLLM, transformers), or quantize without FP8KVCache for ONNX Runtime",
-)
-refuse(
-    "onnx",
-    "quant_embedding",
-    "quantized embeddings (QuantizeEmbeddings) are not lowered to ONNX yet (ONNX Runtime's GatherBlockQuantized); "
-    "quantize without QuantizeEmbeddings for ONNX Runtime",
 )
 implement(
     "onnx", "spqr_experts_linear", _lower_spqr_experts, kind="lowering", label="MatMulNBits + Gather/MatMul per expert"

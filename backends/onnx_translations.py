@@ -111,7 +111,25 @@ def _register_contrib_schemas() -> None:
             A("accuracy_level", OpSchema.AttrType.INT, "", required=False),
         ],
     )
-    for schema in (gqa, nbits):  # once per process (and not over a schema another library registered)
+    gather = OpSchema(
+        "GatherBlockQuantized",
+        "com.microsoft",
+        MSFT_OPSET,
+        inputs=[P("data", "T1"), P("indices", "Tind"), P("scales", "T2"), P("zero_points", "T1", param_option=opt)],
+        outputs=[P("output", "T2")],
+        type_constraints=[
+            ("T1", ["tensor(uint8)"], ""),
+            ("T2", floats, ""),
+            ("Tind", ["tensor(int32)", "tensor(int64)"], ""),
+        ],
+        attributes=[
+            A("gather_axis", OpSchema.AttrType.INT, "", required=False),
+            A("quantize_axis", OpSchema.AttrType.INT, "", required=False),
+            A("block_size", OpSchema.AttrType.INT, "", required=False),
+            A("bits", OpSchema.AttrType.INT, "", required=False),
+        ],
+    )
+    for schema in (gqa, nbits, gather):  # once per process (and not over a schema another library registered)
         if not onnx.defs.has(schema.name, schema.domain):
             onnx.defs.register_schema(schema)
 
@@ -178,6 +196,20 @@ def matmul_nbits_at(accuracy_level: int):
         return y if bias is None else op.Add(y, bias)
 
     return matmul_nbits
+
+
+@onnx_translation("gather_block_quantized", "com.microsoft::GatherBlockQuantized")
+def gather_block_quantized(ids, data, scales, zero_points, order=None, K=0, bits=4, block_size=32):
+    """Rows ``ids`` of a table in MatMulNBits' bytes ``[V, blocks, block·bits/8]``: each block's row
+    one quantization block (``quantize_axis=2``), flattened to ``[*ids, blocks·block]``, a padded
+    last block cut to ``K``, act-order columns put back by ``order``."""
+    y = msft.GatherBlockQuantized(
+        data, ids, scales, zero_points, gather_axis=0, quantize_axis=2, block_size=block_size, bits=bits
+    )
+    y = op.Reshape(y, op.Concat(op.Shape(ids), op.Constant(value_ints=[-1]), axis=0))
+    if _static_dim(data, 1) * block_size != K:
+        y = op.Slice(y, op.Constant(value_ints=[0]), op.Constant(value_ints=[K]), op.Constant(value_ints=[-1]))
+    return y if order is None else op.Gather(y, order, axis=-1)
 
 
 @onnx_translation("experts_matmul_nbits", "MatMulNBits per expert", by_accuracy_level=True)

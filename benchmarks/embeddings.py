@@ -3,6 +3,7 @@
     python benchmarks/embeddings.py                      # Gemma-3 270M and longlm (~12 min on 2 cores)
     python benchmarks/embeddings.py --models longlm      # the bundled model alone (~2 min)
     python benchmarks/embeddings.py --rows "gptq-w4g32, embeddings w4g64 gptq" --update   # chosen rows
+    python benchmarks/embeddings.py --models gemma-3-270m --rows "gptq-w4g32, embeddings w4g64 gptq" --onnx --update
 
 Per model, the same calibration for every row (Gemma-3 270M: 8 windows of 256 tokens; longlm: 128):
 the embedding table left in the model's dtype or quantized by ``QuantizeEmbeddings`` at each setting,
@@ -20,13 +21,20 @@ and this judge moves by up to ~0.03 nats with such perturbations (two 8-bit tabl
 each other differ by that much). ``--controlled`` adds rows that isolate the table's method: the
 block linears quantized once, and only the table swapped for what ``QuantizeEmbeddings`` (run alone
 on the FP model, RTN or GPTQ) stores.
+
+``--onnx`` also exports each row to ONNX (the table as ``GatherBlockQuantized``, a tied head's
+``MatMulNBits`` on the same bytes) and judges ONNX Runtime's logits the same way, at MatMulNBits'
+accuracy level 0 (float32 activations: the graph's numbers) and at the export's default 4 (int8
+activations); the file's megabytes are what the export wrote (model and external data).
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 from bench_models import load_model
@@ -99,11 +107,23 @@ def _controlled(loaded, calibration, judge) -> list[dict]:
     return rows
 
 
+def _through_onnxruntime(cm, judge) -> dict:
+    """The row's ONNX export judged in ONNX Runtime at accuracy levels 0 and 4, and its size."""
+    out = {}
+    for level in (0, 4):
+        with tempfile.TemporaryDirectory() as folder:
+            fast = cm.with_backend("onnxruntime", path=Path(folder) / "model.onnx", accuracy_level=level)
+            out[f"onnx_level{level}_next_token_kl"] = judge.kl(fast)
+            out["onnx_mb"] = sum(f.stat().st_size for f in Path(folder).iterdir()) / 1e6
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", nargs="+", default=["gemma-3-270m", "longlm"])
     ap.add_argument("--rows", nargs="*", default=None, help="only these row labels (default: every row)")
     ap.add_argument("--controlled", action="store_true", help="also the table-only rows (linears fixed)")
+    ap.add_argument("--onnx", action="store_true", help="also judge each row's ONNX export in ONNX Runtime")
     ap.add_argument("--update", action="store_true", help="merge these rows into the committed file")
     args = ap.parse_args()
     rows = []
@@ -138,10 +158,18 @@ def main() -> None:
                 next_token_kl=judge.kl(cm),
                 quant_seconds=seconds,
             )
+            if args.onnx:
+                row.update(_through_onnxruntime(cm, judge))
             rows.append(row)
             print(
                 f"{name:13s} {row['recipe']:44s} {row['bits_per_parameter_all']:.3f} bits/param (all)  "
-                f"{row['stored_mb']:.1f} MB  KL {row['next_token_kl']:.4f}  {seconds:.1f}s",
+                f"{row['stored_mb']:.1f} MB  KL {row['next_token_kl']:.4f}  {seconds:.1f}s"
+                + (
+                    f"  ONNX {row['onnx_mb']:.1f} MB, KL {row['onnx_level0_next_token_kl']:.4f} (level 0) "
+                    f"{row['onnx_level4_next_token_kl']:.4f} (level 4)"
+                    if args.onnx
+                    else ""
+                ),
                 file=sys.stderr,
                 flush=True,
             )

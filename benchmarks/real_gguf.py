@@ -2,6 +2,7 @@
 
     python benchmarks/real_gguf.py                          (~4 min on 2 cores: RTN rows)
     python benchmarks/real_gguf.py --recipes gptq-q4_0 --update     (adds GPTQ's rows, ~6 min more)
+    python benchmarks/real_gguf.py --recipes --llama-cpp-bin BUILD/bin --update   (llama.cpp's own Q4_K_M)
 
 The model is the bf16 folder ``qcompiler.models.gemma3_270m`` builds from the PyPI packages that ship
 it (dequantized from their Q4_K_M file: the "FP" reference is that copy). Each recipe is exported
@@ -11,12 +12,23 @@ as Q8_0 / Q4_0 (``token_embedding``). Every file is run by llama-cpp-python over
 the FP model's logits (transformers, float32), greedy agreement with it, and bits per parameter
 over **all** parameters counted from the tensors the file stores (its header excluded). The source
 Q4_K_M file is listed too, as it is; it is the model's own origin, so its KL is llama.cpp's rounding
-of activations only, not a peer's quantization error. Writes benchmarks/results/real_gguf.json.
+of activations only, not a peer's quantization error.
+
+With ``--llama-cpp-bin`` (llama.cpp's tools, built as benchmarks/gguf_quality.py says), the peer:
+qcompiler writes the FP model as an F16 GGUF, ``llama-imatrix`` computes an importance matrix from
+the calibration windows' text, ``llama-quantize`` makes its Q4_K_M mix of the F16 file with and
+without it (its own per-tensor choices, token embeddings included) and its ``--pure`` Q4_0 with
+Q8_0 / Q4_0 token embeddings (the types of qcompiler's ``gptq-q4_0`` rows), and qcompiler's
+``auto-gguf:B`` is made at the bits per weight of llama.cpp's Q4_K_M block tensors, its token
+embeddings in the type llama.cpp chose for them. This model's FP copy is dequantized from a Q4_K_M
+file, so llama.cpp's Q4_K_M of it lands back on the grid the weights came from (nearly lossless);
+its Q4_0 rows are the like-for-like comparison. Writes benchmarks/results/real_gguf.json.
 """
 
 from __future__ import annotations
 
 import argparse
+import subprocess
 import time
 from pathlib import Path
 
@@ -61,14 +73,65 @@ def _judge(path, windows, reference) -> dict:
     return {"perplexity": float(np.exp(nll / n_pred)), "kl": kl / count, "greedy_agreement": agree / count}
 
 
+def _block_bits(path) -> tuple[float, str]:
+    """(bits per weight of the file's quantized block tensors, the token embeddings' type)."""
+    bits = n = 0
+    embedding = "f16"
+    for t in gguf.GGUFReader(str(path)).tensors:
+        if t.name == "token_embd.weight":
+            embedding = t.tensor_type.name.lower()
+        elif t.tensor_type.name not in ("F16", "F32", "BF16"):
+            bits, n = bits + int(t.n_bytes) * 8, n + int(t.n_elements)
+    return bits / n, embedding
+
+
+def _tool(bin_dir: Path, name: str, *args) -> None:
+    subprocess.run([str(bin_dir / name), *map(str, args)], check=True, capture_output=True)
+
+
+def llama_cpp_peer(m, calibration, bin_dir: Path, out: Path, add, pure_embeddings=()) -> tuple[float, str]:
+    """llama.cpp's Q4_K_M of the FP model, and its ``--pure`` Q4_0 with each of ``pure_embeddings``
+    as the token embeddings' type, each with and without an imatrix from the calibration text,
+    added as rows; returns the Q4_K_M file's block tensors' bits per weight and token-embedding type."""
+    start = time.perf_counter()
+    fp = qc.compile(m.model, m.example_inputs(), recipe="none", backend="eager")
+    fp.export_gguf(out / "f16.gguf", progress=lambda s: None)
+    text = "".join(m.tokenizer.decode(batch["input_ids"][0, 1:].tolist()) for batch in calibration)
+    (out / "calibration.txt").write_text(text)
+    chunks = ("--chunks", len(calibration))
+    imatrix = ("-m", out / "f16.gguf", "-f", out / "calibration.txt", "-o", out / "imatrix.gguf", "-c", 256, *chunks)
+    _tool(bin_dir, "llama-imatrix", *imatrix, "-t", 2)
+    prepared = time.perf_counter() - start
+    mix = None
+    for kind, embedding in (("Q4_K_M", None), *(("Q4_0", e) for e in pure_embeddings)):
+        for with_imatrix in (False, True):
+            start = time.perf_counter()
+            path = out / f"llamacpp-{kind}-{embedding}{'-imatrix' if with_imatrix else ''}.gguf"
+            extra = ("--imatrix", out / "imatrix.gguf") if with_imatrix else ()
+            extra += ("--pure", "--token-embedding-type", embedding) if embedding else ()
+            _tool(bin_dir, "llama-quantize", *extra, out / "f16.gguf", path, kind, 2)
+            seconds = time.perf_counter() - start + (prepared if with_imatrix else 0.0)
+            bits, stored_embedding = _block_bits(path)
+            add(f"llama.cpp {kind}" + (" + imatrix" if with_imatrix else ""), stored_embedding, path, seconds)
+            mix = mix or (bits, stored_embedding)
+    return mix
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--recipes", nargs="+", default=["rtn-q8_0", "rtn-q4_0"])
+    parser.add_argument("--recipes", nargs="*", default=["rtn-q8_0", "rtn-q4_0"])
     parser.add_argument("--embeddings", nargs="+", default=["f16", "q8_0", "q4_0"])
     parser.add_argument("--windows", type=int, default=4)
     parser.add_argument("--calibration", type=int, default=8, help="256-token calibration windows (GPTQ)")
     parser.add_argument("--update", action="store_true", help="merge these rows into the committed file")
     parser.add_argument("--out", default="/tmp/real_gguf")
+    parser.add_argument("--llama-cpp-bin", type=Path, help="folder with llama-quantize and llama-imatrix (peer rows)")
+    parser.add_argument(
+        "--llama-cpp-q4-0",
+        nargs="*",
+        default=["q8_0", "q4_0"],
+        help="token-embedding types of llama.cpp's pure Q4_0 rows",
+    )
     args = parser.parse_args()
     m = models.load(str(gemma3_270m_dir()))
     n_params = sum(p.numel() for p in m.model.parameters())  # the tied head counted once, as stored
@@ -94,13 +157,17 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     calibration = [{"input_ids": torch.tensor([w])} for w in _windows(m, args.windows + args.calibration)]
     calibration = calibration[args.windows :]  # disjoint from the judged windows
-    for recipe in args.recipes:
+    recipes = [(recipe, args.embeddings) for recipe in args.recipes]
+    if args.llama_cpp_bin is not None:
+        bits, embedding = llama_cpp_peer(m, calibration, args.llama_cpp_bin, out, add, args.llama_cpp_q4_0)
+        recipes.append((f"auto-gguf:{bits:.4f}", [embedding]))
+    for recipe, embeddings in recipes:
         start = time.perf_counter()
-        calib = calibration if recipe.startswith("gptq") else None
+        calib = calibration if recipe.startswith(("gptq", "auto")) else None
         cm = qc.compile(m.model, m.example_inputs(), recipe=recipe, calibration=calib, backend="eager")
         seconds = time.perf_counter() - start
-        for embedding in args.embeddings:
-            path = out / f"{recipe}-{embedding}.gguf"
+        for embedding in embeddings:
+            path = out / f"{recipe.replace(':', '_')}-{embedding}.gguf"
             cm.export_gguf(path, token_embedding=None if embedding == "f16" else embedding, progress=lambda s: None)
             add(f"qcompiler {recipe}", embedding, path, seconds)
     if args.update:

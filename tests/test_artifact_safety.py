@@ -535,3 +535,35 @@ def test_a_hadamard_block_no_model_has_is_refused_before_it_is_built(saved_spqr_
     _tamper_graph(path, widen)
     with pytest.raises(ArtifactError, match=r"block_size 1048576 is not a power of two up to 16384"):
         qc.load(path)
+
+
+def _set_node_args(name: str, args: dict):
+    def mutate(graph):
+        next(n for n in graph["nodes"] if n["name"] == name)["args"] = args
+
+    return mutate
+
+
+@pytest.mark.parametrize(
+    "node,args",
+    [
+        ("expand", {"tuple": [{"node": "unsqueeze"}, {"list": [100_000, 100_000, 100_000]}]}),
+        ("arange", {"tuple": [10**12]}),
+    ],
+    ids=["expand", "arange"],
+)
+def test_a_literal_size_past_what_the_tensors_could_need_is_refused_at_load(saved, tmp_path, node, args):
+    """A re-signed graph asking an allow-listed op for 10^15 or 10^12 elements is one line naming the
+    node at load, before any allocation (it used to end in the allocator's error at the first call)."""
+    path = _copy(saved, tmp_path)
+    _tamper_graph(path, _set_node_args(node, args))
+    with pytest.raises(ArtifactError, match=rf"graph node {node} asks for \d+ elements, more than this artifact"):
+        qc.load(path)
+
+
+def test_the_size_bound_scales_with_the_stored_tensors():
+    """2^30 elements at least; 16x the largest stored tensor above that (an expanded view: no memory)."""
+    from qcompiler.store.graph_sizes import size_bound
+
+    assert size_bound({"w": torch.empty(2, 3)}) == 1 << 30
+    assert size_bound({"w": torch.empty(1).expand(1 << 28), "b": torch.empty(3)}) == 16 << 28

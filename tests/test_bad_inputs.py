@@ -64,6 +64,7 @@ def inputs(tmp_path_factory):
         "truncw",
         "badtok",
         "wshape",
+        "int32w",
         "vocab0",
         "heads0",
     ):
@@ -88,6 +89,10 @@ def inputs(tmp_path_factory):
     weights = next((root / "wshape").glob("*.safetensors"))
     tensors = load_file(weights)
     tensors["model.layers.0.mlp.up_proj.weight"] = torch.zeros(5, 5)
+    save_file(tensors, str(weights), metadata={"format": "pt"})
+    weights = next((root / "int32w").glob("*.safetensors"))
+    tensors = load_file(weights)
+    tensors["model.layers.0.mlp.up_proj.weight"] = torch.ones(128, 64, dtype=torch.int32)
     save_file(tensors, str(weights), metadata={"format": "pt"})
     weights = next((root / "truncw").glob("*.safetensors"))
     weights.write_bytes(weights.read_bytes()[:5000])
@@ -250,6 +255,15 @@ CLI_ROWS = [
         ["quantize", "{wshape}", "--recipe", "rtn-w4g128", "--no-stream", "--out", "{root}/o"],
         2,
         "the checkpoint has the wrong shape for model.layers.0.mlp.up_proj.weight",
+    ),
+    *(
+        (
+            f"model: int32 weight tensor{label}",
+            ["quantize", "{int32w}", "--recipe", "rtn-w4g128", *flags, "--out", "{root}/o"],
+            2,
+            "stores model.layers.0.mlp.up_proj.weight as I32, not a floating-point type",
+        )
+        for label, flags in ((", streamed", ()), (", --no-stream", ("--no-stream",)))
     ),
     (
         "model: vocab_size 0",

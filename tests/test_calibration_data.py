@@ -125,3 +125,40 @@ def test_cli_calibrates_from_jsonl(tmp_path):
     )
     metadata = json.loads((tmp_path / "a" / "manifest.json").read_text())["metadata"]
     assert metadata["seqlen"] == 64 and metadata["samples"] == 4
+
+
+def test_hostile_calibration_files_are_refused_before_they_are_read(tinylm, tmp_path, monkeypatch, capsys):
+    """A link to /dev/zero or a FIFO (a reader would never end or block), a 2 GB sparse file (read whole
+    into memory and tokenized before its first window) and a folder whose files add up past the
+    bound: each one line naming the file, nothing read; a link to a real text file still reads."""
+    import os
+
+    from qcompiler.calib import calibration_data
+    from qcompiler.calib.calibration_data import TEXT_LIMIT, read_texts
+
+    (tmp_path / "zero.txt").symlink_to("/dev/zero")
+    os.mkfifo(tmp_path / "fifo.jsonl")
+    with open(tmp_path / "sparse.txt", "wb") as f:
+        f.truncate(2 << 30)
+    for name, words in (
+        ("zero.txt", "is not a regular file (it is a character device)"),
+        ("fifo.jsonl", "is not a regular file (it is a FIFO)"),
+        ("sparse.txt", f"is over the {TEXT_LIMIT >> 20} MiB of calibration text qcompiler reads"),
+    ):
+        with pytest.raises(
+            ValueError, match=rf"calibration file \S+/{name} " + words.replace("(", r"\(").replace(")", r"\)")
+        ):
+            read_texts(tmp_path / name)
+    code = main(["quantize", "bundled:tinylm", "--calib", str(tmp_path / "zero.txt"), "--out", str(tmp_path / "o")])
+    err = [line for line in capsys.readouterr().err.strip().splitlines() if not line.startswith("[qcompiler]")]
+    assert code == 2 and len(err) == 1 and "zero.txt is not a regular file" in err[0]
+    assert not (tmp_path / "o").exists()
+    (tmp_path / "docs").mkdir()
+    for i in range(3):
+        (tmp_path / "docs" / f"{i}.txt").write_text("x" * 400)
+    monkeypatch.setattr(calibration_data, "TEXT_LIMIT", 1000)  # the bound covers the files together
+    with pytest.raises(ValueError, match=r"docs/2\.txt is over the"):
+        read_texts(tmp_path / "docs")
+    (tmp_path / "real.txt").write_text(DOCS[0])
+    (tmp_path / "link.txt").symlink_to(tmp_path / "real.txt")
+    assert read_texts(tmp_path / "link.txt") == [DOCS[0]]

@@ -155,3 +155,21 @@ def test_a_bfloat16_checkpoint_exports_for_genai_and_generates(tmp_path):
     ids = prompt(1, 6)
     tokens = genai_tokens(tmp_path / "g", ids[0].tolist(), 8)
     assert len(tokens) == 8 and tokens[0] == int(cm.generate(ids, 1)[0, -1])
+
+
+@pytest.mark.slow
+def test_a_quantized_tied_table_generates_in_genai(tmp_path):
+    """QuantizeEmbeddings' table through onnxruntime-genai (GatherBlockQuantized, the head's
+    MatMulNBits on the same bytes): the 32 greedy tokens cm.generate gives, and one table in the file."""
+    from client_runtimes import quantized_tinylm
+
+    recipe = [qc.passes.QuantizeEmbeddings(bits=4, group_size=32), qc.passes.GPTQ(bits=4, group_size=128)]
+    tinylm, cm = quantized_tinylm(recipe, tied=True)
+    export_onnx_genai(cm, tmp_path / "g", accuracy_level=0, progress=lambda _: None)
+    proto = onnx.load(str(tmp_path / "g" / "model.onnx"), load_external_data=False)
+    assert [n.op_type for n in proto.graph.node].count("GatherBlockQuantized") == 1
+    vocab = tinylm.model.config.vocab_size
+    assert not [t.name for t in proto.graph.initializer if tuple(t.dims)[:1] == (vocab,) and len(t.dims) == 2]
+    prompt = tinylm.encode("class Parser:\n    def __init__(self")
+    expected = cm.generate(prompt, 32)[0, prompt.shape[1] :].tolist()
+    assert genai_tokens(tmp_path / "g", prompt[0].tolist(), 32) == expected

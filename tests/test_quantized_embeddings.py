@@ -1,6 +1,7 @@
 """Token embeddings quantized in the graph (passes/embeddings.py, layouts/gptq_embedding.py): the lookup
 is the plain twin's, a tied head reads the same stored tensors (counted once), the rest of the
-model is untouched, and the artifact reloads bit-identically; formats that cannot hold it refuse."""
+model is untouched, and the artifact reloads bit-identically; formats that cannot hold it refuse
+(ONNX holds it: tests/test_onnx_embeddings.py)."""
 
 from __future__ import annotations
 
@@ -173,7 +174,6 @@ def test_formats_that_cannot_hold_a_quantized_table_refuse_it_by_name(tmp_path):
         ("gptq", "holds quantized linears only"),
         ("compressed-tensors", "not written to compressed-tensors"),
         ("gguf", "--token-embedding"),
-        ("onnx", "not lowered to ONNX"),
     ):
         with pytest.raises(Exception, match=re.escape(words)):
             cm.export(fmt, tmp_path / f"x.{fmt}")

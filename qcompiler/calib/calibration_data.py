@@ -14,9 +14,34 @@ from typing import Optional, Sequence, Union
 
 import torch
 
-__all__ = ["read_texts", "decode_text", "calibration_batches", "sentence_lines", "TEXT_SUFFIXES"]
+from qcompiler.files.regular_files import file_kind, read_regular_file
+
+__all__ = ["read_texts", "decode_text", "calibration_batches", "sentence_lines", "TEXT_SUFFIXES", "TEXT_LIMIT"]
 
 TEXT_SUFFIXES = (".txt", ".md", ".rst", ".py", ".text")
+# Calibration text read from files, in all: the GPTQ paper's 128 windows of 2048 tokens are ~1 MB of
+# text, so a larger source is a mistake (a whole corpus, a disk image, a sparse file) that would be
+# read into memory and tokenized whole before its first window is drawn.
+TEXT_LIMIT = 256 << 20
+
+
+def _read_bytes(path: Path, budget: list) -> bytes:
+    """The bytes of the calibration file ``path`` (links followed: the user named it), refused in one
+    line when it is not a regular file (a FIFO or ``/dev/zero`` would block or never end) or when it
+    takes the files read so far past ``TEXT_LIMIT`` (``budget``: the bytes still allowed)."""
+    if not path.is_file():  # a device (/dev/zero), a FIFO, also behind a link: never opened
+        raise ValueError(f"calibration file {path} is not a regular file (it is a {file_kind(path)})")
+    try:
+        data = read_regular_file(path.resolve(), budget[0])
+    except ValueError:  # over the bound (or no longer a regular file when opened)
+        raise ValueError(
+            f"calibration file {path} is over the {TEXT_LIMIT >> 20} MiB of calibration text qcompiler reads "
+            f"(128 windows of 2048 tokens are ~1 MB of text); give a sample of it"
+        ) from None
+    except OSError as e:
+        raise ValueError(f"calibration file {path} cannot be read ({e.strerror})") from None
+    budget[0] -= len(data)
+    return data
 
 
 def decode_text(raw: bytes, where) -> str:
@@ -31,7 +56,7 @@ def decode_text(raw: bytes, where) -> str:
 
 def _jsonl(path: Path, field: str) -> list[str]:
     texts = []
-    for number, line in enumerate(decode_text(path.read_bytes(), path).splitlines(), 1):
+    for number, line in enumerate(decode_text(_read_bytes(path, [TEXT_LIMIT]), path).splitlines(), 1):
         if not line.strip():
             continue
         try:
@@ -95,13 +120,14 @@ def read_texts(source: Union[str, Path, Sequence[str]], *, field: str = "text") 
             files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in TEXT_SUFFIXES)
             if not files:
                 raise ValueError(f"calibration folder {path} has no text files ({', '.join(TEXT_SUFFIXES)})")
-            texts = [decode_text(p.read_bytes(), p) for p in files]
+            budget = [TEXT_LIMIT]
+            texts = [decode_text(_read_bytes(p, budget), p) for p in files]
         elif path.suffix == ".jsonl":
             texts = _jsonl(path, field)
         elif path.suffix == ".parquet":
             texts = _parquet(path, field)
         else:
-            texts = [decode_text(path.read_bytes(), path)]
+            texts = [decode_text(_read_bytes(path, [TEXT_LIMIT]), path)]
     texts = [t for t in texts if t.strip()]
     if not texts:
         raise ValueError(f"calibration source {where} is empty")

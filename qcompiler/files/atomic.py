@@ -26,6 +26,7 @@ import errno
 import glob
 import json
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -46,6 +47,7 @@ __all__ = [
     "MARKER",
     "output_kind",
     "left_by_dead_processes",
+    "naming_output",
 ]
 
 MARKER = ".qcompiler-output.json"
@@ -77,16 +79,36 @@ def _publishable(path: Path) -> None:
         os.chmod(path, 0o666 & ~mask)
 
 
+_OS_ERROR_CODE = re.compile(r"\(os error (\d+)\)")  # how Rust's I/O errors (safetensors') end
+_SHORT_WRITE = re.compile(r"^\d+ requested and \d+ written$")  # numpy's tofile on a full disk
+
+
 @contextlib.contextmanager
-def _naming(path: Path) -> Iterator[None]:
-    """An OS error without a file name (safetensors' and numpy's writers raise ENOSPC so) names
-    the output being written, so the one-line error says where the disk filled up."""
+def naming_output(path, temporary=None) -> Iterator[None]:
+    """A failed write that does not say where, or not as an OS error, becomes an ``OSError`` naming
+    the output being written, so the one-line error says where the disk filled up: safetensors
+    raises ``SafetensorError("... I/O error: No space left on device (os error 28)")``, numpy's
+    ``tofile`` ``OSError("N requested and M written")`` with no errno, others ENOSPC without a name.
+    An error naming a file inside ``temporary`` (the hidden folder an output is written in) names
+    the output instead: that folder is gone once the error is printed."""
     try:
         yield
     except OSError as e:
-        if e.filename or e.errno is None:
+        inside = temporary is not None and e.filename and _inside(Path(e.filename), temporary)
+        if e.filename and not inside:
+            raise
+        if e.errno is None and _SHORT_WRITE.match(str(e)):
+            raise OSError(
+                errno.EIO, "short write (the disk is full or a file size limit was reached)", str(path)
+            ) from e
+        if e.errno is None:
             raise
         raise OSError(e.errno, e.strerror or os.strerror(e.errno), str(path)) from e
+    except Exception as e:
+        code = _OS_ERROR_CODE.search(str(e)) if type(e).__name__ == "SafetensorError" else None
+        if code is None:
+            raise
+        raise OSError(int(code.group(1)), os.strerror(int(code.group(1))), str(path)) from e
 
 
 @contextlib.contextmanager
@@ -98,7 +120,7 @@ def atomic_file(path, suffix: str = "") -> Iterator[Path]:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = temporary_sibling(path, folder=False, suffix=suffix + ".tmp")
     try:
-        with _naming(path):
+        with naming_output(path):
             yield Path(tmp)
         _publishable(Path(tmp))
         os.replace(tmp, path)
@@ -348,7 +370,7 @@ def publish_directory(path, kind: str, *, overwrite: bool = False, protect: Iter
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = temporary_sibling(path, folder=True)
     try:
-        with _naming(path):
+        with naming_output(path, temporary=tmp):
             yield tmp
         written = sorted(_entries(tmp))
         (tmp / MARKER).write_text(json.dumps({"kind": kind, "files": written}) + "\n")  # last: marks it complete

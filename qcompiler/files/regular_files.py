@@ -7,7 +7,7 @@ import hashlib
 import os
 import stat
 
-__all__ = ["open_regular", "read_regular_file", "sha256_of"]
+__all__ = ["open_regular", "read_regular_file", "sha256_of", "file_kind"]
 
 
 def open_regular(path, *, dir_fd: int | None = None):
@@ -40,3 +40,18 @@ def sha256_of(f, chunk: int = 1 << 24) -> str:
     while block := f.read(chunk):
         digest.update(block)
     return digest.hexdigest()
+
+
+def file_kind(path) -> str:
+    """What a path that is not a regular file is, in words (links followed), for a one-line refusal."""
+    mode = os.stat(path).st_mode
+    for test, kind in (
+        (stat.S_ISDIR, "folder"),
+        (stat.S_ISFIFO, "FIFO"),
+        (stat.S_ISCHR, "character device"),
+        (stat.S_ISBLK, "block device"),
+        (stat.S_ISSOCK, "socket"),
+    ):
+        if test(mode):
+            return kind
+    return "special file"

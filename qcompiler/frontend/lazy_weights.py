@@ -59,6 +59,7 @@ class Checkpoint:
             raise ValueError(f"model folder {self.folder} has no safetensors weights")
         self.file_of: dict[str, Path] = {}
         self.shape_of: dict[str, tuple] = {}
+        self.stored_dtype: dict[str, str] = {}  # safetensors' name of each tensor's dtype ("BF16", "I32", ...)
         self.float_dtypes: set[torch.dtype] = set()
         for file in files:
             with safe_open(file, framework="pt") as f:
@@ -71,6 +72,7 @@ class Checkpoint:
                     self.file_of[key] = file
                     part = f.get_slice(key)
                     self.shape_of[key] = tuple(part.get_shape())
+                    self.stored_dtype[key] = part.get_dtype()
                     if part.get_dtype() in _FLOAT_DTYPES:
                         self.float_dtypes.add(_FLOAT_DTYPES[part.get_dtype()])
         index = self.folder / "model.safetensors.index.json"
@@ -172,6 +174,7 @@ def _check_against_checkpoint(model: torch.nn.Module, checkpoint: Checkpoint) ->
                 f"model folder {folder}: the checkpoint has the wrong shape for {name} "
                 f"({list(shape)}, the model expects {list(params[name].shape)})"
             )
+    check_stored_dtypes(model, checkpoint, keys)
     buffers = {n for n, _ in model.named_buffers()}
     used = {k for entry in keys.values() for k in (entry.keys() if isinstance(entry, Converted) else [entry])}
     extra = sorted(set(checkpoint.file_of) - used - buffers)
@@ -180,6 +183,24 @@ def _check_against_checkpoint(model: torch.nn.Module, checkpoint: Checkpoint) ->
             f"model folder {folder}: the checkpoint holds tensors the model does not have: "
             f"{', '.join(extra[:3])}" + (f" and {len(extra) - 3} more" if len(extra) > 3 else "")
         )
+
+
+def check_stored_dtypes(model: torch.nn.Module, checkpoint: Checkpoint, keys: Optional[dict] = None) -> None:
+    """A floating-point parameter stored as an integer or boolean tensor is refused naming it (a
+    load would cast the codes of a quantized or damaged checkpoint to floats without a word)."""
+    keys = checkpoint_keys(model, checkpoint.file_of) if keys is None else keys
+    params = dict(model.named_parameters(remove_duplicate=False))
+    for name, entry in keys.items():
+        if entry is None or not params[name].is_floating_point():
+            continue
+        for key in entry.keys() if isinstance(entry, Converted) else [entry]:
+            stored = checkpoint.stored_dtype[key]
+            if stored not in _FLOAT_DTYPES:
+                raise ValueError(
+                    f"model folder {checkpoint.folder}: the checkpoint stores {key} as {stored}, not a "
+                    f"floating-point type; the model's parameter {name} is floating point (a quantized or "
+                    f"damaged checkpoint?)"
+                )
 
 
 @dataclass

@@ -276,6 +276,7 @@ def loaded_from_model(
             ignore_mismatched_sizes=True,  # reported in info and refused by _check_loading, naming the tensor
         )
         _check_loading(path, info)
+        lazy_weights.check_stored_dtypes(model, lazy_weights.Checkpoint(path))
     else:
         model = cls.from_config(config, dtype=torch.float32, trust_remote_code=trust_remote_code)
     model.eval()

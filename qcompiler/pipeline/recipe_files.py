@@ -21,7 +21,6 @@ import dataclasses
 import difflib
 import os
 import re
-import stat
 
 try:
     import tomllib
@@ -32,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from qcompiler.errors import RecipeError
-from qcompiler.files.regular_files import read_regular_file
+from qcompiler.files.regular_files import file_kind, read_regular_file
 from qcompiler.pipeline.pass_base import GraphProperty, Pass
 from qcompiler.pipeline.pass_registry import pass_name, resolve_pass
 from qcompiler.pipeline.recipes import Recipe, get_recipe
@@ -143,28 +142,13 @@ def _yaml_without_aliases(text: str):
     return yaml.load(text, Loader=NoAliases)  # noqa: S506 - a SafeLoader subclass
 
 
-def _file_kind(path: Path) -> str:
-    """What a path that is not a regular file is, in words."""
-    mode = path.stat().st_mode
-    for test, kind in (
-        (stat.S_ISDIR, "folder"),
-        (stat.S_ISFIFO, "FIFO"),
-        (stat.S_ISCHR, "character device"),
-        (stat.S_ISBLK, "block device"),
-        (stat.S_ISSOCK, "socket"),
-    ):
-        if test(mode):
-            return kind
-    return "special file"
-
-
 def load_recipe_file(path) -> Recipe:
     """Parse a ``.yaml``/``.yml`` or ``.toml`` recipe file."""
     path = Path(path)
     if not path.exists():
         raise RecipeError(f"recipe file {path} does not exist")
     if not path.is_file():  # a device (/dev/zero), a FIFO or a folder, also behind a link: never opened
-        raise RecipeError(f"recipe file {path} is not a regular file (it is a {_file_kind(path)})")
+        raise RecipeError(f"recipe file {path} is not a regular file (it is a {file_kind(path)})")
     try:  # the link the user named resolved; the file read once, bounded, still regular when opened
         text = read_regular_file(path.resolve(), MAX_RECIPE_BYTES).decode("utf-8")
     except UnicodeDecodeError as e:

@@ -32,6 +32,7 @@ from torch.fx.graph import _PyTreeCodeGen
 
 from qcompiler.errors import ArtifactError
 from qcompiler.ir.tensors import get_raw_tensor, set_tensor
+from qcompiler.store.graph_sizes import check_literal_sizes
 from qcompiler.store.graph_spec import call_structure, check_dotted, check_identifier, short
 
 __all__ = ["graph_to_data", "graph_from_data", "ArtifactError"]
@@ -342,6 +343,7 @@ def _graph_from_data(structure: dict, tensors: dict[str, torch.Tensor]) -> fx.Gr
     outputs = [n for n in graph.nodes if n.op == "output"]
     if len(outputs) != 1 or outputs[0] is not list(graph.nodes)[-1]:
         raise ArtifactError(f"the graph has {len(outputs)} output nodes; a graph ends in exactly one")
+    check_literal_sizes(graph, tensors)
     spec = structure.get("pytree")
     if spec is not None:
         graph.set_codegen(call_structure(spec, placeholders))
