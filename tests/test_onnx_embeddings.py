@@ -82,7 +82,9 @@ def test_act_order_columns_come_back_in_order():
 def test_a_group_no_block_tiles_exports_a_float_table_with_a_note(tmp_path):
     model = _llama(tied=False, vocab=512)
     ids = prompt(2, 12, seed=3) % 512
-    cm = qc.compile(model, {"input_ids": ids}, recipe=[qc.passes.QuantizeEmbeddings(bits=4, group_size=24)], progress=False)
+    cm = qc.compile(
+        model, {"input_ids": ids}, recipe=[qc.passes.QuantizeEmbeddings(bits=4, group_size=24)], progress=False
+    )
     with torch.no_grad():
         want = cm(input_ids=ids).logits
         got = cm.with_backend("onnxruntime", accuracy_level=0, path=tmp_path / "m.onnx")(input_ids=ids).logits
