@@ -12,6 +12,7 @@ from typing import Callable
 
 import onnx
 import onnxscript
+from onnx.defs import OpSchema
 from onnxscript import opset18 as op
 
 from qcompiler.errors import BackendError
@@ -36,13 +37,13 @@ def onnx_translation(name: str, label: str, *, by_accuracy_level: bool = False) 
     return add
 
 
-def _register_contrib_schemas() -> None:
-    """Teach onnx (and so onnxscript and the checker) the contrib op signatures we emit."""
-    from onnx.defs import OpSchema
+_P, _OPTIONAL, _A = OpSchema.FormalParameter, OpSchema.FormalParameterOption.Optional, OpSchema.Attribute
+_FLOATS = ["tensor(float)", "tensor(float16)", "tensor(bfloat16)"]
 
-    P, opt = OpSchema.FormalParameter, OpSchema.FormalParameterOption.Optional
-    A = OpSchema.Attribute
-    floats = ["tensor(float)", "tensor(float16)", "tensor(bfloat16)"]
+
+def _gqa_schema() -> OpSchema:
+    """The subset of ORT's GroupQueryAttention schema we use: float caches, no quantization."""
+    P, opt, A, floats = _P, _OPTIONAL, _A, _FLOATS
     gqa_inputs = [
         ("query", "T"),
         ("key", "T"),
@@ -63,7 +64,7 @@ def _register_contrib_schemas() -> None:
         ("query_seqlens", "M"),
     ]
     required = {"query", "seqlens_k", "total_sequence_length"}
-    gqa = OpSchema(  # the subset of ORT's schema we use: float caches, no quantization
+    return OpSchema(
         "GroupQueryAttention",
         "com.microsoft",
         MSFT_OPSET,
@@ -84,7 +85,12 @@ def _register_contrib_schemas() -> None:
             A("scale", OpSchema.AttrType.FLOAT, "", required=False),
         ],
     )
-    nbits = OpSchema(
+
+
+def _nbits_schema() -> OpSchema:
+    """ORT's MatMulNBits: uint8 blocks, scales, optional zero points, g_idx and bias."""
+    P, opt, A = _P, _OPTIONAL, _A
+    return OpSchema(
         "MatMulNBits",
         "com.microsoft",
         MSFT_OPSET,
@@ -111,7 +117,12 @@ def _register_contrib_schemas() -> None:
             A("accuracy_level", OpSchema.AttrType.INT, "", required=False),
         ],
     )
-    gather = OpSchema(
+
+
+def _gather_schema() -> OpSchema:
+    """ORT's GatherBlockQuantized: rows of a block-quantized uint8 table, dequantized."""
+    P, opt, A = _P, _OPTIONAL, _A
+    return OpSchema(
         "GatherBlockQuantized",
         "com.microsoft",
         MSFT_OPSET,
@@ -119,7 +130,7 @@ def _register_contrib_schemas() -> None:
         outputs=[P("output", "T2")],
         type_constraints=[
             ("T1", ["tensor(uint8)"], ""),
-            ("T2", floats, ""),
+            ("T2", _FLOATS, ""),
             ("Tind", ["tensor(int32)", "tensor(int64)"], ""),
         ],
         attributes=[
@@ -129,7 +140,15 @@ def _register_contrib_schemas() -> None:
             A("bits", OpSchema.AttrType.INT, "", required=False),
         ],
     )
-    for schema in (gqa, nbits, gather):  # once per process (and not over a schema another library registered)
+
+
+def _register_contrib_schemas() -> None:
+    """Teach onnx (and so onnxscript and the checker) the contrib op signatures we emit."""
+    for schema in (
+        _gqa_schema(),
+        _nbits_schema(),
+        _gather_schema(),
+    ):  # once per process (and not over a schema another library registered)
         if not onnx.defs.has(schema.name, schema.domain):
             onnx.defs.register_schema(schema)
 

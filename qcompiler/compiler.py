@@ -14,7 +14,13 @@ from qcompiler.errors import CalibrationError
 from qcompiler.export_formats import ExportOptions, export_format
 from qcompiler.frontend import lazy_weights
 from qcompiler.frontend.capture import CaptureInfo, capture, fill_optional_inputs, normalize_inputs
-from qcompiler.frontend.causal_lm import CacheLayout, example_graph_inputs, graph_inputs, wrap_output
+from qcompiler.frontend.causal_lm import (
+    CacheLayout,
+    check_mask_values,
+    example_graph_inputs,
+    graph_inputs,
+    wrap_output,
+)
 from qcompiler.generation import SamplingConfig, generate_tokens
 from qcompiler.pipeline.heartbeat import heartbeat
 from qcompiler.pipeline.pass_base import PassContext, progress_line
@@ -98,6 +104,9 @@ class CompiledModel:
         ids = kwargs.get("input_ids", args[0] if args and self.capture_info.model_config else None)
         if isinstance(ids, torch.Tensor):
             self._check_token_ids(ids)
+        mask = kwargs.get("attention_mask")
+        if isinstance(mask, torch.Tensor) and mask.dtype != torch.bool:
+            check_mask_values(mask)
         layout = self.cache_layout
         try:
             with torch.no_grad():

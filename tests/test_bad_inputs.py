@@ -552,6 +552,20 @@ API_ROWS = [
     ("token id -1", lambda cm: cm(input_ids=_ids(1, 4) - 1 - _ids(1, 4).max()), ValueError, "token id -"),
     ("token id >= vocab", lambda cm: cm(input_ids=_ids(1, 4) + 96), ValueError, "outside the model's vocabulary"),
     ("float token ids", lambda cm: cm(input_ids=_ids(1, 4, dtype=torch.float32)), ValueError, "integer token ids"),
+    (
+        "attention mask value 2",
+        lambda cm: cm(input_ids=_ids(1, 4), attention_mask=torch.tensor([[1, 1, 2, 1]])),
+        ValueError,
+        "attention_mask holds 2 at (0, 2); it must be 0 (padding) or 1 (a token)",
+    ),
+    (
+        "encoder attention mask value 0.5",
+        lambda cm: qc.compile(make_model("bert"), example_inputs("bert"), recipe="none", progress=False)(
+            input_ids=_ids(1, 4), attention_mask=torch.tensor([[1.0, 0.5, 1.0, 1.0]])
+        ),
+        ValueError,
+        "attention_mask holds 0.5 at (0, 1); it must be 0 (padding) or 1 (a token)",
+    ),
     ("empty sequence", lambda cm: cm(input_ids=_ids(1, 0)), ValueError, "is empty"),
     (
         "unknown recipe",

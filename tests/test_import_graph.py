@@ -127,7 +127,6 @@ def test_the_package_is_grouped_into_rooms():
         "__init__",
         "__main__",
         "checkpoint_import",
-        "cli",
         "compile_options",
         "compiler",
         "data",

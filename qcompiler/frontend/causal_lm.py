@@ -195,6 +195,17 @@ def positions_from_mask(mask: torch.Tensor, new: int) -> torch.Tensor:
     return positions.masked_fill(mask == 0, 1)[:, -new:]
 
 
+def check_mask_values(attention_mask: torch.Tensor) -> None:
+    """A mask holds 0 (padding) and 1 (a token) only: a 2 or a 0.5 would count as a token (or as
+    padding) without a word — for causal LMs and encoders alike."""
+    odd = ((attention_mask != 0) & (attention_mask != 1)).nonzero()
+    if len(odd):
+        where = tuple(odd[0].tolist())
+        raise ValueError(
+            f"attention_mask holds {attention_mask[where].item():g} at {where}; it must be 0 (padding) or 1 (a token)"
+        )
+
+
 def graph_inputs(
     layout: CacheLayout,
     input_ids: torch.Tensor,
@@ -221,12 +232,7 @@ def graph_inputs(
             f"attention_mask has shape {tuple(attention_mask.shape)}; with {length} cached and {new} "
             f"new tokens it must be ({batch}, {length + new})"
         )
-    odd = ((attention_mask != 0) & (attention_mask != 1)).nonzero()
-    if len(odd):  # a 2 or a 0.5 would count as a token (or as padding) without a word
-        r, c = odd[0].tolist()
-        raise ValueError(
-            f"attention_mask holds {attention_mask[r, c].item():g} at ({r}, {c}); it must be 0 (padding) or 1 (a token)"
-        )
+    check_mask_values(attention_mask)
     attention_mask = attention_mask.long()
     empty = (~attention_mask.bool().any(-1)).nonzero().flatten().tolist()
     if empty:
