@@ -45,11 +45,12 @@ import qcompiler as qc
 from qcompiler.ir.model_size import model_size
 from qcompiler.ir.tensors import get_raw_tensor, get_tensor, set_tensor
 from qcompiler.layouts.gptq_embedding import reference_embedding
-from qcompiler.passes import GPTQ, QuantizeEmbeddings
+from qcompiler.passes import GPTQ, AutoBits, QuantizeEmbeddings
 
 
 def _rows() -> dict:
-    """label: (the block linears' GPTQ, the QuantizeEmbeddings after it or None: the table as it is)."""
+    """label: (the block linears' pass, the QuantizeEmbeddings before it or None: the table as it is, or
+    what the linears' pass does with it — AutoBits with ``embeddings``)."""
     g128, g32 = GPTQ(bits=4, group_size=128), GPTQ(bits=4, group_size=32)
     rows = {"gptq-w4g128, embeddings FP": (g128, None)}
     for bits, group in ((8, 128), (4, 32), (4, 128)):
@@ -60,7 +61,13 @@ def _rows() -> dict:
     for bits, group, sym in ((4, 64, False), (4, 32, True), (4, 128, False)):
         emb = QuantizeEmbeddings(bits=bits, group_size=group, sym=sym, method="gptq")
         rows[f"gptq-w4g32, embeddings w{bits}g{group}{'-sym' if sym else ''} gptq"] = (g32, emb)
+    # the table inside auto:B's budget: one allocation over the linears and the table
+    auto = AutoBits(budget=4.5, embeddings=TABLE_SETTINGS)
+    rows["auto:4.5, embeddings in its budget"] = (auto, None)
     return rows
+
+
+TABLE_SETTINGS = ("w8g128", "w4g128", "w4g64", "w4g32")
 
 
 CONTROLLED = {  # the linears' GPTQ: the table settings swapped in on top of it

@@ -17,14 +17,18 @@ Three steps, each visible in the report:
 from __future__ import annotations
 
 import math
+import re
 from collections import Counter
 from dataclasses import dataclass
 from typing import ClassVar
 
 from qcompiler.algorithms.allocation import allocate
+from qcompiler.algorithms.float_grid import FLOAT_FORMATS, float_stored_bits
 from qcompiler.algorithms.gguf_grids import FORMATS
 from qcompiler.errors import QuantizationError
 from qcompiler.ir.graph import block_of, find_linears, is_router, source_of
+from qcompiler.passes.auto_embeddings import KEEP, TABLE_SETTINGS, measure_tables, parse_table_setting, table_shapes
+from qcompiler.passes.embeddings import QuantizeEmbeddings, lookup_tables, table_path
 from qcompiler.passes.gptq import GPTQ
 from qcompiler.passes.gptq_candidates import solve_gptq_candidates
 from qcompiler.passes.mixed_precision import MixedPrecision, candidate_grid, candidate_quantizer, parse_candidate
@@ -37,7 +41,7 @@ from qcompiler.pipeline.layer_filter import ignore_reason
 from qcompiler.pipeline.sensitivity import measure_sensitivities
 from qcompiler.pipeline.weight_quantizer import WeightQuantizer
 
-__all__ = ["AutoBits", "DEFAULT_CANDIDATES", "GGUF_CANDIDATES", "MAX_BUDGET"]
+__all__ = ["AutoBits", "DEFAULT_CANDIDATES", "GGUF_CANDIDATES", "FLOAT_CANDIDATES", "MAX_BUDGET"]
 
 # Measured on MiniLM at 4.16 bits: adding the g64 and SpQR candidates to the GPTQ ones took 1 − cosine
 # from 0.0134 to 0.0118 (docs/methods/auto.md); at 3.25 bits it changed nothing.
@@ -58,6 +62,9 @@ SIGNROUND_CANDIDATES = tuple(n for n in DEFAULT_CANDIDATES if n.startswith("gptq
 # auto-gguf:B — llama.cpp's types only, so the mix is one GGUF file that llama.cpp runs (its own Q4_K_M
 # mixes Q4_K and Q6_K by a fixed rule; here each tensor's type is chosen from measured sensitivities)
 GGUF_CANDIDATES = ("gptq-q2_k", "gptq-q3_k", "gptq-q4_k", "gptq-q5_k", "gptq-q6_k", "gptq-q8_0")
+# auto-float:B — the floating-point formats GPUs serve (vLLM reads the mix as compressed-tensors config
+# groups), as ModelOpt's AutoQuantize mixes NVFP4 and FP8 per layer
+FLOAT_CANDIDATES = ("gptq-mxfp4", "gptq-nvfp4", "gptq-fp8")
 FINISHERS = ("gptq", "signround")
 SENSITIVITIES = ("fisher", "forward")  # one backward pass (pipeline/fisher_sensitivity.py) | a forward per candidate
 SCORERS = ("solve", "rtn")  # a candidate scored by its own solve | GPTQ candidates by round-to-nearest on their grid
@@ -88,8 +95,13 @@ class AutoBits(WeightQuantizer):
     # where the measuring walk's Hessians come from: "calibration" (all of it, as the plan's own solve)
     # or "samples" (the ``samples`` sensitivity sequences only: one short walk, for large calibration sets)
     measure_on: str = "calibration"
+    # settings ("wBITSgGROUP") for the token-embedding table (and the tied head that reads it): with any,
+    # the table is one more item of the budget, which then counts the table's parameters too; its
+    # options are these settings and its stored width (passes/auto_embeddings.py). (): the linears only
+    embeddings: tuple[str, ...] = ()
 
     needs_calibration: ClassVar = True
+    TABLE_SETTINGS: ClassVar = TABLE_SETTINGS  # what --embeddings auto gives ``embeddings``
     needs_hessian: ClassVar = True
     config_version: ClassVar = 2  # 2: score_rows (version 1 solved every row of every candidate)
 
@@ -118,6 +130,9 @@ class AutoBits(WeightQuantizer):
             raise QuantizationError(f"auto: samples must be at least 1, got {self.samples}")
         if self.measure_on not in ("calibration", "samples"):
             raise QuantizationError(f"auto: measure_on={self.measure_on!r}; choose calibration or samples")
+        object.__setattr__(self, "embeddings", tuple(self.embeddings))
+        for setting in self.embeddings:
+            parse_table_setting(setting)
         if not isinstance(self.score_rows, int) or self.score_rows < 0:
             raise QuantizationError(
                 f"auto: score_rows must be 0 (every row) or a positive count, got {self.score_rows!r}"
@@ -144,27 +159,13 @@ class AutoBits(WeightQuantizer):
         if not table:
             ctx.record.notes.append("nothing was quantized: no eligible linear layer inside a transformer block")
             return False
-        measured = [layer for layer in find_linears(gm) if layer.path in table]
-        total = sum(math.prod(layer.weight_shape(gm)) for layer in measured)
-        items = self._items(measured)  # the layers that must share one candidate
-        names = [[n for n in self.candidates if all(n in table[p] for p in item)] for item in items]
-        for item, row in zip(items, names):
-            if not row:
-                raise QuantizationError(f"auto: no candidate fits every layer of {', '.join(item)}")
-        cost = [[sum(table[p][n].bits for p in item) for n in row] for item, row in zip(items, names)]
-        cheapest = sum(min(row) for row in cost) / total
-        if self.budget < cheapest:
-            raise QuantizationError(
-                f"auto: budget {self.budget:g} bits per parameter is below the smallest allocation "
-                f"these candidates allow ({cheapest:.4f})"
-            )
-        damage = [[sum(table[p][n].distance for p in item) for n in row] for item, row in zip(items, names)]
-        pick = allocate(cost, damage, self.budget * total)
-        plan = tuple((p, row[c]) for item, row, c in zip(items, names, pick) for p in item)
-        planned_bits = sum(table[p][n].bits for p, n in plan) / total
-        mix = ", ".join(f"{n} x{k}" for n, k in sorted(Counter(n for _p, n in plan).items()))
-        ctx.record.notes.append(f"allocation for {self.budget:g} bits per parameter: {planned_bits:.4f} ({mix})")
-        ctx.log(f"auto:{self.budget:g}: {planned_bits:.4f} bits per parameter: {mix}")
+        tables = measure_tables(gm, ctx, self.embeddings, self.samples, kl) if self.embeddings else []
+        plan, settings = self._allocate(gm, ctx, table, tables)
+        for item, setting in zip(tables, settings):  # before the linears' solves, as --embeddings orders it
+            if setting != KEEP:
+                bits, group = parse_table_setting(setting)
+                QuantizeEmbeddings(bits=bits, group_size=group, ignore=_all_but(gm, item.path)).run(gm, ctx)
+                ctx.record.layers[item.path].update(candidate=f"embeddings {setting}")
         if self.finish == "signround":
             finisher = SignRound(plan=plan, ignore=self.ignore)
         else:
@@ -174,6 +175,35 @@ class AutoBits(WeightQuantizer):
             if p in ctx.record.layers:
                 ctx.record.layers[p]["sensitivity"] = table[p][n].distance
         return changed
+
+    def _allocate(self, gm, ctx, table: dict, tables: list) -> tuple[tuple, list[str]]:
+        """The knapsack over the measured layers (and ``tables``' options): the plan, each table's setting."""
+        measured = [layer for layer in find_linears(gm) if layer.path in table]
+        total = sum(math.prod(layer.weight_shape(gm)) for layer in measured) + sum(t.weights for t in tables)
+        items = self._items(measured)  # the layers that must share one candidate
+        names = [[n for n in self.candidates if all(n in table[p] for p in item)] for item in items]
+        for item, row in zip(items, names):
+            if not row:
+                raise QuantizationError(f"auto: no candidate fits every layer of {', '.join(item)}")
+        cost = [[sum(table[p][n].bits for p in item) for n in row] for item, row in zip(items, names)]
+        cost += [[o.bits for o in t.options] for t in tables]
+        cheapest = sum(min(row) for row in cost) / total
+        if self.budget < cheapest:
+            raise QuantizationError(
+                f"auto: budget {self.budget:g} bits per parameter is below the smallest allocation "
+                f"these candidates allow ({cheapest:.4f})"
+            )
+        damage = [[sum(table[p][n].distance for p in item) for n in row] for item, row in zip(items, names)]
+        damage += [[o.distance for o in t.options] for t in tables]
+        pick = allocate(cost, damage, self.budget * total)
+        plan = tuple((p, row[c]) for item, row, c in zip(items, names, pick) for p in item)
+        chosen = [t.options[c] for t, c in zip(tables, pick[len(items) :])]
+        planned_bits = (sum(table[p][n].bits for p, n in plan) + sum(o.bits for o in chosen)) / total
+        mix = ", ".join(f"{n} x{k}" for n, k in sorted(Counter(n for _p, n in plan).items()))
+        mix += "".join(f"; {t.path} {o.setting}" for t, o in zip(tables, chosen))
+        ctx.record.notes.append(f"allocation for {self.budget:g} bits per parameter: {planned_bits:.4f} ({mix})")
+        ctx.log(f"auto:{self.budget:g}: {planned_bits:.4f} bits per parameter: {mix}")
+        return plan, [o.setting for o in chosen]
 
     def _items(self, measured: list) -> list[list[str]]:
         """Knapsack items: each measured layer alone, or (``tie_siblings``) the layers reading one input."""
@@ -226,6 +256,9 @@ class AutoBits(WeightQuantizer):
             n_out, n_in = layer.weight_shape(gm)
             need += min(_least_bits(name, n_out, n_in) for name in self.candidates)
             weights += n_out * n_in
+        for _path, rows, hidden in table_shapes(gm) if self.embeddings else []:
+            need += min(_least_bits(f"rtn-{setting}", rows, hidden) for setting in self.embeddings)
+            weights += rows * hidden
         if weights and self.budget < need / weights:
             raise QuantizationError(
                 f"auto: budget {self.budget:g} bits per parameter is below the smallest allocation "
@@ -233,11 +266,19 @@ class AutoBits(WeightQuantizer):
             )
 
 
+def _all_but(gm, path: str) -> tuple[str, ...]:
+    """``ignore`` patterns for every lookup table of ``gm`` but the one at ``path``."""
+    others = {table_path(lookups) for lookups in lookup_tables(gm)}
+    return tuple(sorted(re.escape(p).join(("re:^", "$")) for p in others - {path}))
+
+
 def _least_bits(name: str, n_out: int, n_in: int) -> float:
     """Stored bits of a layer under candidate ``name``: exact for RTN/GPTQ (codes, fp16 scales and
     packed zeros per group), a lower bound (the codes) for SpQR."""
     method, bits, group = parse_candidate(name)
     grid = candidate_grid(name)
+    if grid in FLOAT_FORMATS:
+        return float_stored_bits(FLOAT_FORMATS[grid], n_out, n_in)
     if grid is not None:  # llama.cpp's bytes (a width its super-block cannot hold falls back to more bits)
         fmt = FORMATS[grid]
         return fmt.block_bytes * 8 / fmt.super_block * n_out * n_in

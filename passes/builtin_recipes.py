@@ -1,6 +1,6 @@
 """The built-in recipe table (``qcompiler recipes`` lists it; docs/recipes.md) and the recipe
-families whose names carry an argument: ``auto:B``, ``auto-signround:B``, ``auto-gguf:B`` (AutoBits
-at B bits per parameter) and ``rotate-auto:B`` / ``rotate-auto-signround:B`` (the Rotate pass
+families whose names carry an argument: ``auto:B``, ``auto-signround:B``, ``auto-gguf:B``,
+``auto-float:B`` (AutoBits at B bits per parameter) and ``rotate-auto:B`` / ``rotate-auto-signround:B`` (the Rotate pass
 first). Registered into ``qcompiler/pipeline/recipes.py`` when ``qcompiler.passes`` is imported.
 """
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 from qcompiler.algorithms.float_grid import FLOAT_FORMATS
 from qcompiler.algorithms.gguf_grids import FORMATS, GRID_FALLBACK
 from qcompiler.errors import RecipeError
-from qcompiler.passes.auto_bits import GGUF_CANDIDATES, AutoBits
+from qcompiler.passes.auto_bits import FLOAT_CANDIDATES, GGUF_CANDIDATES, AutoBits
 from qcompiler.passes.awq import AWQ
 from qcompiler.passes.fp8_activations import FP8Activations
 from qcompiler.passes.fp8_kv_cache import FP8KVCache
@@ -22,17 +22,19 @@ from qcompiler.passes.smoothquant import SmoothQuant
 from qcompiler.passes.spqr import SpQR
 from qcompiler.pipeline.recipes import Recipe, get_recipe, register_recipe, register_recipe_family
 
-__all__ = ["AUTO_PREFIX", "AUTO_SIGNROUND_PREFIX", "AUTO_GGUF_PREFIX", "ROTATE_PREFIX"]
+__all__ = ["AUTO_PREFIX", "AUTO_SIGNROUND_PREFIX", "AUTO_GGUF_PREFIX", "AUTO_FLOAT_PREFIX", "ROTATE_PREFIX"]
 
 AUTO_PREFIX = "auto:"  # auto:B — the AutoBits pass at a budget of B bits per parameter
 AUTO_SIGNROUND_PREFIX = "auto-signround:"  # auto-signround:B — auto:B's allocation, quantized by SignRound
 AUTO_GGUF_PREFIX = "auto-gguf:"  # auto-gguf:B — auto:B over llama.cpp's block types only (one GGUF file)
+AUTO_FLOAT_PREFIX = "auto-float:"  # auto-float:B — auto:B over MXFP4 / NVFP4 / FP8 (what GPUs serve)
 ROTATE_PREFIX = "rotate-"  # rotate-auto:B — the Rotate pass, then auto:B (rotate-auto-signround:B likewise)
 _PASSES = {"RTN": RTN, "GPTQ": GPTQ}
 
 
 def _auto_recipe(name: str) -> Recipe:
-    """``auto:B``, ``auto-signround:B``, ``auto-gguf:B``: AutoBits at a budget of B bits per parameter."""
+    """``auto:B``, ``auto-signround:B``, ``auto-gguf:B``, ``auto-float:B``: AutoBits at a budget of B bits
+    per parameter."""
     signround, gguf = name.startswith(AUTO_SIGNROUND_PREFIX), name.startswith(AUTO_GGUF_PREFIX)
     text = name.split(":", 1)[1]
     try:
@@ -46,6 +48,14 @@ def _auto_recipe(name: str) -> Recipe:
             f"automatic mixed precision on llama.cpp's block types: per layer GPTQ on Q2_K/Q3_K/Q4_K/Q5_K/Q6_K/Q8_0, "
             f"chosen from each layer's measured effect on the output to fit {budget:g} bits per parameter; "
             "eager, ONNX Runtime and GGUF",
+        )
+    if name.startswith(AUTO_FLOAT_PREFIX):
+        return Recipe(
+            name,
+            (AutoBits(budget=budget, candidates=FLOAT_CANDIDATES),),
+            f"automatic mixed precision on the formats GPUs serve: per layer GPTQ on MXFP4/NVFP4/FP8, chosen "
+            f"from each layer's measured effect on the output to fit {budget:g} bits per parameter; eager and "
+            "compressed-tensors (one config group per format: vLLM, transformers)",
         )
     if signround:
         return Recipe(
@@ -196,7 +206,7 @@ def _register_float_formats() -> None:
 
 def _register_families() -> None:
     """``auto:B`` and its kin: names that carry a budget."""
-    for prefix in (AUTO_PREFIX, AUTO_SIGNROUND_PREFIX, AUTO_GGUF_PREFIX):
+    for prefix in (AUTO_PREFIX, AUTO_SIGNROUND_PREFIX, AUTO_GGUF_PREFIX, AUTO_FLOAT_PREFIX):
         register_recipe_family(prefix, f"{prefix}B", _auto_recipe)
     for prefix in (AUTO_PREFIX, AUTO_SIGNROUND_PREFIX):
         register_recipe_family(ROTATE_PREFIX + prefix, f"{ROTATE_PREFIX}{prefix}B", _rotated)

@@ -39,7 +39,7 @@ from qcompiler.pipeline.input_hessian import input_hessian
 from qcompiler.pipeline.layer_filter import check_patterns, ignore_reason
 from qcompiler.pipeline.pass_base import GraphProperty, Pass, PassContext
 
-__all__ = ["QuantizeEmbeddings"]
+__all__ = ["QuantizeEmbeddings", "lookup_tables", "names_of", "table_target", "table_path"]
 
 _EMBEDDING = torch.ops.aten.embedding.default
 ROWS_AT_ONCE = 32768  # table rows rounded at a time (whole packed words): a 262k x 640 table in 8 parts
@@ -86,20 +86,17 @@ class QuantizeEmbeddings(Pass):
 
     def run(self, gm: GraphModule, ctx: PassContext) -> bool:
         """Quantize each table the graph looks tokens up in, then point its lookups and tied linears at it."""
-        tables: dict[int, list[Node]] = {}  # one entry per stored table, whatever names it is read under
-        for node in gm.graph.nodes:
-            if node.op == "call_function" and node.target is _EMBEDDING and node.args[0].op == "get_attr":
-                tables.setdefault(id(get_raw_tensor(gm, node.args[0].target)), []).append(node)
+        tables = lookup_tables(gm)
         if not tables:
             ctx.record.notes.append("QuantizeEmbeddings: the graph looks up no embedding table; nothing changed")
             return False
         changed, kept = False, []
-        for lookups in tables.values():
-            names = _names_of(gm, get_raw_tensor(gm, lookups[0].args[0].target))
+        for lookups in tables:
+            names = names_of(gm, get_raw_tensor(gm, lookups[0].args[0].target))
             path = module_path(lookups[0]) or lookups[0].args[0].target.rsplit(".", 1)[0]
             table = get_tensor(gm, lookups[0].args[0].target)
             tied = _tied_linears(gm, names)
-            problem = ignore_reason(path, self.ignore) or self._unpackable(table)
+            problem = ignore_reason(path, self.ignore) or self.unpackable(table)
             problem = problem or _other_readers(gm, names, lookups, tied)
             if problem:
                 kept.append(f"{path} kept in full precision ({problem})")
@@ -115,7 +112,7 @@ class QuantizeEmbeddings(Pass):
                 f"QuantizeEmbeddings: {path} {tuple(table.shape)} to {self.bits} bits, "
                 f"groups of {self.group_size}, {how}"
             )
-            tensors, dequantized = self._quantize(table, H, ctx.device)
+            tensors, dequantized = self.quantize_table(table, H, ctx.device)
             for name, tensor in tensors.items():
                 set_tensor(gm, f"{path}.{name}", tensor.to(table.device))
             heads = self._rewrite(gm, names, path, lookups, tied, table.dtype)
@@ -137,7 +134,7 @@ class QuantizeEmbeddings(Pass):
             ctx.record.notes.append(f"QuantizeEmbeddings changed nothing: {'; '.join(kept)}")
         return changed
 
-    def _unpackable(self, table: torch.Tensor) -> str:
+    def unpackable(self, table: torch.Tensor) -> str:
         """Why the GPTQ layout cannot hold ``table`` at these bits ('' when it can)."""
         if table.dim() != 2:
             return f"a {table.dim()}-D table"
@@ -148,7 +145,7 @@ class QuantizeEmbeddings(Pass):
                 return f"{what} {size} cannot be packed at {self.bits} bits: {exc}"
         return ""
 
-    def _quantize(self, table: torch.Tensor, H, device) -> tuple[dict, torch.Tensor]:
+    def quantize_table(self, table: torch.Tensor, H, device) -> tuple[dict, torch.Tensor]:
         """The table's GPTQ-layout tensors and what they stand for, solved ``ROWS_AT_ONCE`` rows at a time
         (given ``H``, GPTQ's rows are independent, as RTN's are: one factor of ``H`` serves every part)
         and joined as the layout joins a layer's row ranges. GPTQ with act-order on static groups:
@@ -211,7 +208,27 @@ class QuantizeEmbeddings(Pass):
         return heads
 
 
-def _names_of(gm: GraphModule, table: torch.Tensor) -> set[str]:
+def lookup_tables(gm: GraphModule) -> list[list[Node]]:
+    """The lookups of each stored table the graph looks tokens up in, one list per table whatever
+    names it is read under."""
+    tables: dict[int, list[Node]] = {}
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target is _EMBEDDING and node.args[0].op == "get_attr":
+            tables.setdefault(id(get_raw_tensor(gm, node.args[0].target)), []).append(node)
+    return list(tables.values())
+
+
+def table_target(lookups: list[Node]) -> str:
+    """The attribute the lookups read their table from."""
+    return lookups[0].args[0].target
+
+
+def table_path(lookups: list[Node]) -> str:
+    """The module path of a table (its lookups' module, else its attribute's owner)."""
+    return module_path(lookups[0]) or table_target(lookups).rsplit(".", 1)[0]
+
+
+def names_of(gm: GraphModule, table: torch.Tensor) -> set[str]:
     """Every ``get_attr`` target that holds ``table`` (a tied head reads it under its own name)."""
     return {n.target for n in gm.graph.nodes if n.op == "get_attr" and get_raw_tensor(gm, n.target) is table}
 

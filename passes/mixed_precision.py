@@ -5,8 +5,10 @@ by hand in a recipe file, or chosen under a bit budget by ``AutoBits`` (passes/a
 candidate name is ``METHOD-wBITSgGROUP`` with METHOD ``rtn``, ``gptq`` or ``spqr``, or ``METHOD-TYPE``
 with METHOD ``rtn`` or ``gptq`` and TYPE a llama.cpp block type (``gptq-q4_k``, ``gptq-q6_k``, ...: the
 layer keeps llama.cpp's bytes, so such a mix runs in eager, ONNX Runtime and llama.cpp, as llama.cpp's own ``_M``
-mixes do); the result is one graph whose ``qc.quant_linear`` nodes carry their own bits and group
-size (SpQR layers: its dense + sparse ops), which every backend runs node by node.
+mixes do) or a floating-point format GPUs serve (``gptq-fp8``, ``gptq-fp8-block``, ``gptq-nvfp4``,
+``gptq-mxfp4``: each layer in that format's layout, as ModelOpt's AutoQuantize mixes them); the result is
+one graph whose ``qc.quant_linear`` nodes carry their own bits and group size (SpQR layers: its dense +
+sparse ops), which every backend runs node by node.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import ClassVar, Optional
 
+from qcompiler.algorithms.float_grid import FLOAT_FORMATS
 from qcompiler.algorithms.gguf_grids import FORMATS
 from qcompiler.errors import QuantizationError
 from qcompiler.layouts import stored_bits
@@ -28,22 +31,27 @@ __all__ = ["MixedPrecision", "candidate_quantizer", "parse_candidate", "candidat
 
 CANDIDATE_FORMAT = (
     "METHOD-wBITSgGROUP (METHOD rtn, gptq or spqr; e.g. gptq-w4g128, rtn-w8g128, spqr-w3g16) or METHOD-TYPE "
-    f"(METHOD rtn or gptq, TYPE a llama.cpp block type: {', '.join(FORMATS)})"
+    f"(METHOD rtn or gptq, TYPE a llama.cpp block type: {', '.join(FORMATS)}; "
+    f"or a floating-point format: {', '.join(FLOAT_FORMATS)})"
 )
 _CANDIDATE = re.compile(r"^(rtn|gptq|spqr)-w(\d+)g(\d+)$")
-_GGUF_CANDIDATE = re.compile(r"^(rtn|gptq)-(q\d_[a-z0-9]+)$")
+_GRID_CANDIDATE = re.compile(r"^(rtn|gptq)-([a-z0-9_-]+)$")
 
 
 def candidate_grid(name: str) -> Optional[str]:
-    """The llama.cpp block type a candidate such as ``gptq-q4_k`` quantizes on (None for the others)."""
-    match = _GGUF_CANDIDATE.match(name)
-    return match.group(2) if match is not None and match.group(2) in FORMATS else None
+    """The llama.cpp block type (``gptq-q4_k``) or floating-point format (``gptq-nvfp4``) a candidate
+    quantizes on (None for the integer ``wBITSgGROUP`` ones)."""
+    match = _GRID_CANDIDATE.match(name)
+    grid = match.group(2) if match is not None else None
+    return grid if grid in FORMATS or grid in FLOAT_FORMATS else None
 
 
 def parse_candidate(name: str) -> tuple[str, int, int]:
     """``(method, bits, group size)`` of a candidate name such as ``gptq-w4g128`` (``gptq-q4_k``: its
-    type's code width and sub-block)."""
+    type's code width and sub-block; ``gptq-nvfp4``: its element width and scale group)."""
     grid = candidate_grid(name)
+    if grid in FLOAT_FORMATS:
+        return name.split("-", 1)[0], FLOAT_FORMATS[grid].bits, FLOAT_FORMATS[grid].group
     if grid is not None:
         return name.split("-", 1)[0], FORMATS[grid].bits, FORMATS[grid].sub_block
     match = _CANDIDATE.match(name)

@@ -47,7 +47,11 @@ def page() -> str:
         'candidates is an error naming both. `auto-signround:B` (`AutoBits(finish="signround")`, GPTQ '
         "candidates only) makes the same allocation and quantizes it with SignRound: every block's rounding "
         "tuned jointly, each layer at its planned bits and group size. `rotate-auto:B` and "
-        "`rotate-auto-signround:B` run the Rotate pass first. To fix a plan by hand, use `MixedPrecision` "
+        "`rotate-auto-signround:B` run the Rotate pass first. `auto-gguf:B` chooses among llama.cpp's block "
+        "types (`GGUF_CANDIDATES`), `auto-float:B` among the floating-point formats GPUs serve (`FLOAT_CANDIDATES`: "
+        "GPTQ on MXFP4, NVFP4 and FP8, one compressed-tensors config group per format); any `gptq-FORMAT` "
+        "name (`gptq-nvfp4`, `gptq-fp8-block`, ...) is also a candidate beside the integer ones. "
+        "To fix a plan by hand, use `MixedPrecision` "
         "(or `SignRound` with a `plan`) in a recipe file:",
         "",
         "```yaml",

@@ -65,6 +65,7 @@ def inputs(tmp_path_factory):
         "badtok",
         "wshape",
         "int32w",
+        "hugehdr",
         "vocab0",
         "heads0",
     ):
@@ -94,6 +95,8 @@ def inputs(tmp_path_factory):
     tensors = load_file(weights)
     tensors["model.layers.0.mlp.up_proj.weight"] = torch.ones(128, 64, dtype=torch.int32)
     save_file(tensors, str(weights), metadata={"format": "pt"})
+    weights = next((root / "hugehdr").glob("*.safetensors"))
+    weights.write_bytes((10**12).to_bytes(8, "little") + b"{}")  # a header "a terabyte long"
     weights = next((root / "truncw").glob("*.safetensors"))
     weights.write_bytes(weights.read_bytes()[:5000])
     config = json.loads((root / "custom" / "config.json").read_text())
@@ -264,6 +267,12 @@ CLI_ROWS = [
             "stores model.layers.0.mlp.up_proj.weight as I32, not a floating-point type",
         )
         for label, flags in ((", streamed", ()), (", --no-stream", ("--no-stream",)))
+    ),
+    (
+        "model: safetensors header claims a terabyte",
+        ["quantize", "{hugehdr}", "--out", "{root}/o"],
+        2,
+        "model.safetensors is not a readable safetensors file (Error while deserializing header: header too large)",
     ),
     (
         "model: vocab_size 0",
@@ -649,3 +658,22 @@ def test_a_recipe_file_that_is_not_a_regular_file_is_named_as_such(tmp_path):
     (tmp_path / "real.yaml").write_text("name: mine\npasses:\n  - pass: RTN\n    bits: 4\n")
     (tmp_path / "link.yaml").symlink_to(tmp_path / "real.yaml")
     assert resolve_recipe(str(tmp_path / "link.yaml")).passes[0].bits == 4
+
+
+def test_a_huge_or_special_tokenizer_file_is_refused_before_transformers_reads_it(tmp_path, capsys):
+    """A 512 MiB tokenizer.json (sparse: nothing written) or a FIFO in its place: one line naming the file,
+    nothing read (transformers would read it whole, or block). Outside the catalogue: its rows hash
+    every prepared input before and after, and this one is half a gigabyte."""
+    import os
+
+    model = tmp_path / "model"
+    make_model("llama").save_pretrained(model)
+    with open(model / "tokenizer.json", "wb") as f:
+        f.truncate(512 << 20)
+    assert main(["quantize", str(model), "--recipe", "rtn-w4g128", "--out", str(tmp_path / "o")]) == 2
+    assert "tokenizer.json is 536870912 bytes, over the 256 MiB a tokenizer file may have" in capsys.readouterr().err
+    (model / "tokenizer.json").unlink()
+    os.mkfifo(model / "tokenizer.json")
+    assert main(["quantize", str(model), "--recipe", "rtn-w4g128", "--out", str(tmp_path / "o")]) == 2
+    assert "tokenizer.json is not a regular file (it is a FIFO)" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()

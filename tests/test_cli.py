@@ -343,6 +343,11 @@ def test_embeddings_option_quantizes_the_table_before_the_weight_solves(tmp_path
     assert any("quant_embedding" in str(n.target) for n in cm.graph_module.graph.nodes)
     assert main(["quantize", "bundled:tinylm", "--embeddings", "w8", "--out", str(tmp_path / "p")]) == 2
     assert "--embeddings 'w8' is not wBITSgGROUP" in capsys.readouterr().err
+    # auto: the table joins an auto recipe's budget (tests/test_auto_embeddings.py runs it); refused elsewhere
+    (auto,) = with_embeddings(resolve_recipe("auto:4.5"), "auto").passes
+    assert auto.embeddings == type(auto).TABLE_SETTINGS and auto.budget == 4.5
+    assert main(["quantize", "bundled:tinylm", "--embeddings", "auto", "--out", str(tmp_path / "q")]) == 2
+    assert "--embeddings auto puts the table in auto:B's budget" in capsys.readouterr().err
 
 
 def test_recipes_lists_names_and_shows_one_recipes_passes_and_matches(tmp_path, capsys):

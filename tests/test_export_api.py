@@ -43,3 +43,16 @@ def test_a_setting_the_format_does_not_read_is_refused_by_name(cm, tmp_path):
     assert not any(tmp_path.iterdir())  # nothing written by a refused call
     with torch.no_grad():  # the model is untouched by the refusals
         cm(**example_inputs("llama"))
+
+
+def test_a_compressed_tensors_export_names_the_client_that_cannot_read_it(cm, tmp_path):
+    """Asymmetric integer groups: the export says, in one line, that transformers' compressed-tensors
+    0.20 refuses them (vLLM reads them); a symmetric recipe's export (Q4_0's grid) says nothing of it."""
+    from qcompiler.interop.compressed_tensors import ASYMMETRIC_NOTE
+
+    said = []
+    cm.export("compressed-tensors", tmp_path / "sym", progress=said.append)
+    assert said and ASYMMETRIC_NOTE not in said
+    asym = qc.compile(make_model("llama"), example_inputs("llama"), recipe="rtn-w4g128", progress=False)
+    asym.export("compressed-tensors", tmp_path / "asym", progress=said.append)
+    assert ASYMMETRIC_NOTE in said and "\n" not in ASYMMETRIC_NOTE

@@ -71,6 +71,17 @@ FLOAT_FORMATS = {
 }
 
 
+_SCALE_BITS = {"fp32": 32, "e4m3": 8, "e8m0": 8}
+
+
+def float_stored_bits(fmt: FloatFormat, n_out: int, n_in: int) -> int:
+    """Bits a ``[n_out, n_in]`` weight stores in format ``fmt``: its elements, one scale per
+    ``rows x group`` cell (per row when ``group`` is -1), and NVFP4's fp32 global scale."""
+    cols = 1 if fmt.group == -1 else -(-n_in // fmt.group)
+    cells = cols * -(-n_out // fmt.rows)
+    return n_out * n_in * fmt.bits + cells * _SCALE_BITS[fmt.scale_dtype] + (32 if fmt.has_global else 0)
+
+
 def round_to_element(x: Tensor, element: str) -> Tensor:
     """``x`` (float32) rounded to the nearest value of ``element``, ties to even, saturating."""
     if element == "e4m3":

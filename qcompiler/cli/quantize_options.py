@@ -59,7 +59,8 @@ Embeddings = Annotated[
     Optional[str],
     typer.Option(
         help="also quantize the token embeddings in the graph (a tied head's table by GPTQ on its inputs): "
-        "wBITSgGROUP, e.g. w4g64"
+        "wBITSgGROUP, e.g. w4g64; or auto, with an auto recipe: the table joins its budget (auto:4.5 counts "
+        "the table's parameters too and chooses its setting)"
     ),
 ]
 Calib = Annotated[

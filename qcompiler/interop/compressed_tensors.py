@@ -168,6 +168,14 @@ refuse(
 )
 
 
+# the client limit docs/formats.md ("Which client runs what") measured: said at export, not found at load
+ASYMMETRIC_NOTE = (
+    "note: this checkpoint has asymmetric integer groups (zero points); vLLM reads them, but transformers "
+    "with compressed-tensors 0.20 cannot load them (it sizes the packed zero points wrong and refuses the "
+    "file): for transformers quantize with a symmetric recipe (e.g. gptq-w4g128-sym)"
+)
+
+
 def export_compressed_tensors(
     cm,
     out_dir,
@@ -217,6 +225,11 @@ def export_compressed_tensors(
         f"compressed-tensors checkpoint: {sum(len(p) for _, p in groups.values())} layers in "
         f"{len(groups)} scheme group(s)"
     )
+    if any(
+        scheme["weights"].get("type") == "int" and not scheme["weights"].get("symmetric")
+        for scheme, _ in groups.values()
+    ):
+        progress(ASYMMETRIC_NOTE)
     return write_checkpoint(
         out_dir,
         tensors,

@@ -236,10 +236,32 @@ def load(name_or_path: str | Path, *, stream: bool = False, trust_remote_code: b
     return loaded_from_model(label, config, path, weights=True, stream=stream, trust_remote_code=trust_remote_code)
 
 
+def _check_tokenizer_files(path: Path) -> None:
+    """The folder's tokenizer files are regular files of a bounded size (transformers reads them whole:
+    a FIFO would block it, a multi-gigabyte file fill the memory); one line naming the file."""
+    from qcompiler.files.regular_files import file_kind
+    from qcompiler.store.model_files import MAX_MODEL_FILE_BYTES, TOKENIZER_FILES
+
+    for name in TOKENIZER_FILES:
+        file = path / name
+        if not file.exists():
+            continue
+        if not file.is_file():
+            raise ValueError(
+                f"model folder {printable(str(path))}: {name} is not a regular file (it is a {file_kind(file)})"
+            )
+        if file.stat().st_size > MAX_MODEL_FILE_BYTES:
+            raise ValueError(
+                f"model folder {printable(str(path))}: {name} is {file.stat().st_size} bytes, over the "
+                f"{MAX_MODEL_FILE_BYTES >> 20} MiB a tokenizer file may have (a large vocabulary's is tens of MB)"
+            )
+
+
 def _tokenizer_of(path: Path, config, trust_remote_code: bool = False) -> Optional[Any]:
     """The folder's own tokenizer; the byte tokenizer for a 256-token model without one; else None."""
     from transformers import AutoTokenizer
 
+    _check_tokenizer_files(path)
     if (path / "tokenizer.json").is_file() or (path / "tokenizer_config.json").is_file():
         try:
             return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)

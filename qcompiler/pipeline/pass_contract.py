@@ -99,5 +99,7 @@ def run_checked(p: Pass, gm: GraphModule, ctx: PassContext, *, where: str = "pas
         if problem:
             why = f" (its last note: {result.record.notes[-1]})" if result.record.notes else ""
             raise PostconditionError(f"{label} provides {prop.name}, but {problem}{why}")
-    record_properties(result.graph_module, held | p.provides)
+    # what it provides, and what its new nodes witness (AutoBits' table: QuantizeEmbeddings' op inside it)
+    gained = {prop for prop, count in after.items() if count > before[prop]}
+    record_properties(result.graph_module, held | p.provides | gained)
     return result

@@ -225,15 +225,34 @@ def with_embeddings(recipe: Recipe, spec: str | None) -> Recipe:
     quantized lookup (Gemma-3 270M, GPTQ w4g32 + w4g64 table: KL 0.218 this way, 0.223 after)."""
     if spec is None:
         return recipe
+    if spec == "auto":  # the table as one more item of auto:B's budget
+        return _with_table_in_budget(recipe)
     match = re.fullmatch(r"w(\d+)g(-1|\d+)", spec)
     if match is None:
-        raise RecipeError(f"--embeddings {spec!r} is not wBITSgGROUP (e.g. w8g128, w4g32)")
+        raise RecipeError(f"--embeddings {spec!r} is not wBITSgGROUP (e.g. w8g128, w4g32) or auto")
     cls = resolve_pass("QuantizeEmbeddings", allow_import=False, where="--embeddings")
     quantize = cls(bits=int(match[1]), group_size=int(match[2]))
     passes = list(recipe.passes)
     at = next((i for i, p in enumerate(passes) if GraphProperty.QUANTIZED_WEIGHTS in p.provides), len(passes))
     passes.insert(at, quantize)
     return Recipe(f"{recipe.name} + embeddings {spec}", tuple(passes), recipe.description)
+
+
+def _with_table_in_budget(recipe: Recipe) -> Recipe:
+    """``--embeddings auto``: every pass that can put the table in its budget (one declaring
+    ``TABLE_SETTINGS``: AutoBits) given those settings, so its budget counts the table too."""
+    passes, changed = [], False
+    for p in recipe.passes:
+        settings = getattr(type(p), "TABLE_SETTINGS", None)
+        if settings and not p.embeddings:
+            p, changed = dataclasses.replace(p, embeddings=settings), True
+        passes.append(p)
+    if not changed:
+        raise RecipeError(
+            f"--embeddings auto puts the table in auto:B's budget, and recipe {recipe.name} has no auto pass: "
+            "use an auto recipe (auto:4.5) or a setting such as --embeddings w4g64"
+        )
+    return Recipe(f"{recipe.name} + embeddings in its budget", tuple(passes), recipe.description)
 
 
 def _field_names(p) -> set[str]:

@@ -56,15 +56,24 @@ class CandidateScore:
     distance: float  # output distance from FP with only this layer quantized this way
 
 
+_KL_ROWS = 128  # positions per chunk of output_distance's KL
+
+
 def output_distance(reference: torch.Tensor, output: torch.Tensor, mask: Optional[torch.Tensor], kl: bool) -> float:
     """Mean KL(reference ‖ output) over positions (``kl``: logits), or ‖output − reference‖² / ‖reference‖²,
     over the positions ``mask`` keeps."""
-    ref, out = reference.float(), output.float()
+    ref, out = reference, output
     if mask is not None and mask.shape == ref.shape[: mask.dim()]:
         ref, out = ref[mask.bool()], out[mask.bool()]
-    if kl:
-        log_p, log_q = F.log_softmax(ref, dim=-1), F.log_softmax(out, dim=-1)
-        return float((log_p.exp() * (log_p - log_q)).sum(-1).mean())
+    if kl:  # a few rows at a time: a 262k-token vocabulary makes every temporary 1 MB per position
+        ref, out = ref.reshape(-1, ref.shape[-1]), out.reshape(-1, out.shape[-1])
+        total = 0.0
+        for start in range(0, ref.shape[0], _KL_ROWS):
+            log_p = F.log_softmax(ref[start : start + _KL_ROWS].float(), dim=-1)
+            log_q = F.log_softmax(out[start : start + _KL_ROWS].float(), dim=-1)
+            total += float((log_p.exp() * (log_p - log_q)).sum())
+        return total / max(ref.shape[0], 1)
+    ref, out = ref.float(), out.float()
     den = ref.double().square().sum()
     return float((out.double() - ref.double()).square().sum() / den) if den > 0 else 0.0
 
