@@ -165,6 +165,11 @@ class AutoBits(WeightQuantizer):
             if setting != KEEP:
                 bits, group = parse_table_setting(setting)
                 QuantizeEmbeddings(bits=bits, group_size=group, ignore=_all_but(gm, item.path)).run(gm, ctx)
+                if item.path not in ctx.record.layers:  # kept by QuantizeEmbeddings (its note says why)
+                    raise QuantizationError(
+                        f"auto: {item.path} could not be stored at {setting} (see the note above); the "
+                        "budget counted it so: leave embeddings unset for this model"
+                    )
                 ctx.record.layers[item.path].update(candidate=f"embeddings {setting}")
         if self.finish == "signround":
             finisher = SignRound(plan=plan, ignore=self.ignore)

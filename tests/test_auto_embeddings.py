@@ -45,7 +45,7 @@ def test_a_tables_setting_is_measured_as_the_output_distance_with_the_table_roun
     assert w4.bits == pytest.approx(stored)
 
 
-@pytest.mark.parametrize("budget", [3.5, 6.0])
+@pytest.mark.parametrize("budget", [3.5, pytest.param(6.0, marks=pytest.mark.slow)])
 def test_one_budget_over_the_linears_and_the_table_is_met_and_the_choice_applied(budget):
     """The plan's bits over the linears and the table together are within 0.05 below the budget; the
     table is stored at the chosen setting (a float32 table is 32 bits: a tight budget cannot keep
