@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 from torch.fx import GraphModule, Node
 
-from qcompiler.backends.onnx_nbits import block_zero_codes, gptq_to_nbits, unpack_block_codes
+from qcompiler.backends.onnx_nbits import block_zero_codes, dequantize_matmul_nbits, gptq_to_nbits
 from qcompiler.ir.graph import aten
 from qcompiler.ir.op_registry import OpArgs, OpSpec, call_op, implement, register
 from qcompiler.ir.tensors import set_tensor
@@ -43,13 +43,17 @@ def gather_block_quantized(
     ``data`` ``[V, blocks, block·bits/8]``, ``scales`` / ``zero_points`` ``[V, blocks, 1]``: float32
     ``[*ids, K]`` (a padded last block cut to ``K``), columns taken in ``order`` when given."""
     flat = ids.reshape(-1).long()
-    rows = data.index_select(0, flat)
-    blocks = data.shape[1]
-    codes = unpack_block_codes(rows.reshape(flat.numel(), -1), bits, blocks * block_size).float()
-    values = (codes.reshape(-1, blocks, block_size) - zero_points.index_select(0, flat).float()) * scales.index_select(
-        0, flat
-    ).float()
-    values = values.reshape(flat.numel(), -1)[:, :K]
+    n = flat.numel()
+    # the gathered rows are a MatMulNBits weight of n rows, with its zero points unpacked (as floats)
+    values = dequantize_matmul_nbits(
+        data.index_select(0, flat),
+        scales.index_select(0, flat),
+        zero_points.index_select(0, flat).float(),
+        K,
+        n,
+        bits,
+        block_size,
+    )
     if order is not None:
         values = values.index_select(1, order.long())
     return values.reshape(*ids.shape, K)

@@ -22,7 +22,6 @@ from qcompiler.ir.ops import per_expert
 
 __all__ = [
     "to_matmul_nbits_layout",
-    "unpack_block_codes",
     "block_zero_codes",
     "dequantize_matmul_nbits",
     "matmul_nbits",
@@ -44,8 +43,7 @@ def _pack_bytes(codes: Tensor, bits: int) -> Tensor:
     return words.reshape(-1).view(torch.uint8).reshape(n, -1)[:, : math.ceil(k * bits / 8)]
 
 
-def unpack_block_codes(data: Tensor, bits: int, k: int) -> Tensor:
-    """uint8 rows ``[N, bytes]`` (``_pack_bytes``' stream) → the first ``k`` codes of each row."""
+def _unpack_bytes(data: Tensor, bits: int, k: int) -> Tensor:
     n = data.shape[0]
     pad = (-data.shape[1]) % 4
     data = torch.cat([data, torch.zeros(n, pad, dtype=torch.uint8)], dim=1) if pad else data
@@ -75,7 +73,7 @@ def dequantize_matmul_nbits(
     """The float32 weight [N, K] that a MatMulNBits node computes with (ORT's definition; the last
     block may be partial)."""
     blocks = -(-K // block_size)
-    codes = unpack_block_codes(B.reshape(N, -1), bits, K).float()
+    codes = _unpack_bytes(B.reshape(N, -1), bits, K).float()
     s = scales.float().reshape(N, blocks).repeat_interleave(block_size, dim=1)[:, :K]
     if zero_points.dtype == torch.uint8:
         z = block_zero_codes(zero_points, N, blocks, bits).float()
@@ -86,7 +84,7 @@ def dequantize_matmul_nbits(
 
 def block_zero_codes(zero_points: Tensor, N: int, blocks: int, bits: int) -> Tensor:
     """MatMulNBits' packed uint8 zero points → the integer zero point of each block, ``[N, blocks]``."""
-    return unpack_block_codes(zero_points.reshape(N, -1), bits, blocks)
+    return _unpack_bytes(zero_points.reshape(N, -1), bits, blocks)
 
 
 @torch.library.custom_op("qc::matmul_nbits", mutates_args=())

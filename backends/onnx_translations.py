@@ -144,11 +144,8 @@ def _gather_schema() -> OpSchema:
 
 def _register_contrib_schemas() -> None:
     """Teach onnx (and so onnxscript and the checker) the contrib op signatures we emit."""
-    for schema in (
-        _gqa_schema(),
-        _nbits_schema(),
-        _gather_schema(),
-    ):  # once per process (and not over a schema another library registered)
+    # once per process (and not over a schema another library registered)
+    for schema in (_gqa_schema(), _nbits_schema(), _gather_schema()):
         if not onnx.defs.has(schema.name, schema.domain):
             onnx.defs.register_schema(schema)
 

@@ -120,7 +120,8 @@ def _decode_rate(llm, prompt: list[int], n: int = 128) -> float:
     return n / (time.perf_counter() - start)
 
 
-def _tool(bin_dir: Path, name: str, *args) -> None:
+def llama_tool(bin_dir: Path, name: str, *args) -> None:
+    """Run llama.cpp's tool ``name`` from ``bin_dir`` (its output kept off the terminal; a failure raises)."""
     subprocess.run([str(bin_dir / name), *map(str, args)], check=True, capture_output=True)
 
 
@@ -135,7 +136,7 @@ def bench_model(label, loaded, work: Path, bin_dir: Path, calib: int, n_windows:
     fp = qc.compile(loaded.model, loaded.example_inputs(), recipe="none", backend="eager")
     fp.export_gguf(work / "f16.gguf", **quiet)
     files["F16 (qcompiler)"] = ("F16", work / "f16.gguf")
-    _tool(
+    llama_tool(
         bin_dir,
         "llama-imatrix",
         "-m",
@@ -157,7 +158,7 @@ def bench_model(label, loaded, work: Path, bin_dir: Path, calib: int, n_windows:
             out = work / f"llamacpp-{kind}{'-imatrix' if imatrix else ''}.gguf"
             extra = ["--imatrix", work / "imatrix.gguf"] if imatrix else []
             extra += [] if kind in MIXES else ["--pure"]
-            _tool(
+            llama_tool(
                 bin_dir,
                 "llama-quantize",
                 *extra,

@@ -28,13 +28,13 @@ its Q4_0 rows are the like-for-like comparison. Writes benchmarks/results/real_g
 from __future__ import annotations
 
 import argparse
-import subprocess
 import time
 from pathlib import Path
 
 import gguf
 import numpy as np
 import torch
+from gguf_quality import llama_tool
 from results_file import merged_rows, write_rows
 
 import qcompiler as qc
@@ -85,10 +85,6 @@ def _block_bits(path) -> tuple[float, str]:
     return bits / n, embedding
 
 
-def _tool(bin_dir: Path, name: str, *args) -> None:
-    subprocess.run([str(bin_dir / name), *map(str, args)], check=True, capture_output=True)
-
-
 def llama_cpp_peer(m, calibration, bin_dir: Path, out: Path, add, pure_embeddings=()) -> tuple[float, str]:
     """llama.cpp's Q4_K_M of the FP model, and its ``--pure`` Q4_0 with each of ``pure_embeddings``
     as the token embeddings' type, each with and without an imatrix from the calibration text,
@@ -100,7 +96,7 @@ def llama_cpp_peer(m, calibration, bin_dir: Path, out: Path, add, pure_embedding
     (out / "calibration.txt").write_text(text)
     chunks = ("--chunks", len(calibration))
     imatrix = ("-m", out / "f16.gguf", "-f", out / "calibration.txt", "-o", out / "imatrix.gguf", "-c", 256, *chunks)
-    _tool(bin_dir, "llama-imatrix", *imatrix, "-t", 2)
+    llama_tool(bin_dir, "llama-imatrix", *imatrix, "-t", 2)
     prepared = time.perf_counter() - start
     mix = None
     for kind, embedding in (("Q4_K_M", None), *(("Q4_0", e) for e in pure_embeddings)):
@@ -109,7 +105,7 @@ def llama_cpp_peer(m, calibration, bin_dir: Path, out: Path, add, pure_embedding
             path = out / f"llamacpp-{kind}-{embedding}{'-imatrix' if with_imatrix else ''}.gguf"
             extra = ("--imatrix", out / "imatrix.gguf") if with_imatrix else ()
             extra += ("--pure", "--token-embedding-type", embedding) if embedding else ()
-            _tool(bin_dir, "llama-quantize", *extra, out / "f16.gguf", path, kind, 2)
+            llama_tool(bin_dir, "llama-quantize", *extra, out / "f16.gguf", path, kind, 2)
             seconds = time.perf_counter() - start + (prepared if with_imatrix else 0.0)
             bits, stored_embedding = _block_bits(path)
             add(f"llama.cpp {kind}" + (" + imatrix" if with_imatrix else ""), stored_embedding, path, seconds)

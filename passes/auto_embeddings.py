@@ -18,7 +18,6 @@ stores) before the linears are solved, as ``--embeddings`` orders them.
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 
 import torch
@@ -29,7 +28,8 @@ from qcompiler.ir.tensors import get_raw_tensor, get_tensor, set_tensor
 from qcompiler.layouts import stored_bits
 from qcompiler.passes.embeddings import QuantizeEmbeddings, lookup_tables, names_of, table_path, table_target
 from qcompiler.pipeline.pass_base import PassContext
-from qcompiler.pipeline.sensitivity import StoredWeights, first_output, output_distance, sensitivity_samples
+from qcompiler.pipeline.recipe_files import EMBEDDING_SETTING
+from qcompiler.pipeline.sensitivity import ForwardDistance
 
 __all__ = [
     "TableOption",
@@ -45,7 +45,6 @@ KEEP = "keep"  # the table as the graph stores it
 # what ``--embeddings auto`` offers the knapsack: 8 bits (llama.cpp's Q8_0-like) and the 4-bit groups
 # that hold Gemma-3 270M's table best when it was set by hand (docs/results.md, "Quantized embeddings")
 TABLE_SETTINGS = ("w8g128", "w4g128", "w4g64", "w4g32")
-_SETTING = re.compile(r"^w(\d+)g(-1|\d+)$")
 
 
 @dataclass(frozen=True)
@@ -68,7 +67,7 @@ class TableItem:
 
 def parse_table_setting(setting: str) -> tuple[int, int]:
     """``(bits, group size)`` of ``wBITSgGROUP``; a one-line error naming a malformed one."""
-    match = _SETTING.fullmatch(setting)
+    match = EMBEDDING_SETTING.fullmatch(setting)
     if match is None:
         raise QuantizationError(f"auto: embeddings setting {setting!r} is not wBITSgGROUP (e.g. w8g128, w4g64)")
     bits, group = int(match[1]), int(match[2])
@@ -106,11 +105,7 @@ def measure_tables(
     names = names_of(gm, raw)
     originals = {name: get_raw_tensor(gm, name) for name in names}
     table = get_tensor(gm, target)
-    batches = sensitivity_samples(ctx.calibration, samples)
-    masks = [kwargs.get("attention_mask") for _args, kwargs in batches]
-    runner = StoredWeights(gm)
-    with torch.no_grad():
-        reference = [first_output(runner, batch) for batch in batches]
+    measure = ForwardDistance(gm, ctx.calibration, samples, kl)
     options = [TableOption(KEEP, float(table.numel() * table.element_size() * 8), 0.0)]
     try:
         for setting in settings:
@@ -125,10 +120,7 @@ def measure_tables(
                 set_tensor(
                     gm, name, dequantized.to(table.dtype), parameter=isinstance(originals[name], torch.nn.Parameter)
                 )
-            distance = 0.0
-            for batch, ref, mask in zip(batches, reference, masks):  # one output held at a time
-                with torch.no_grad():
-                    distance += output_distance(ref, first_output(runner, batch), mask, kl) / len(batches)
+            distance = measure()
             options.append(TableOption(setting, float(stored_bits(tensors)), distance))
             ctx.log(f"  sensitivity {path}: {setting} (round-to-nearest) {distance:.3g}")
     finally:

@@ -32,45 +32,44 @@ ROTATE_PREFIX = "rotate-"  # rotate-auto:B — the Rotate pass, then auto:B (rot
 _PASSES = {"RTN": RTN, "GPTQ": GPTQ}
 
 
+# each auto family: the AutoBits settings beside the budget, and its description ({budget}: the budget)
+_AUTO_FAMILIES = {
+    AUTO_GGUF_PREFIX: (
+        {"candidates": GGUF_CANDIDATES},
+        "automatic mixed precision on llama.cpp's block types: per layer GPTQ on Q2_K/Q3_K/Q4_K/Q5_K/Q6_K/Q8_0, "
+        "chosen from each layer's measured effect on the output to fit {budget} bits per parameter; "
+        "eager, ONNX Runtime and GGUF",
+    ),
+    AUTO_FLOAT_PREFIX: (
+        {"candidates": FLOAT_CANDIDATES},
+        "automatic mixed precision on the formats GPUs serve: per layer GPTQ on MXFP4/NVFP4/FP8, chosen "
+        "from each layer's measured effect on the output to fit {budget} bits per parameter; eager and "
+        "compressed-tensors (one config group per format: vLLM, transformers)",
+    ),
+    AUTO_SIGNROUND_PREFIX: (
+        {"finish": "signround"},
+        "automatic mixed precision by SignRound: per layer 2/3/4/8 bits x groups 32/64/128 chosen from each "
+        "layer's measured effect on the output to fit {budget} bits per parameter, then every block's "
+        "rounding tuned jointly at those bits",
+    ),
+    AUTO_PREFIX: (
+        {},
+        "automatic mixed precision: per layer GPTQ 2/3/4/8 bits x groups 32/64/128 or SpQR 3/4 bits, chosen from "
+        "each layer's measured effect on the output to fit {budget} bits per parameter",
+    ),
+}
+
+
 def _auto_recipe(name: str) -> Recipe:
     """``auto:B``, ``auto-signround:B``, ``auto-gguf:B``, ``auto-float:B``: AutoBits at a budget of B bits
     per parameter."""
-    signround, gguf = name.startswith(AUTO_SIGNROUND_PREFIX), name.startswith(AUTO_GGUF_PREFIX)
-    text = name.split(":", 1)[1]
+    prefix, text = name.split(":", 1)
     try:
         budget = float(text)
     except ValueError:
         raise RecipeError(f"recipe {name!r}: {text!r} is not a number of bits per parameter (e.g. auto:3.25)") from None
-    if gguf:
-        return Recipe(
-            name,
-            (AutoBits(budget=budget, candidates=GGUF_CANDIDATES),),
-            f"automatic mixed precision on llama.cpp's block types: per layer GPTQ on Q2_K/Q3_K/Q4_K/Q5_K/Q6_K/Q8_0, "
-            f"chosen from each layer's measured effect on the output to fit {budget:g} bits per parameter; "
-            "eager, ONNX Runtime and GGUF",
-        )
-    if name.startswith(AUTO_FLOAT_PREFIX):
-        return Recipe(
-            name,
-            (AutoBits(budget=budget, candidates=FLOAT_CANDIDATES),),
-            f"automatic mixed precision on the formats GPUs serve: per layer GPTQ on MXFP4/NVFP4/FP8, chosen "
-            f"from each layer's measured effect on the output to fit {budget:g} bits per parameter; eager and "
-            "compressed-tensors (one config group per format: vLLM, transformers)",
-        )
-    if signround:
-        return Recipe(
-            name,
-            (AutoBits(budget=budget, finish="signround"),),
-            f"automatic mixed precision by SignRound: per layer 2/3/4/8 bits x groups 32/64/128 chosen from each "
-            f"layer's measured effect on the output to fit {budget:g} bits per parameter, then every block's "
-            "rounding tuned jointly at those bits",
-        )
-    return Recipe(
-        name,
-        (AutoBits(budget=budget),),
-        f"automatic mixed precision: per layer GPTQ 2/3/4/8 bits x groups 32/64/128 or SpQR 3/4 bits, chosen from "
-        f"each layer's measured effect on the output to fit {budget:g} bits per parameter",
-    )
+    settings, description = _AUTO_FAMILIES[prefix + ":"]
+    return Recipe(name, (AutoBits(budget=budget, **settings),), description.format(budget=f"{budget:g}"))
 
 
 def _rotated(name: str) -> Recipe:

@@ -104,10 +104,9 @@ class CompiledModel:
         ids = kwargs.get("input_ids", args[0] if args and self.capture_info.model_config else None)
         if isinstance(ids, torch.Tensor):
             self._check_token_ids(ids)
-        mask = kwargs.get("attention_mask")
-        if isinstance(mask, torch.Tensor) and mask.dtype != torch.bool:
-            check_mask_values(mask)
         layout = self.cache_layout
+        if layout is None and isinstance(kwargs.get("attention_mask"), torch.Tensor):  # graph_inputs checks the rest
+            check_mask_values(kwargs["attention_mask"])
         try:
             with torch.no_grad():
                 if layout is None:

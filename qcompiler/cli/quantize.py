@@ -84,7 +84,7 @@ def quantize(
             samples=samples,
             seqlen=seqlen,
             seed=seed,
-            packing=getattr(packing, "value", packing),
+            packing=packing.value,
             calib_field=calib_field,
             options=CompileOptions(
                 device=compute,

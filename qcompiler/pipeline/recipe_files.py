@@ -36,7 +36,15 @@ from qcompiler.pipeline.pass_base import GraphProperty, Pass
 from qcompiler.pipeline.pass_registry import pass_name, resolve_pass
 from qcompiler.pipeline.recipes import Recipe, get_recipe
 
-__all__ = ["load_recipe_file", "recipe_from_dict", "recipe_to_dict", "resolve_recipe", "with_overrides"]
+__all__ = [
+    "load_recipe_file",
+    "recipe_from_dict",
+    "recipe_to_dict",
+    "resolve_recipe",
+    "with_overrides",
+    "with_embeddings",
+    "EMBEDDING_SETTING",
+]
 
 _TOP_KEYS = ("name", "description", "passes")
 
@@ -217,6 +225,9 @@ def with_overrides(recipe: Recipe, **settings: Any) -> Recipe:
     return Recipe(f"{recipe.name} ({label})", tuple(passes), recipe.description)
 
 
+EMBEDDING_SETTING = re.compile(r"w(\d+)g(-1|\d+)")  # an embedding table's "wBITSgGROUP" (--embeddings, AutoBits)
+
+
 def with_embeddings(recipe: Recipe, spec: str | None) -> Recipe:
     """``recipe`` with ``QuantizeEmbeddings`` at ``spec`` — ``w8g128``: bits and group size — the command
     line's ``--embeddings`` (None: ``recipe`` unchanged). It runs just before the first pass that
@@ -227,7 +238,7 @@ def with_embeddings(recipe: Recipe, spec: str | None) -> Recipe:
         return recipe
     if spec == "auto":  # the table as one more item of auto:B's budget
         return _with_table_in_budget(recipe)
-    match = re.fullmatch(r"w(\d+)g(-1|\d+)", spec)
+    match = EMBEDDING_SETTING.fullmatch(spec)
     if match is None:
         raise RecipeError(f"--embeddings {spec!r} is not wBITSgGROUP (e.g. w8g128, w4g32) or auto")
     cls = resolve_pass("QuantizeEmbeddings", allow_import=False, where="--embeddings")

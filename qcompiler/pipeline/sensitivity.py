@@ -116,6 +116,28 @@ def first_output(runner: StoredWeights, batch: tuple[tuple, dict]) -> torch.Tens
     return next(t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.is_floating_point())
 
 
+class ForwardDistance:
+    """``distance()``: the graph's output distance from its output when this was made, as it stands
+    now, on ``samples`` sensitivity samples — the reference taken once, then one output held at a
+    time (a 262k-token vocabulary's logits are 2 GB per 8 x 256 positions)."""
+
+    def __init__(self, gm: GraphModule, calibration: list, samples: int, kl: bool):
+        self.batches = sensitivity_samples(calibration, samples)
+        self.masks = [kwargs.get("attention_mask") for _args, kwargs in self.batches]
+        self.runner = StoredWeights(gm)  # one interpreter (it maps each node's last use once) for every forward
+        self.kl = kl
+        with torch.no_grad():
+            self.reference = [first_output(self.runner, batch) for batch in self.batches]
+
+    def __call__(self) -> float:
+        with torch.no_grad():
+            parts = [
+                output_distance(ref, first_output(self.runner, batch), mask, self.kl)
+                for batch, ref, mask in zip(self.batches, self.reference, self.masks)
+            ]
+        return sum(parts) / len(parts)
+
+
 def measure_sensitivities(
     gm: GraphModule,
     ctx: PassContext,
@@ -129,14 +151,7 @@ def measure_sensitivities(
     """``{layer path: {candidate: score}}`` for every eligible block linear; a candidate the layer's
     shape cannot take is left out of its row. The graph's weights are unchanged afterwards.
     ``together``: as ``score_candidates`` takes it."""
-    batches = sensitivity_samples(ctx.calibration, samples)
-    masks = [kwargs.get("attention_mask") for _args, kwargs in batches]
-    runner = StoredWeights(gm)  # one interpreter (it maps each node's last use once) for every forward
-    reference = [first_output(runner, batch) for batch in batches]
-
-    def distance() -> float:
-        outs = [first_output(runner, batch) for batch in batches]
-        return sum(output_distance(r, o, m, kl) for r, o, m in zip(reference, outs, masks)) / len(outs)
+    distance = ForwardDistance(gm, ctx.calibration, samples, kl)
 
     @contextmanager
     def forward_damage(layer: LinearLayer, stored: torch.Tensor, _W: torch.Tensor, _stats: LayerStats):
