@@ -293,7 +293,11 @@ def _least_bits(name: str, n_out: int, n_in: int) -> float:
     return bits * n_out * n_in + groups * n_out * (16 + bits)
 
 
-def _solve_together(candidates: dict, layer, W, H, whole) -> dict:
-    """The candidates of one layer that share a sweep: its GPTQ ones, and its SpQR ones (each result
-    its own solve's, bit for bit); the rest are solved one by one by the caller."""
-    return {**solve_gptq_candidates(candidates, layer, W, H), **solve_spqr_candidates(candidates, layer, W, H, whole)}
+def _solve_together(candidates: dict, members: list, H) -> dict:
+    """The candidates of one input's layers (``members``: ``(layer, W, whole)``) that share a sweep:
+    their GPTQ ones, and their SpQR ones (each result its own solve's, bit for bit), as ``{path:
+    {name: result}}``; the rest are solved one by one by the caller."""
+    solved = solve_gptq_candidates(candidates, [(layer, W) for layer, W, _whole in members], H)
+    for path, row in solve_spqr_candidates(candidates, members, H).items():
+        solved.setdefault(path, {}).update(row)
+    return solved

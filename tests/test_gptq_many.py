@@ -70,7 +70,7 @@ def test_the_candidates_solved_together_store_each_candidates_own_tensors():
     names = ("gptq-w2g32", "gptq-w3g64", "gptq-w4g128", "gptq-w8g128", "spqr-w3g16", "gptq-q4_k")
     quantizers = {n: candidate_quantizer(n) for n in names}
     quantizers["natural"] = P.GPTQ(bits=4, group_size=32, act_order=False, static_groups=False)
-    solved = solve_gptq_candidates(quantizers, layer, W, H)
+    solved = solve_gptq_candidates(quantizers, [(layer, W)], H)[layer.path]
     assert set(solved) == {"gptq-w2g32", "gptq-w3g64", "gptq-w4g128", "gptq-w8g128"}
     for name, got in solved.items():
         want = quantizers[name].quantize_layer(layer, W, H)
@@ -79,3 +79,21 @@ def test_the_candidates_solved_together_store_each_candidates_own_tensors():
             assert torch.equal(got.tensors[key], want.tensors[key]), (name, key)
         assert torch.equal(got.dequantized, want.dequantized)
         assert got.rewrite == want.rewrite
+
+
+def test_siblings_candidates_share_one_sweep_and_each_gets_its_own_solve():
+    """q/k/v (or gate/up) read one input, so one H: their candidates stacked into one sweep give every
+    layer's own ``GPTQ.quantize_layer`` tensors bit for bit, whatever each layer's row count."""
+    W, H = _problem(96, 256)
+    q, k = W[:64], W[64:] * 3.0
+    layers = [SimpleNamespace(path=f"model.layers.0.self_attn.{n}_proj", transposed=False) for n in "qk"]
+    quantizers = {n: candidate_quantizer(n) for n in ("gptq-w3g64", "gptq-w4g128", "spqr-w3g16")}
+    solved = solve_gptq_candidates(quantizers, [(layers[0], q), (layers[1], k)], H)
+    assert set(solved) == {layer.path for layer in layers}
+    for layer, weight in zip(layers, (q, k)):
+        assert set(solved[layer.path]) == {"gptq-w3g64", "gptq-w4g128"}
+        for name, got in solved[layer.path].items():
+            want = quantizers[name].quantize_layer(layer, weight, H)
+            for key in want.tensors:
+                assert torch.equal(got.tensors[key], want.tensors[key]), (layer.path, name, key)
+            assert torch.equal(got.dequantized, want.dequantized)

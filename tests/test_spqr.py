@@ -242,7 +242,7 @@ def test_auto_bits_spqr_candidates_solved_together_store_each_candidates_own_ten
     layer = SimpleNamespace(path="model.layers.0.mlp.down_proj", transposed=False)
     quantizers = {n: candidate_quantizer(n) for n in ("spqr-w3g16", "spqr-w4g16", "gptq-w4g128")}
     rows = torch.cat([torch.arange(32), torch.arange(64, 96)])
-    solved = solve_spqr_candidates(quantizers, layer, W.index_select(0, rows), H, W)
+    solved = solve_spqr_candidates(quantizers, [(layer, W.index_select(0, rows), W)], H)[layer.path]
     assert set(solved) == {"spqr-w3g16", "spqr-w4g16"}
     for name, got in solved.items():
         want = quantizers[name].quantize_rows(layer, W, H, rows)
@@ -251,3 +251,27 @@ def test_auto_bits_spqr_candidates_solved_together_store_each_candidates_own_ten
             assert torch.equal(got.tensors[key], want.tensors[key]), (name, key)
         assert torch.equal(got.dequantized, want.dequantized)
         assert got.figures == want.figures and got.rewrite == want.rewrite
+
+
+def test_siblings_spqr_candidates_share_one_sweep_and_each_gets_its_own_solve():
+    """Two layers reading one input (one H), one solved on a sample of its rows, the other whole: both
+    candidates of both in one sweep, each result its own ``quantize_rows`` / ``quantize_layer``'s."""
+    from types import SimpleNamespace
+
+    from qcompiler.passes.mixed_precision import candidate_quantizer
+    from qcompiler.passes.spqr_candidates import solve_spqr_candidates
+
+    W, H = problem(out=128, seed=7)
+    other = W[:64].flip(0) * 2.0
+    q, k = (SimpleNamespace(path=f"model.layers.0.self_attn.{n}_proj", transposed=False) for n in "qk")
+    quantizers = {n: candidate_quantizer(n) for n in ("spqr-w3g16", "spqr-w4g16")}
+    rows = torch.arange(32, 96)
+    solved = solve_spqr_candidates(quantizers, [(q, W.index_select(0, rows), W), (k, other, None)], H)
+    for name, quantizer in quantizers.items():
+        for layer, got, want in (
+            (q, solved[q.path][name], quantizer.quantize_rows(q, W, H, rows)),
+            (k, solved[k.path][name], quantizer.quantize_layer(k, other, H)),
+        ):
+            for key in want.tensors:
+                assert torch.equal(got.tensors[key], want.tensors[key]), (layer.path, name, key)
+            assert torch.equal(got.dequantized, want.dequantized)

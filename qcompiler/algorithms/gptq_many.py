@@ -28,7 +28,7 @@ from qcompiler.algorithms.gptq import (
     swept_copy,
 )
 
-__all__ = ["GridSpec", "gptq_quantize_many", "batchable"]
+__all__ = ["GridSpec", "gptq_quantize_many", "gptq_quantize_parts", "batchable"]
 
 
 class GridSpec(NamedTuple):
@@ -72,36 +72,49 @@ def gptq_quantize_many(
     """``[gptq_quantize(W, None, bits=…, group_size=…, sym=…, grid=…, static_groups=True,
     factor=factor)]`` for every spec, from one sweep over the stacked copies of ``W`` (act-order as
     ``factor`` was made)."""
-    for spec in specs:
+    return gptq_quantize_parts([(W, spec) for spec in specs], factor, block_size)
+
+
+def gptq_quantize_parts(
+    parts: list[tuple[torch.Tensor, GridSpec]], factor: HessianFactor, block_size: int = 128
+) -> list[QuantResult]:
+    """``gptq_quantize(W, …)`` for every ``(W, spec)`` part — weights that read the same inputs (one
+    ``H``: q/k/v, gate/up, a layer's candidates) — from one sweep over their stacked rows."""
+    for _W, spec in parts:
         check_spec(spec.bits, spec.group_size, spec.grid)
         if not batchable(spec):
             raise ValueError(f"{spec} cannot share a sweep (integer grids on static groups only)")
     perm, U = factor.perm, factor.U
-    W, WT = swept_copy(W, factor)
-    n_in, n_out = WT.shape
     cost = _column_cost(U, "mse")
-    groups = [
-        _Groups(WT.t(), s.bits, s.group_size, s.sym, True, perm, W, s.grid, None if s.grid == "minmax" else cost)
-        for s in specs
-    ]
+    copies, groups = [], []
+    for W, s in parts:
+        W, WT = swept_copy(W, factor)
+        copies.append(WT)
+        groups.append(
+            _Groups(WT.t(), s.bits, s.group_size, s.sym, True, perm, W, s.grid, None if s.grid == "minmax" else cost)
+        )
     del W
+    bounds = [0]
+    for WT in copies:
+        bounds.append(bounds[-1] + WT.shape[1])
     stacked = _StackedGrids(groups)
-    WT = WT.repeat(1, len(specs))  # [in, candidates x out]
+    WT = torch.cat(copies, dim=1) if len(copies) > 1 else copies[0]  # [in, Σ rows]
+    del copies
+    n_in = WT.shape[0]
     QT, codesT = torch.empty_like(WT), torch.empty_like(WT)
     diag = torch.diagonal(U).tolist()
-    error_sq = torch.zeros(len(specs), dtype=torch.float64, device=WT.device)
+    error_sq = torch.zeros(len(parts), dtype=torch.float64, device=WT.device)
     for i1 in range(0, n_in, block_size):
         i2 = min(i1 + block_size, n_in)
         Err1 = _sweep_block(WT, U, i1, i2, stacked, QT, codesT, diag, -1)
         WT[i2:].addmm_(U[i1:i2, i2:].t(), Err1, alpha=-1)
-        per_candidate = Err1.view(i2 - i1, len(specs), n_out)
-        for c in range(len(specs)):  # as gptq_quantize sums it: the float32 norm, squared in float64
-            error_sq[c] += torch.linalg.vector_norm(per_candidate[:, c]).double() ** 2
+        for c in range(len(parts)):  # as gptq_quantize sums it: the float32 norm, squared in float64
+            error_sq[c] += torch.linalg.vector_norm(Err1[:, bounds[c] : bounds[c + 1]]).double() ** 2
     del WT
     inv = None if perm is None else torch.argsort(perm)
     results = []
     for c, g in enumerate(groups):
-        cols = slice(c * n_out, (c + 1) * n_out)
+        cols = slice(bounds[c], bounds[c + 1])
         codes_c = codesT[:, cols] + g.zeros[torch.tensor(g.col_group, device=codesT.device)]
         Q_c = QT[:, cols]
         if inv is not None:

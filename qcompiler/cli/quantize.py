@@ -190,11 +190,12 @@ def _quantize_on_rank(ranks, job: _QuantizeJob) -> None:
     log = say if ranks.is_root else (lambda _m: None)
     with heartbeat(log, f"loading {job.model}"):
         loaded = load(job.model, stream=job.stream, trust_remote_code=job.trust_remote_code)
-    calibration = (
-        _calibration(loaded, job.calib, job.samples, job.seqlen, job.seed, job.packing, job.calib_field)
-        if any(p.needs_calibration for p in job.recipe.passes)
-        else None
-    )
+    calibration = None
+    if any(p.needs_calibration for p in job.recipe.passes):  # tokenizing a large text takes seconds
+        with heartbeat(log, f"preparing {job.samples} calibration samples from {job.calib}"):
+            calibration = _calibration(
+                loaded, job.calib, job.samples, job.seqlen, job.seed, job.packing, job.calib_field
+            )
     start = time.perf_counter()
     cm = qc.compile(
         loaded.model,

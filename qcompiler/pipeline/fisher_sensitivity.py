@@ -78,15 +78,25 @@ class _Probed(StoredWeights):
         return out + probe
 
 
-def sample_tokens(probs: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
-    """One token per row of ``probs`` ``[n, vocabulary]`` (each row a distribution), drawn by inverting
-    its cumulative sum (scaled by each row's total, so float32 drift in the sum picks no token outside
-    the vocabulary). ``torch.multinomial`` took 16 s of the 42 s Fisher pass on Gemma-3 270M's
-    2,048 x 262,144 logits."""
-    u = torch.rand(probs.shape[0], 1, generator=gen, dtype=torch.float64)
-    cdf = probs.float().cumsum(-1)
-    target = (u * cdf[:, -1:].double()).float()
-    return torch.searchsorted(cdf, target, right=True)[:, 0].clamp_(max=cdf.shape[-1] - 1)
+def sample_tokens(weights: torch.Tensor, gen: torch.Generator, block: int = 512) -> torch.Tensor:
+    """``[n]`` tokens, row ``r``'s drawn with probabilities ``weights[r] /
+    Σ weights[r]`` (``weights`` ``[n, vocabulary]``, non-negative, unnormalized): by inverting the
+    cumulative sum of block sums, then of the chosen block alone. ``torch.multinomial`` took 16 s of
+    the 42 s Fisher pass on Gemma-3 270M's 2,048 x 262,144 logits, a cumulative sum over the whole
+    vocabulary 3 s; block sums are one vectorized pass. Sums in float64; rounding that points past a
+    block's last token picks its last one."""
+    n, vocabulary = weights.shape
+    w = weights.float()
+    if vocabulary % block:
+        w = torch.nn.functional.pad(w, (0, -vocabulary % block))
+    blocks = w.view(n, -1, block)
+    cdf = blocks.sum(-1).double().cumsum(-1)  # [n, blocks]
+    u = torch.rand(n, 1, generator=gen, dtype=torch.float64) * cdf[:, -1:]
+    b = torch.searchsorted(cdf, u, right=True).clamp_(max=cdf.shape[1] - 1)
+    rest = u - torch.where(b > 0, cdf.gather(1, (b - 1).clamp(min=0)), torch.zeros_like(u))
+    inner = blocks[torch.arange(n)[:, None], b].double().cumsum(-1)  # [n, 1, block]
+    j = torch.searchsorted(inner, rest[..., None], right=True)[..., 0].clamp_(max=block - 1)
+    return (b * block + j).clamp_(max=vocabulary - 1)[:, 0]
 
 
 def _output_gradient(out: torch.Tensor, mask: Optional[torch.Tensor], kl: bool, gen: torch.Generator, rows_at_once=256):

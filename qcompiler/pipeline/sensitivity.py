@@ -15,6 +15,7 @@ the model fits in memory).
 
 from __future__ import annotations
 
+import math
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
@@ -188,11 +189,13 @@ def score_candidates(
     stored weight, its float32 copy W, stats)`` opens for the layer (and closes after its last candidate).
     ``row_sample[path]``: the weight rows a layer's candidates are solved on (``quantize_rows``: those
     rows of the whole solve); ``W`` is then those rows, and the damage and stored bits are scaled by
-    ``out / rows`` — an unbiased estimate of the whole layer's sums. ``together(candidates, layer, W, H,
-    whole)``: the results of the candidates it can solve at once (None: cannot hold the shape), the same
-    as each one's own solve (``whole``: the layer's weight when ``W`` is a sample of its rows).
+    ``out / rows`` — an unbiased estimate of the whole layer's sums. ``together(candidates, members, H)``
+    (``members``: ``(layer, W, whole)`` of layers reading one input): ``{path: {name: result}}`` for the
+    candidates it can solve at once (None: cannot hold the shape), the same as each one's own solve
+    (``whole``: the layer's weight when ``W`` is a sample of its rows).
     ``walk_on``: the batches the walk (and so each layer's Hessian) runs on instead of the whole
-    calibration.
+    calibration. Layers that read one input (q/k/v, gate/up: one Hessian) are handed to ``together``
+    at once, so their candidates share a sweep too.
     """
     engine = CalibrationEngine.for_pass(gm, ctx if walk_on is None else replace(ctx, calibration=walk_on))
     table: dict[str, dict[str, CandidateScore]] = {}
@@ -201,39 +204,84 @@ def score_candidates(
         if not layers:
             continue
         stats = engine.collect(seg, layers, keep_rows=keep_rows)
-        for layer in layers:
+        for siblings in _by_input(gm, layers, stats):
             start = time.perf_counter()
-            stored = layer.weight(gm)  # read (from disk when streamed): dtype and device of what is stored
-            W = stored.detach().float().to(ctx.device or stored.device)
-            H = stats[layer.path].hessian
-            H = None if H is None else H.to(W.device)
-            rows = (row_sample or {}).get(layer.path)
-            rows = None if rows is None else rows.to(W.device)
-            share = 1.0 if rows is None else W.shape[0] / rows.numel()
-            row = {}
-            scored = W if rows is None else W.index_select(0, rows)
-            solved = {} if together is None else together(candidates, layer, scored, H, None if rows is None else W)
-            with layer_damage(layer, stored, scored, stats[layer.path]) as damage:
-                for name, quantizer in candidates.items():
-                    try:
-                        if name in solved:
-                            result = solved.pop(name)
-                        elif rows is None:
-                            result = quantizer.quantize_layer(layer, W, H)
-                        else:
-                            result = quantizer.quantize_rows(layer, W, H, rows)
-                    except (UnpackableLayer, QuantizationError):
-                        continue  # this candidate cannot hold this layer's shape
-                    if result is not None:  # None: solved together, and its layout cannot hold the shape
-                        row[name] = CandidateScore(stored_bits(result.tensors) * share, damage(result) * share)
-            if not row:
-                raise QuantizationError(f"layer {layer.path}: no candidate can quantize its shape {tuple(W.shape)}")
-            table[layer.path] = row
-            best = min(row, key=lambda c: row[c].distance)
-            on = "" if rows is None else f" on {rows.numel()} of {W.shape[0]} rows"
-            ctx.log(
-                f"  sensitivity {layer.path}: {len(row)} candidates{on}, "
-                f"least damage {best} {row[best].distance:.3g}, {time.perf_counter() - start:.1f}s"
-            )
+            members = [_Member.of(gm, ctx, layer, stats[layer.path], row_sample) for layer in siblings]
+            H = members[0].H
+            whole = [(m.layer, m.scored, None if m.rows is None else m.W) for m in members]
+            solved = {} if together is None or H is None else together(candidates, whole, H)
+            for m in members:
+                row = _score_layer(m, candidates, layer_damage, solved.get(m.layer.path, {}))
+                table[m.layer.path] = row
+                best = min(row, key=lambda c: row[c].distance)
+                on = "" if m.rows is None else f" on {m.rows.numel()} of {m.W.shape[0]} rows"
+                ctx.log(
+                    f"  sensitivity {m.layer.path}: {len(row)} candidates{on}, "
+                    f"least damage {best} {row[best].distance:.3g}, {time.perf_counter() - start:.1f}s"
+                )
+                start = time.perf_counter()
         del stats
     return table
+
+
+@dataclass
+class _Member:
+    """One layer as ``score_candidates`` solves it: its stored weight, the float32 copy ``W``, the rows
+    its candidates are solved on (None: all) and those rows ``scored``, its statistics and ``H``."""
+
+    layer: LinearLayer
+    stored: torch.Tensor
+    W: torch.Tensor
+    rows: Optional[torch.Tensor]
+    scored: torch.Tensor
+    stats: LayerStats
+    H: Optional[torch.Tensor]
+
+    @classmethod
+    def of(cls, gm, ctx, layer: LinearLayer, stats: LayerStats, row_sample: Optional[dict]) -> "_Member":
+        stored = layer.weight(gm)  # read (from disk when streamed): dtype and device of what is stored
+        W = stored.detach().float().to(ctx.device or stored.device)
+        H = None if stats.hessian is None else stats.hessian.to(W.device)
+        rows = (row_sample or {}).get(layer.path)
+        rows = None if rows is None else rows.to(W.device)
+        return cls(layer, stored, W, rows, W if rows is None else W.index_select(0, rows), stats, H)
+
+
+_SIBLING_WEIGHTS = 1 << 26  # float32 copies held at once when siblings are solved together (256 MB)
+
+
+def _by_input(gm: GraphModule, layers: list[LinearLayer], stats: dict) -> list[list[LinearLayer]]:
+    """``layers`` grouped by the statistics they share (one input: q/k/v, gate/up), in graph order;
+    a group whose weights together exceed ``_SIBLING_WEIGHTS`` stays one layer at a time (each
+    member's float32 copy is held until its candidates are scored)."""
+    groups: dict[int, list[LinearLayer]] = {}
+    for layer in layers:
+        groups.setdefault(id(stats[layer.path]), []).append(layer)
+    out = []
+    for group in groups.values():
+        size = sum(math.prod(layer.weight_shape(gm)) for layer in group)
+        out += [group] if size <= _SIBLING_WEIGHTS else [[layer] for layer in group]
+    return out
+
+
+def _score_layer(m: _Member, candidates: dict, layer_damage: Callable, solved: dict) -> dict[str, CandidateScore]:
+    """Every candidate that can hold ``m``'s shape, scored: its stored bits and damage (scaled by
+    ``out / rows`` when solved on a sample of the rows); ``solved``: results already solved together."""
+    share = 1.0 if m.rows is None else m.W.shape[0] / m.rows.numel()
+    row = {}
+    with layer_damage(m.layer, m.stored, m.scored, m.stats) as damage:
+        for name, quantizer in candidates.items():
+            try:
+                if name in solved:
+                    result = solved.pop(name)
+                elif m.rows is None:
+                    result = quantizer.quantize_layer(m.layer, m.W, m.H)
+                else:
+                    result = quantizer.quantize_rows(m.layer, m.W, m.H, m.rows)
+            except (UnpackableLayer, QuantizationError):
+                continue  # this candidate cannot hold this layer's shape
+            if result is not None:  # None: solved together, and its layout cannot hold the shape
+                row[name] = CandidateScore(stored_bits(result.tensors) * share, damage(result) * share)
+    if not row:
+        raise QuantizationError(f"layer {m.layer.path}: no candidate can quantize its shape {tuple(m.W.shape)}")
+    return row
