@@ -188,6 +188,7 @@ def test_scores_on_sampled_rows_estimate_the_whole_layers(monkeypatch):
     assert 0.7 <= float(a.sum() / b.sum()) <= 1.3
 
 
+@pytest.mark.slow  # the default tier holds the same property per solver (test_gptq_many.py, test_spqr.py)
 def test_candidates_solved_together_across_siblings_score_as_each_solved_alone(monkeypatch):
     """q/k/v and gate/up hand their candidates to one GPTQ and one SpQR sweep (``together``): the
     table — every (layer, candidate) pair's bits and damage, on sampled rows — equals the one with
