@@ -36,12 +36,11 @@ def solve_spqr_candidates(
     ``whole``: the layer's weight when ``W`` is a sample of its rows (τ is the whole layer's)."""
     if H is None:
         return {}
-    if len(members) > 1 and sum(W.numel() for _layer, W, _whole in members) * len(quantizers) > MAX_STACKED:
+    spqr = {name: q for name, q in quantizers.items() if isinstance(q, SpQR) and q.outlier_fraction is None}
+    if len(members) > 1 and sum(W.numel() for _layer, W, _whole in members) * len(spqr) > MAX_STACKED:
         return {path: row for member in members for path, row in solve_spqr_candidates(quantizers, [member], H).items()}
     groups: dict[tuple, list[tuple]] = {}
-    for name, q in quantizers.items():
-        if not isinstance(q, SpQR) or q.outlier_fraction is not None:
-            continue
+    for name, q in spqr.items():
         key = (q.group_size, q.stat_bits, q.stat_group_size, q.outlier_threshold, q.act_order, q.damp, q.block_size)
         for layer, W, whole in members:
             try:

@@ -86,17 +86,14 @@ def gptq_quantize_parts(
             raise ValueError(f"{spec} cannot share a sweep (integer grids on static groups only)")
     perm, U = factor.perm, factor.U
     cost = _column_cost(U, "mse")
-    copies, groups = [], []
+    copies, groups, bounds = [], [], [0]  # bounds: each part's columns of the stack
     for W, s in parts:
         W, WT = swept_copy(W, factor)
         copies.append(WT)
+        bounds.append(bounds[-1] + WT.shape[1])
         groups.append(
             _Groups(WT.t(), s.bits, s.group_size, s.sym, True, perm, W, s.grid, None if s.grid == "minmax" else cost)
         )
-    del W
-    bounds = [0]
-    for WT in copies:
-        bounds.append(bounds[-1] + WT.shape[1])
     stacked = _StackedGrids(groups)
     WT = torch.cat(copies, dim=1) if len(copies) > 1 else copies[0]  # [in, Σ rows]
     del copies

@@ -207,9 +207,9 @@ def score_candidates(
         for siblings in _by_input(gm, layers, stats):
             start = time.perf_counter()
             members = [_Member.of(gm, ctx, layer, stats[layer.path], row_sample) for layer in siblings]
-            H = members[0].H
-            whole = [(m.layer, m.scored, None if m.rows is None else m.W) for m in members]
-            solved = {} if together is None or H is None else together(candidates, whole, H)
+            H = members[0].H  # one input: one Hessian
+            parts = [(m.layer, m.scored, None if m.rows is None else m.W) for m in members]
+            solved = {} if together is None or H is None else together(candidates, parts, H)
             for m in members:
                 row = _score_layer(m, candidates, layer_damage, solved.get(m.layer.path, {}))
                 table[m.layer.path] = row
