@@ -1,6 +1,6 @@
-"""The formats GPUs serve today — FP8 (per channel, per block; dynamic FP8 activations), NVFP4 and
-MXFP4 (W4A16), an FP8 KV cache — qcompiler's RTN, GPTQ and rotated GPTQ against llm-compressor 0.14's
-presets on the same models, calibration and bits.
+"""The formats GPUs serve today — FP8 (per channel, per block; dynamic or static FP8 activations),
+NVFP4 (W4A16 and W4A4) and MXFP4 (W4A16), an FP8 KV cache — qcompiler's RTN, GPTQ and rotated GPTQ
+against llm-compressor 0.14's presets on the same models, calibration and bits.
 
     python benchmarks/formats.py --llmc-python /tmp/venvs/llmc/bin/python            (~30 min, 2 cores)
     python benchmarks/formats.py --llmc-python ... --models minilm --quick            (checks the script)
@@ -9,7 +9,7 @@ presets on the same models, calibration and bits.
 llm-compressor lives in its own venv (``python -m venv --system-site-packages V && V/bin/pip install
 llmcompressor==0.14.0``); each of its rows runs in a child process of that venv: its
 ``QuantizationModifier`` with the preset (``FP8_DYNAMIC``, ``FP8_BLOCK``, ``NVFP4A16``, ``MXFP4A16``:
-its RTN) or its ``GPTQModifier`` with the preset (dampening 0.01, its default activation order),
+its RTN; ``NVFP4``: W4A4) or its ``GPTQModifier`` with the preset (dampening 0.01, its default activation order),
 ``oneshot`` with the sequential pipeline on the same calibration windows / sentences as ours. The
 judges are benchmarks/frontier.py's: loss vs FP32 (MiniLM 1 − cosine, LMs perplexity increase) and
 next-token KL on held-out windows (Gemma-3 270M: KL on 8 windows of 256 tokens only). Bits: ours
@@ -40,9 +40,12 @@ PEERS = {
     "llmc-gptq-nvfp4a16": ("GPTQModifier", "NVFP4A16"),
     "llmc-mxfp4a16": ("QuantizationModifier", "MXFP4A16"),
     "llmc-gptq-mxfp4a16": ("GPTQModifier", "MXFP4A16"),
+    "llmc-nvfp4": ("QuantizationModifier", "NVFP4"),  # W4A4
+    "llmc-gptq-nvfp4": ("GPTQModifier", "NVFP4"),
 }
 OURS = ["fp8-dynamic", "gptq-fp8-dynamic", "fp8-block-dynamic", "rtn-nvfp4", "gptq-nvfp4", "rotate-gptq-nvfp4"]
-OURS += ["rtn-mxfp4", "gptq-mxfp4", "fp8-kv", "fp8-dynamic-kv"]
+OURS += ["rtn-mxfp4", "gptq-mxfp4", "fp8-kv", "fp8-dynamic-kv", "fp8-static", "gptq-fp8-static"]
+OURS += ["nvfp4-w4a4", "gptq-nvfp4-w4a4", "rotate-gptq-nvfp4-w4a4"]
 SAME_BITS = {  # a peer row's format is the one of this recipe of ours
     "llmc-fp8-dynamic": "fp8-dynamic",
     "llmc-fp8-block": "fp8-block-dynamic",
@@ -50,6 +53,8 @@ SAME_BITS = {  # a peer row's format is the one of this recipe of ours
     "llmc-gptq-nvfp4a16": "rtn-nvfp4",
     "llmc-mxfp4a16": "rtn-mxfp4",
     "llmc-gptq-mxfp4a16": "rtn-mxfp4",
+    "llmc-nvfp4": "nvfp4-w4a4",
+    "llmc-gptq-nvfp4": "nvfp4-w4a4",
 }
 
 

@@ -10,6 +10,7 @@ from qcompiler.passes.gptq import GPTQ
 from qcompiler.passes.gptq_checkpoint import LoadGPTQCheckpoint
 from qcompiler.passes.lower_int8 import LowerInt8
 from qcompiler.passes.mixed_precision import MixedPrecision
+from qcompiler.passes.nvfp4_activations import NVFP4Activations
 from qcompiler.passes.rotate import Rotate
 from qcompiler.passes.rtn import RTN
 from qcompiler.passes.signround import SignRound
@@ -29,6 +30,7 @@ __all__ = [
     "Rotate",
     "SignRound",
     "FP8Activations",
+    "NVFP4Activations",
     "FP8KVCache",
     "QuantizeEmbeddings",
 ]

@@ -15,6 +15,7 @@ from qcompiler.passes.fp8_activations import FP8Activations
 from qcompiler.passes.fp8_kv_cache import FP8KVCache
 from qcompiler.passes.gptq import GPTQ
 from qcompiler.passes.lower_int8 import LowerInt8
+from qcompiler.passes.nvfp4_activations import NVFP4Activations
 from qcompiler.passes.rotate import Rotate
 from qcompiler.passes.rtn import RTN
 from qcompiler.passes.signround import SignRound
@@ -201,6 +202,33 @@ def _register_float_formats() -> None:
         "randomized Hadamard rotations, then GPTQ on the NVFP4 grid",
         lambda: [Rotate(), GPTQ(bits=4, group_size=16, grid="nvfp4")],
     )
+    _register_static_activations()
+
+
+def _register_static_activations() -> None:
+    """Activations with calibrated scales: FP8 static per tensor (compressed-tensors' FP8 scheme,
+    with per-channel weights) and NVFP4 W4A4 (its NVFP4 scheme), by RTN or GPTQ, NVFP4 also rotated."""
+    fp8 = dict(bits=8, group_size=-1, grid="fp8")
+    static = "; inputs rounded to e4m3 with one static scale per tensor (the largest calibration input / 448)"
+    for name, cls in (("fp8-static", RTN), ("gptq-fp8-static", GPTQ)):
+        register_recipe(
+            name,
+            f"{_describe(cls, fp8)}{static}",
+            (lambda cls=cls: [cls(**fp8), FP8Activations("static")]),
+        )
+    nvfp4 = dict(bits=4, group_size=16, grid="nvfp4")
+    a4 = "; W4A4: inputs rounded to NVFP4 at run time (e4m3 scales per 16, a calibrated global scale per tensor)"
+    for name, rotate, cls in (
+        ("nvfp4-w4a4", False, RTN),
+        ("gptq-nvfp4-w4a4", False, GPTQ),
+        ("rotate-gptq-nvfp4-w4a4", True, GPTQ),
+    ):
+        first = "randomized Hadamard rotations, then " if rotate else ""
+        register_recipe(
+            name,
+            f"{first}{_describe(cls, nvfp4)}{a4}",
+            (lambda cls=cls, rotate=rotate: ([Rotate()] if rotate else []) + [cls(**nvfp4), NVFP4Activations()]),
+        )
 
 
 def _register_families() -> None:

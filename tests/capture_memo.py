@@ -6,8 +6,11 @@ of a Hugging Face model — class, full config (and attention implementation), t
 forward, every parameter and buffer name/shape/dtype, the example's shapes and dtypes, the dynamic
 shapes — and hands later captures the same program re-bound to the new model's own tensors, so
 the graph computes with that model's weights exactly as a fresh capture would. Models that are not
-Hugging Face models (their forward may depend on constructor options no key sees) and streamed
-skeletons always export afresh. ``QC_TEST_CAPTURE_MEMO=0`` turns it off.
+Hugging Face models (their forward may depend on constructor options no key sees) always export
+afresh. A streamed skeleton (fake parameters) gets its own program, rebound to the new skeleton's
+placeholders the same way (``lazy_weights.attach`` then maps them to its checkpoint).
+``QC_TEST_CAPTURE_MEMO=0`` turns it off, also while a test runs (a test of what capture itself
+reads sets it).
 """
 
 from __future__ import annotations
@@ -34,11 +37,12 @@ def _spec(value):
 
 def _key(model: torch.nn.Module, args: tuple, kwargs: dict, shapes):
     config = getattr(model, "config", None)
-    if not hasattr(config, "to_json_string") or lazy_weights.fake_mode_of(model) is not None:
+    if not hasattr(config, "to_json_string"):
         return None
     tensors = [(name, tuple(t.shape), t.dtype) for name, t in model.state_dict(keep_vars=True).items()]
     tensors += [(name, tuple(t.shape), t.dtype) for name, t in model.named_buffers(remove_duplicate=False)]
     return (
+        lazy_weights.fake_mode_of(model) is not None,  # a streamed skeleton: its own program, rebound alike
         type(model),
         "forward" in vars(model),
         config.to_json_string(use_diff=False),
@@ -66,7 +70,7 @@ def install() -> None:
     export = capture_module.export_program
 
     def memoized(model, args, kwargs, shapes):
-        key = _key(model, args, kwargs, shapes)
+        key = None if os.environ.get("QC_TEST_CAPTURE_MEMO", "1") == "0" else _key(model, args, kwargs, shapes)
         if key is None:
             return export(model, args, kwargs, shapes)
         if key not in _programs:

@@ -41,13 +41,20 @@ def kernel_device():
 # on a 30 s test the other started last.
 LONGEST_FILES = (
     "test_client_conformance.py",  # slow run: ~5 min, one test (the cover)
+    "test_distributed.py",  # 20 s of three processes in one test: started last it was the tail
     "test_cli.py",
+    "test_docs_examples.py",  # the README's Python: 11 s in one test
+    "test_llama_cpp_runs_our_gguf.py",
     "test_onnx_backend.py",
     "test_causal_lm.py",
     "test_moe_experts.py",
     "test_streaming.py",
     "test_artifacts_and_interop.py",
     "test_bundled_models.py",
+    "test_gguf_grids.py",
+    "test_rotate.py",
+    "test_onnx_genai.py",
+    "test_onnx_embeddings.py",
 )
 
 

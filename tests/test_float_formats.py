@@ -213,7 +213,9 @@ def test_the_checkpoint_decompresses_to_our_weights_bit_for_bit(grid, tmp_path):
         assert torch.equal(ours.to(lib.dtype) if grid == "nvfp4" else ours, lib.float() if grid != "nvfp4" else lib)
 
 
-@pytest.mark.parametrize("recipe", ["fp8-dynamic", "gptq-fp8-dynamic", "rtn-fp8-block", "rtn-nvfp4", "gptq-mxfp4"])
+@pytest.mark.parametrize(
+    "recipe", ["fp8-dynamic", "gptq-fp8-dynamic", "rtn-fp8-block", "fp8-static", "rtn-nvfp4", "gptq-mxfp4"]
+)
 def test_transformers_runs_the_checkpoint_like_the_graph(recipe, tmp_path):
     """transformers (compressed-tensors installed) loads the export on CPU and its logits are the
     graph's: FP8 in float32 exactly, dynamic FP8 activations included; the FP4 formats, which the

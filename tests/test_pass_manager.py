@@ -116,7 +116,7 @@ def test_every_built_in_pass_declares_its_contract():
     weight quantizer inherits QUANTIZED_WEIGHTS from ``WeightQuantizer`` (it may add more), every
     other pass says itself what it provides (never the empty default of ``Pass``)."""
     built_in = [getattr(qc.passes, name) for name in qc.passes.__all__]
-    assert len(built_in) == 14
+    assert len(built_in) == 15
     for cls in built_in:
         assert issubclass(cls, qc.Pass)
         if issubclass(cls, qc.WeightQuantizer):

@@ -1,11 +1,13 @@
 """compressed-tensors' floating-point formats, written from the float layouts' tensors as they are:
 FP8 → ``float-quantized`` (e4m3 ``weight``, fp32 ``weight_scale`` per channel ``[out, 1]`` or per
-128 × 128 block; FP8 activations dynamic per token or per token-group of 128), NVFP4 →
-``nvfp4-pack-quantized`` (``weight_packed``, e4m3 ``weight_scale``, ``weight_global_scale`` in
-compressed-tensors' own convention), MXFP4 → ``mxfp4-pack-quantized`` (``weight_packed``, e8m0
-``weight_scale`` as uint8). The schemes are the ones compressed-tensors' presets FP8_DYNAMIC,
-FP8_BLOCK, NVFP4A16 and MXFP4A16 serialize to; its decompressor reads our tensors back bit for bit
-(tests/test_float_formats.py).
+128 × 128 block; FP8 activations dynamic per token or per token-group of 128, or static per tensor
+with an ``input_scale``), NVFP4 → ``nvfp4-pack-quantized`` (``weight_packed``, e4m3
+``weight_scale``, ``weight_global_scale`` in compressed-tensors' own convention; W4A4 adds the
+activations' ``input_global_scale``, their local scales ``dynamic: local``), MXFP4 →
+``mxfp4-pack-quantized`` (``weight_packed``, e8m0 ``weight_scale`` as uint8). The schemes are the
+ones compressed-tensors' presets FP8_DYNAMIC, FP8_BLOCK, NVFP4A16, NVFP4 and MXFP4A16 serialize to
+(static FP8: its FP8 preset's activations); its decompressor reads our tensors back bit for bit
+(tests/test_float_formats.py, tests/test_calibrated_activations.py).
 """
 
 from __future__ import annotations
@@ -28,7 +30,9 @@ def fp8_scheme(block: int, activations: str) -> dict:
     else:
         weights = _float_weights(8, "channel", group_size=None)
     acts = None
-    if activations != "none":
+    if activations == "static":
+        acts = _float_weights(8, "tensor", group_size=None)
+    elif activations != "none":
         acts = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": True}
         grouped = activations == "group"
         acts |= {"strategy": "group" if grouped else "token", "group_size": 128 if grouped else None}
@@ -42,6 +46,8 @@ def _module(gm, path: str) -> str:
 def _fp8_layer(gm, a: OpArgs, path: str) -> list[tuple[str, dict, dict]]:
     weight, scale = a.tensors(gm, "weight_fp8", "weight_scale")
     tensors = {"weight": weight, "weight_scale": scale.float()}
+    if a.input_scale is not None:
+        tensors["input_scale"] = a.tensor(gm, "input_scale").float().reshape(1)
     return [(_module(gm, path), tensors, fp8_scheme(int(a.block), a.activations))]
 
 
@@ -49,7 +55,11 @@ def _nvfp4_layer(gm, a: OpArgs, path: str) -> list[tuple[str, dict, dict]]:
     packed, scale, global_scale = a.tensors(gm, "weight_packed", "weight_scale", "weight_global_scale")
     tensors = {"weight_packed": packed, "weight_scale": scale, "weight_global_scale": global_scale.float().reshape(1)}
     weights = _float_weights(4, "tensor_group", group_size=16, scale_dtype="torch.float8_e4m3fn")
-    scheme = {"format": "nvfp4-pack-quantized", "weights": weights, "input_activations": None}
+    acts = None
+    if a.input_global_scale is not None:
+        tensors["input_global_scale"] = a.tensor(gm, "input_global_scale").float().reshape(1)
+        acts = weights | {"dynamic": "local"}
+    scheme = {"format": "nvfp4-pack-quantized", "weights": weights, "input_activations": acts}
     return [(_module(gm, path), tensors, scheme)]
 
 

@@ -22,4 +22,5 @@ class GraphProperty(enum.Enum):
     INT8_LOWERED = "int8_lowered"  # linears replaced by int8 x int8 ops
     OUTLIERS_SPLIT = "outliers_split"  # SpQR dense + sparse branches
     FP8_ACTIVATIONS = "fp8_activations"  # FP8 linears quantize their inputs to e4m3 at run time
+    FP4_ACTIVATIONS = "fp4_activations"  # NVFP4 linears quantize their inputs to e2m1 (W4A4)
     FP8_KV_CACHE = "fp8_kv_cache"  # attention reads keys and values as an FP8 cache holds them

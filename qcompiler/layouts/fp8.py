@@ -1,6 +1,7 @@
 """FP8: e4m3 weights with an fp32 scale per output channel or per 128 × 128 block — ``qc.fp8_linear``,
-optionally with FP8 activations quantized at run time (per token, or per token and 128 inputs:
-compressed-tensors' FP8-dynamic and FP8-block schemes).
+optionally with FP8 activations: quantized at run time (per token, or per token and 128 inputs:
+compressed-tensors' FP8-dynamic and FP8-block schemes) or with one calibrated static scale per
+tensor (its FP8 scheme's activations: ``input_scale``, no reduction at run time).
 
 ``weight_fp8`` float8_e4m3fn ``[out, in]``; ``weight_scale`` float32 ``[out, 1]`` (per channel,
 ``block=0``) or ``[⌈out/128⌉, ⌈in/128⌉]`` (``block=128``). On CPU the op dequantizes and multiplies in
@@ -25,8 +26,9 @@ from qcompiler.layouts.base import LayerQuant, LayerRewrite, Layout, linear_rewr
 
 __all__ = ["FP8", "FP8_ACTIVATIONS", "fp8_linear", "dequantize_fp8", "quantize_fp8_activations", "fp8_layer"]
 
-# "none": weight-only (W8A16); "token": one dynamic scale per token; "group": one per token and 128 inputs
-FP8_ACTIVATIONS = ("none", "token", "group")
+# "none": weight-only (W8A16); "token": one dynamic scale per token; "group": one per token and 128
+# inputs; "static": one calibrated scale per tensor (``input_scale``)
+FP8_ACTIVATIONS = ("none", "token", "group", "static")
 ACTIVATION_GROUP = 128
 
 
@@ -36,11 +38,17 @@ def dequantize_fp8(weight_fp8: Tensor, weight_scale: Tensor, block: int) -> Tens
     return dequantize(weight_fp8, weight_scale, fmt)
 
 
-def quantize_fp8_activations(x: Tensor, activations: str) -> Tensor:
+def quantize_fp8_activations(x: Tensor, activations: str, input_scale: Optional[Tensor] = None) -> Tensor:
     """``x`` (float32) rounded to e4m3 with a dynamic scale ``max|x| / 448`` per token (``"token"``)
-    or per token and group of 128 inputs (``"group"``): the values an FP8 GEMM multiplies."""
+    or per token and group of 128 inputs (``"group"``), or with the calibrated ``input_scale``
+    (``"static"``, saturating at ±448 steps): the values an FP8 GEMM multiplies."""
     if activations == "none":
         return x
+    if activations == "static":
+        if input_scale is None:
+            raise QuantizationError("static FP8 activations need an input_scale")
+        scale = input_scale.float().reshape(())
+        return round_to_element(x / scale, "e4m3") * scale
     shape = x.shape
     if activations == "group":
         if shape[-1] % ACTIVATION_GROUP:
@@ -53,26 +61,37 @@ def quantize_fp8_activations(x: Tensor, activations: str) -> Tensor:
 
 @torch.library.custom_op("qc::fp8_linear", mutates_args=())
 def fp8_linear(
-    x: Tensor, weight_fp8: Tensor, weight_scale: Tensor, bias: Optional[Tensor], block: int, activations: str
+    x: Tensor,
+    weight_fp8: Tensor,
+    weight_scale: Tensor,
+    bias: Optional[Tensor],
+    block: int,
+    activations: str,
+    input_scale: Optional[Tensor] = None,
 ) -> Tensor:
     """FP8 linear: e4m3 weights (per channel or per block scales); activations as they come
-    (``"none"``) or rounded to e4m3 per token / per token-group first."""
+    (``"none"``) or rounded to e4m3 per token / per token-group / with the static ``input_scale`` first."""
     w = dequantize_fp8(weight_fp8, weight_scale, block)
     if activations == "none":
         return F.linear(x, w.to(x.dtype), None if bias is None else bias.to(x.dtype))
-    y = F.linear(quantize_fp8_activations(x.float(), activations), w, None if bias is None else bias.float())
-    return y.to(x.dtype)
+    xq = quantize_fp8_activations(x.float(), activations, input_scale)
+    return F.linear(xq, w, None if bias is None else bias.float()).to(x.dtype)
 
 
 @fp8_linear.register_fake
-def _fp8_linear_fake(x, weight_fp8, weight_scale, bias, block, activations):
+def _fp8_linear_fake(x, weight_fp8, weight_scale, bias, block, activations, input_scale=None):
     return x.new_empty((*x.shape[:-1], weight_fp8.shape[0]))
 
 
 def _validate(a, gm) -> None:
-    """e4m3 weights and a float scale per channel (``block`` 0) or per 128 x 128 block."""
+    """e4m3 weights and a float scale per channel (``block`` 0) or per 128 x 128 block; an fp32
+    ``input_scale`` ``[1]`` exactly when the activations are static."""
     if a.block not in (0, 128) or a.activations not in FP8_ACTIVATIONS:
         raise ValueError(f"block={a.block!r}, activations={a.activations!r} (block 0 or 128; {FP8_ACTIVATIONS})")
+    if (a.activations == "static") != (a.input_scale is not None):
+        raise ValueError(f"activations={a.activations!r} with{'out' if a.input_scale is None else ''} an input_scale")
+    if a.input_scale is not None:
+        expect_stored(a, gm, "input_scale", (torch.float32,), (1,))
     out, n_in = expect_stored(a, gm, "weight_fp8", (torch.float8_e4m3fn,))
     cells = (out, 1) if a.block == 0 else (-(-out // a.block), -(-n_in // a.block))
     expect_stored(a, gm, "weight_scale", (torch.float32, torch.bfloat16, torch.float16), cells)

@@ -6,6 +6,11 @@ plus 32 per tensor).
 float8_e4m3fn ``[out, in/16]`` in global-scaled units, ``weight_global_scale`` float32 ``[1]``:
 a weight is ``e2m1 · weight_scale / weight_global_scale`` (compressed-tensors' convention;
 ModelOpt's checkpoints store the reciprocal global scale).
+
+W4A4: with an ``input_global_scale`` (fp32 ``[1]``, ``448 · 6 / max|x|`` over calibration) the
+inputs are rounded to NVFP4 at run time too, on the same rule as the weights: an e4m3 scale per 16
+inputs of each token, computed from the token in global-scaled units (compressed-tensors' NVFP4
+scheme, ``dynamic: local``; what a Blackwell FP4 GEMM multiplies).
 """
 
 from __future__ import annotations
@@ -17,13 +22,30 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from qcompiler.algorithms.float_grid import FLOAT_FORMATS, FloatQuant, dequantize, pack_e2m1, unpack_e2m1
+from qcompiler.algorithms.float_grid import (
+    FLOAT_FORMATS,
+    FloatQuant,
+    dequantize,
+    effective_scales,
+    fit_scales,
+    pack_e2m1,
+    per_element,
+    quantize_elements,
+    unpack_e2m1,
+)
 from qcompiler.ir.graph import LinearLayer, find_linears, find_siblings, source_of
 from qcompiler.ir.graph_property import GraphProperty
 from qcompiler.ir.op_registry import OpSpec, expect_stored, register
 from qcompiler.layouts.base import LayerQuant, LayerRewrite, Layout, expect_fp4_pairs, linear_rewrite, register_layout
 
-__all__ = ["NVFP4", "nvfp4_linear", "dequantize_nvfp4", "nvfp4_layer", "fused_global_amax"]
+__all__ = [
+    "NVFP4",
+    "nvfp4_linear",
+    "dequantize_nvfp4",
+    "quantize_nvfp4_activations",
+    "nvfp4_layer",
+    "fused_global_amax",
+]
 
 NVFP4_FORMAT = FLOAT_FORMATS["nvfp4"]
 
@@ -34,24 +56,46 @@ def dequantize_nvfp4(weight_packed: Tensor, weight_scale: Tensor, weight_global_
     return dequantize(unpack_e2m1(weight_packed, n_in), weight_scale, NVFP4_FORMAT, weight_global_scale)
 
 
+def quantize_nvfp4_activations(x: Tensor, input_global_scale: Tensor) -> Tensor:
+    """``x`` (float32 ``[..., in]``, ``in`` a multiple of 16) on the NVFP4 grid: per token and 16
+    inputs an e4m3 scale ``max|x| / 6`` in units of ``input_global_scale`` (saturating at 448), the
+    elements rounded to e2m1 — the values an FP4 GEMM multiplies."""
+    rows = x.reshape(-1, x.shape[-1])
+    g = input_global_scale.float().reshape(1)
+    scale = per_element(effective_scales(fit_scales(rows, NVFP4_FORMAT, g), NVFP4_FORMAT, g), NVFP4_FORMAT, rows.shape)
+    return (quantize_elements(rows, scale, NVFP4_FORMAT.element) * scale).reshape(x.shape)
+
+
 @torch.library.custom_op("qc::nvfp4_linear", mutates_args=())
 def nvfp4_linear(
-    x: Tensor, weight_packed: Tensor, weight_scale: Tensor, weight_global_scale: Tensor, bias: Optional[Tensor]
+    x: Tensor,
+    weight_packed: Tensor,
+    weight_scale: Tensor,
+    weight_global_scale: Tensor,
+    bias: Optional[Tensor],
+    input_global_scale: Optional[Tensor] = None,
 ) -> Tensor:
-    """Weight-only NVFP4 linear (W4A16): dequantize, then an ordinary matmul."""
-    w = dequantize_nvfp4(weight_packed, weight_scale, weight_global_scale).to(x.dtype)
-    return F.linear(x, w, None if bias is None else bias.to(x.dtype))
+    """NVFP4 linear: weight-only (W4A16: dequantize, then an ordinary matmul), or W4A4 with an
+    ``input_global_scale`` (the inputs rounded to NVFP4 first, the product in float32)."""
+    w = dequantize_nvfp4(weight_packed, weight_scale, weight_global_scale)
+    if input_global_scale is None:
+        return F.linear(x, w.to(x.dtype), None if bias is None else bias.to(x.dtype))
+    xq = quantize_nvfp4_activations(x.float(), input_global_scale)
+    return F.linear(xq, w, None if bias is None else bias.float()).to(x.dtype)
 
 
 @nvfp4_linear.register_fake
-def _nvfp4_linear_fake(x, weight_packed, weight_scale, weight_global_scale, bias):
+def _nvfp4_linear_fake(x, weight_packed, weight_scale, weight_global_scale, bias, input_global_scale=None):
     return x.new_empty((*x.shape[:-1], weight_packed.shape[0]))
 
 
 def _validate(a, gm) -> None:
-    """e2m1 pairs ``[out, in/2]``, e4m3 scales ``[out, in/16]``, one fp32 global scale."""
+    """e2m1 pairs ``[out, in/2]``, e4m3 scales ``[out, in/16]``, one fp32 global scale (and one for
+    the inputs, W4A4)."""
     expect_fp4_pairs(a, gm, NVFP4_FORMAT.group, torch.float8_e4m3fn)
     expect_stored(a, gm, "weight_global_scale", (torch.float32,), (1,))
+    if a.input_global_scale is not None:
+        expect_stored(a, gm, "input_global_scale", (torch.float32,), (1,))
 
 
 register(
