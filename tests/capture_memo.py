@@ -1,10 +1,12 @@
-"""One ``torch.export`` per architecture and example shape per test worker.
+"""One ``torch.export`` per architecture per test worker, reused for every example its guards admit.
 
 About two thirds of the suite's time was ``torch.export`` re-capturing the same tiny models (the
 2-layer LLaMA alone 60 times). The memo keys a capture by everything that decides the traced graph
 of a Hugging Face model — class, full config (and attention implementation), the cache-mode
-forward, every parameter and buffer name/shape/dtype, the example's shapes and dtypes, the dynamic
-shapes — and hands later captures the same program re-bound to the new model's own tensors, so
+forward, every parameter and buffer name/shape/dtype, the example's ranks and dtypes, the dynamic
+shapes — and hands a later capture whose example sizes the program's own guards admit (``_fits``:
+static sizes equal, symbolic ones inside their traced ranges; the same example sizes were a third
+of the suite's exports) the same program re-bound to the new model's own tensors, so
 the graph computes with that model's weights exactly as a fresh capture would. Models that are not
 Hugging Face models (their forward may depend on constructor options no key sees) always export
 afresh. A streamed skeleton (fake parameters) gets its own program, rebound to the new skeleton's
@@ -30,9 +32,40 @@ _programs: dict = {}
 
 
 def _spec(value):
-    if isinstance(value, torch.Tensor):
-        return ("tensor", tuple(value.shape), value.dtype)
+    if isinstance(value, torch.Tensor):  # sizes are checked against each program's own guards (_fits)
+        return ("tensor", value.dim(), value.dtype)
     return ("value", repr(value))
+
+
+def _fits(program: torch.export.ExportedProgram, args: tuple, kwargs: dict) -> bool:
+    """Whether ``program`` was traced for inputs of these sizes: each static size equal, each
+    symbolic one inside the program's range for its symbol (where tracing branched on a size, the
+    range says which side it took) and equal wherever the program shares the symbol."""
+    import torch.fx._pytree as fx_pytree
+
+    try:
+        leaves = fx_pytree.tree_flatten_spec((args, kwargs), program.call_spec.in_spec)
+    except Exception:
+        return False
+    names = program.graph_signature.user_inputs
+    values = {n.name: n.meta.get("val") for n in program.graph.nodes if n.op == "placeholder"}
+    bound: dict = {}
+    for name, leaf in zip(names, leaves, strict=True):
+        if not isinstance(leaf, torch.Tensor):
+            continue  # constants: in the key
+        traced = values.get(name)
+        if traced is None or traced.dim() != leaf.dim():
+            return False
+        for size, actual in zip(traced.shape, leaf.shape):
+            if isinstance(size, int):
+                if size != actual:
+                    return False
+                continue
+            symbol = size.node.expr
+            ranges = program.range_constraints.get(symbol)
+            if ranges is None or bound.setdefault(symbol, actual) != actual or actual not in ranges:
+                return False
+    return True
 
 
 def _key(model: torch.nn.Module, args: tuple, kwargs: dict, shapes):
@@ -73,8 +106,11 @@ def install() -> None:
         key = None if os.environ.get("QC_TEST_CAPTURE_MEMO", "1") == "0" else _key(model, args, kwargs, shapes)
         if key is None:
             return export(model, args, kwargs, shapes)
-        if key not in _programs:
-            _programs[key] = export(model, args, kwargs, shapes)
-        return _rebound(_programs[key], model)
+        programs = _programs.setdefault(key, [])
+        program = next((p for p in programs if _fits(p, args, kwargs)), None)
+        if program is None:
+            program = export(model, args, kwargs, shapes)
+            programs.append(program)
+        return _rebound(program, model)
 
     capture_module.export_program = memoized
