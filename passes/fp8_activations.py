@@ -17,7 +17,8 @@ import torch
 from torch.fx import GraphModule
 
 from qcompiler.errors import QuantizationError
-from qcompiler.ir.op_registry import args_of, call_op, quantized_layer_path, spec_of
+from qcompiler.ir.node_swap import with_arguments
+from qcompiler.ir.op_registry import args_of, quantized_layer_path, spec_of
 from qcompiler.ir.tensors import drop_attr_if_unused, set_tensor
 from qcompiler.layouts.fp8 import ACTIVATION_GROUP, FP8_ACTIVATIONS
 from qcompiler.passes.activation_ranges import input_ranges
@@ -63,19 +64,17 @@ class FP8Activations(Pass):
                     f"layer {path}: in_features={width} is not a multiple of "
                     f"{ACTIVATION_GROUP}, which FP8 group activations need; use strategy='token'"
                 )
-            changes = {"activations": self.strategy, "input_scale": None}
+            input_scale = None
             if self.strategy == "static":
                 scale = torch.tensor([max(ranges[node.name], 1e-12) / 448.0], dtype=torch.float32, device=device)
                 set_tensor(gm, f"{path}.input_scale", scale)
                 ctx.record.layers.setdefault(path, {})["input_scale"] = scale.item()
-            with gm.graph.inserting_before(node):
-                if self.strategy == "static":  # a second run re-calibrates the same tensor
-                    changes["input_scale"] = a.input_scale or gm.graph.get_attr(f"{path}.input_scale")
-                new = call_op(gm.graph, "fp8_linear", **{**a.as_dict(), **changes})
-            new.meta.update(node.meta)
-            node.replace_all_uses_with(new)
-            gm.graph.erase_node(node)
-            if a.input_scale is not None and a.input_scale is not changes["input_scale"]:
+                input_scale = a.input_scale  # a second run re-calibrates the same tensor
+                if input_scale is None:
+                    with gm.graph.inserting_before(node):
+                        input_scale = gm.graph.get_attr(f"{path}.input_scale")
+            with_arguments(gm, node, activations=self.strategy, input_scale=input_scale)
+            if a.input_scale is not None and a.input_scale is not input_scale:
                 drop_attr_if_unused(gm, a.input_scale)
         how = "a calibrated static scale per tensor" if self.strategy == "static" else f"dynamic per {self.strategy}"
         ctx.log(f"FP8Activations: {len(nodes)} FP8 linears take FP8 inputs, {how}")

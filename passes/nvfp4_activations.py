@@ -17,7 +17,8 @@ import torch
 from torch.fx import GraphModule
 
 from qcompiler.errors import QuantizationError
-from qcompiler.ir.op_registry import args_of, call_op, quantized_layer_path, spec_of
+from qcompiler.ir.node_swap import with_arguments
+from qcompiler.ir.op_registry import args_of, quantized_layer_path, spec_of
 from qcompiler.ir.tensors import set_tensor
 from qcompiler.passes.activation_ranges import input_ranges
 from qcompiler.pipeline.pass_base import GraphProperty, Pass, PassContext
@@ -55,10 +56,7 @@ class NVFP4Activations(Pass):
                 continue
             with gm.graph.inserting_before(node):
                 attr = gm.graph.get_attr(f"{path}.input_global_scale")
-                new = call_op(gm.graph, "nvfp4_linear", **{**a.as_dict(), "input_global_scale": attr})
-            new.meta.update(node.meta)
-            node.replace_all_uses_with(new)
-            gm.graph.erase_node(node)
+            with_arguments(gm, node, input_global_scale=attr)
         ctx.log(f"NVFP4Activations: {len(nodes)} NVFP4 linears take NVFP4 inputs (W4A4)")
         ctx.record.notes.append(f"{len(nodes)} NVFP4 linears: activations e2m1, e4m3 scales per 16, global per tensor")
         return True

@@ -1,19 +1,32 @@
 """Swapping a linear (or a grouped expert matmul) for a ``qc`` op whose tensors are stored beside
-it: the one graph edit every storage layout's rewrite makes (``qcompiler/layouts/``)."""
+it: the one graph edit every storage layout's rewrite makes (``qcompiler/layouts/``); and a ``qc``
+node for the same op with some arguments changed (an activation pass's edit)."""
 
 from __future__ import annotations
 
 from typing import Callable
 
 import torch
-from torch.fx import GraphModule
+from torch.fx import GraphModule, Node
 
 from qcompiler.ir.experts import ExpertLinear
 from qcompiler.ir.graph import LinearLayer
-from qcompiler.ir.op_registry import call_op
+from qcompiler.ir.op_registry import args_of, call_op
 from qcompiler.ir.tensors import drop_attr_if_unused, set_tensor
 
-__all__ = ["replace_linear", "replace_experts"]
+__all__ = ["replace_linear", "replace_experts", "with_arguments"]
+
+
+def with_arguments(gm: GraphModule, node: Node, **changes) -> Node:
+    """``node`` (a ``qc`` op) replaced by a node of the same op with ``changes`` to its arguments by
+    name, in its place and with its metadata; returns the new node."""
+    a = args_of(node)
+    with gm.graph.inserting_before(node):
+        new = call_op(gm.graph, a.spec.name, **{**a.as_dict(), **changes})
+    new.meta.update(node.meta)
+    node.replace_all_uses_with(new)
+    gm.graph.erase_node(node)
+    return new
 
 
 def replace_experts(
