@@ -8,6 +8,7 @@ Static activation scales are made from it: FP8's ``input_scale = max|x| / 448``,
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -56,6 +57,6 @@ def input_ranges(
             ctx.log(f"{who}: calibration batch {i + 1}/{len(ctx.calibration)}")
     for node in nodes:
         amax = runner.amax.get(node.name)
-        if amax is None or not torch.isfinite(torch.tensor(amax)):
+        if amax is None or not math.isfinite(amax):
             raise QuantizationError(f"{who}: node {node.name}'s input range over the calibration data is {amax}")
     return runner.amax, runner.device
