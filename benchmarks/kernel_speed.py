@@ -8,7 +8,9 @@ of CUDA-graph replays: no Python or launch overhead on either side), fp16 ``F.li
 kernel the ``triton`` backend runs, on the same fp16 activations: W4A16 g128, W4A16 g128
 act-order, W3A16 g128 (all on the kernel layout through ``kernels.layout_linear``: the decode GEMV
 at M = 1, the fused dequantizing GEMM below ``DEQUANT_MIN_M`` rows, dequantize + cuBLAS from it),
-W8A8 per-token (activation quantizer + ``int8_gemm``), SpQR w3g16 with 1 % random outliers
+W8A8 per-token (activation quantizer + ``int8_gemm``), FP8 W8A8 per channel × per token and per
+128 × 128 block × per-128 group (e4m3 rounding kernel + ``fp8_gemm`` on fp8 tensor cores), NVFP4 and
+MXFP4 W4A16 (``fp4_gemv`` up to 4 rows, dequantize + cuBLAS above), SpQR w3g16 with 1 % random outliers
 (outliers fused into the GEMV), W4A16 g128 on the stored GPTQ layout (``gptq_gemm``, the fallback
 kernel), and two rows that decide the dispatch: the first GEMV (``layout_gemv.py``, K loop) at
 M = 1 and the fused GEMM at M ≥ 16 (the dequant + cuBLAS crossover). Speed-up = fp16 time /
@@ -138,6 +140,7 @@ def shape_cases(k, n, device, gen) -> dict:
         (wq, ws),
         every,
     )
+    cases.update(float_cases(k, n, device, gen, every))
     dense, sparse = spqr_case(k, n, gen)
     dense, sparse = tuple(t.to(device) for t in dense), tuple(t.to(device) for t in sparse)
     spqr_layout = kernel_layout.layout_from_spqr(*dense, 3, 16, 3, 16, stat_dtype=torch.float16)
@@ -151,6 +154,46 @@ def shape_cases(k, n, device, gen) -> dict:
         lambda x, lay=spqr_layout, o=outliers: kernels.layout_linear(x, lay, None, o),
         spqr_ref,
         tuple(spqr_layout.tensors().values()) + tuple(outliers.tensors().values()),
+        every,
+    )
+    return cases
+
+
+def float_cases(k, n, device, gen, every) -> dict:
+    """FP8 W8A8 (per channel x per token; 128 x 128 blocks x per-128 groups) and FP4 W4A16 (NVFP4,
+    MXFP4) on random stored tensors, each against its ``qc`` op's plain-torch reference."""
+    from qcompiler import kernels
+    from qcompiler.layouts.fp8 import fp8_linear
+    from qcompiler.layouts.mxfp4 import mxfp4_linear
+    from qcompiler.layouts.nvfp4 import nvfp4_linear
+
+    cases = {}
+    w8 = (torch.randn(n, k, generator=gen) * 64).clamp(-448, 448).to(torch.float8_e4m3fn).to(device)
+    for label, block, acts, scale in (
+        ("fp8-w8a8", 0, "token", torch.rand(n, 1, generator=gen) * 1e-4),
+        ("fp8-block-w8a8", 128, "group", torch.rand(-(-n // 128), -(-k // 128), generator=gen) * 1e-4),
+    ):
+        scale = scale.to(device)
+        cases[label] = (
+            lambda x, b=block, a=acts, s=scale: kernels.fp8_linear(x, w8, s, None, b, a),
+            lambda x, b=block, a=acts, s=scale: fp8_linear(x.float(), w8, s, None, b, a),
+            (w8, scale),
+            every,
+        )
+    packed = torch.randint(0, 256, (n, k // 2), generator=gen, dtype=torch.uint8).to(device)
+    nv_scale = (torch.rand(n, k // 16, generator=gen) * 400 + 1).to(torch.float8_e4m3fn).to(device)
+    nv_global = torch.tensor([448.0 * 6 / 0.1]).to(device)
+    mx_scale = torch.randint(118, 124, (n, k // 32), generator=gen, dtype=torch.uint8).to(device)
+    cases["nvfp4-w4a16"] = (
+        lambda x: kernels.nvfp4_linear(x, packed, nv_scale, nv_global, None),
+        lambda x: nvfp4_linear(x.float(), packed, nv_scale, nv_global, None),
+        (packed, nv_scale),
+        every,
+    )
+    cases["mxfp4-w4a16"] = (
+        lambda x: kernels.mxfp4_linear(x, packed, mx_scale, None),
+        lambda x: mxfp4_linear(x.float(), packed, mx_scale, None),
+        (packed, mx_scale),
         every,
     )
     return cases

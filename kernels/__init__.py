@@ -37,6 +37,8 @@ if __name__ == "kernels":
 else:
     from qcompiler.kernels.act_quant import quantize_rows
     from qcompiler.kernels.csr_spmm import csr_linear
+    from qcompiler.kernels.fp4_linear import mxfp4_linear, nvfp4_linear
+    from qcompiler.kernels.fp8_gemm import fp8_linear
     from qcompiler.kernels.gptq_gemm import gptq_experts_linear, gptq_linear
     from qcompiler.kernels.hadamard import hadamard
     from qcompiler.kernels.int8_gemm import int8_linear
@@ -52,6 +54,9 @@ __all__ = [
     "quantize_rows",
     "rmsnorm_quantize_rows",
     "int8_linear",
+    "fp8_linear",
+    "nvfp4_linear",
+    "mxfp4_linear",
     "layout_linear",
     "layout_experts_linear",
     "gptq_linear",

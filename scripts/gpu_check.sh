@@ -4,7 +4,8 @@
 #   1. benchmarks/kernel_speed.py   every kernel the triton backend runs vs fp16 cuBLAS under CUDA
 #                              graphs at M = 1, 16, 512, 4, 64 (4096x4096, 4096x11008, 11008x4096,
 #                              8192x8192, 4096x14336; M-major, so a cut keeps the decode rows), GB/s
-#                              and % of HBM, the first GEMV and the fused GEMM beside the ones
+#                              and % of HBM (FP8 W8A8 and NVFP4/MXFP4 W4A16 included), the first
+#                              GEMV and the fused GEMM beside the ones
 #                              dispatched, checked vs the plain-torch references;
 #   2. benchmarks/gpu_decode.py decode tokens/s of a 1.1 B LLaMA: transformers fp16, triton fp16,
 #                              w4g128, w3g128, w8a8 (spqr-w3g16 if the time budget allows), static
@@ -27,7 +28,7 @@ if [ "${1:-}" = --smoke ]; then
     timeout 300 python3 benchmarks/kernel_speed.py --smoke --out "$OUT/kernels.json" 2>&1 | tee "$OUT/kernels.log" || status=1
     timeout 300 python3 benchmarks/gpu_decode.py --smoke --out "$OUT/gpu_decode.json" 2>&1 | tee "$OUT/gpu_decode.log" || status=1
     timeout 600 python3 -m pytest -q -p no:cacheprovider -o addopts="--import-mode=importlib -p no:benchmark" \
-        tests/test_kernel_layout.py tests/test_triton_kernels.py 2>&1 | tee "$OUT/gpu_tests.log" || status=1
+        tests/test_kernel_layout.py tests/test_triton_kernels.py tests/test_float_kernels.py 2>&1 | tee "$OUT/gpu_tests.log" || status=1
     echo "smoke: exit $status (timings under the interpreter mean nothing)"
     exit $status
 fi
@@ -43,7 +44,7 @@ timeout 140 python3 benchmarks/gpu_decode.py --time-budget 70 --out "$OUT/gpu_de
 cp "$OUT/gpu_decode.json" benchmarks/results/gpu_decode.json 2>/dev/null || true
 # addopts replaced: no xdist on the image perhaps, and the slow variants run too (kernels compile once)
 QC_TRITON_AUTOTUNE=0 timeout 90 python3 -m pytest -q -p no:cacheprovider -o addopts="--import-mode=importlib" \
-    tests/test_kernel_layout.py tests/test_triton_kernels.py tests/test_triton_backend.py tests/test_device.py \
+    tests/test_kernel_layout.py tests/test_triton_kernels.py tests/test_float_kernels.py tests/test_triton_backend.py tests/test_device.py \
     "tests/test_causal_lm.py::test_triton_backend_generates_the_eager_tokens" \
     2>&1 | tee "$OUT/gpu_tests.log" || status=1
 if [ "${QC_GPU_CHECK_FULL:-0}" = 1 ]; then

@@ -166,3 +166,54 @@ def test_w8a8_siblings_without_an_rms_norm_share_one_plain_quantizer():
 
 def _gap(got, want) -> float:
     return ((got - want).abs().max() / want.abs().max()).item()
+
+
+def _as_good_as_eager(cm, runner, fp_model, inputs, activations_rounded: bool) -> None:
+    """Weight-only formats: the kernels give eager's outputs (fp32 rounding). FP8 activations are
+    discontinuous: an input moved by 3e-6 (another summation order upstream) can flip one e4m3
+    rounding by half a step (up to 1/16 of that value) and the flips compound over the layers — so
+    there the model must be exactly as good: its error against the FP model within 5 % of eager's."""
+    with torch.no_grad():
+        eager = main_output(cm(**inputs))
+        got = main_output(_on_triton(cm, runner)(**inputs))
+        if not activations_rounded:
+            assert _gap(got, eager) < TOLERANCE
+            return
+        fp = main_output(fp_model(**inputs))
+    err_eager, err_triton = _gap(eager, fp), _gap(got, fp)
+    assert abs(err_triton - err_eager) <= 0.05 * err_eager, (err_triton, err_eager)
+
+
+@pytest.mark.parametrize(
+    "recipe,label",
+    [("fp8-dynamic", "fp8_gemm"), ("rtn-fp8", "fp8_gemm"), ("rtn-mxfp4", "fp4_gemv/dequant")],
+)
+def test_triton_backend_runs_the_float_formats(recipe, label):
+    """Each FP8 / FP4 node becomes its kernel (no fallback) and the model gives eager's outputs."""
+    model = make_model("llama")
+    cm = qc.compile(model, example_inputs("llama"), recipe=recipe, progress=False)
+    runner = prepare_triton(cm.graph_module)
+    assert {f["kernel"] for f in runner.record.layers.values()} == {label} and not runner.record.notes
+    _as_good_as_eager(cm, runner, model, example_inputs("llama"), recipe == "fp8-dynamic")
+
+
+def test_nvfp4_w4a4_plan_says_why_it_runs_the_reference():
+    inputs = example_inputs("llama")
+    cm = qc.compile(make_model("llama"), inputs, recipe="nvfp4-w4a4", calibration=[inputs], progress=False)
+    with pytest.warns(UserWarning, match="NVFP4 W4A4 needs FP4 tensor cores"):
+        runner = prepare_triton(cm.graph_module)
+    assert all(f["kernel"].startswith("reference (NVFP4 W4A4") for f in runner.record.layers.values())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("recipe", ["fp8-block-dynamic", "gptq-nvfp4"])
+def test_triton_backend_runs_the_float_formats_on_tinylm(recipe, tinylm):
+    """128 x 128 weight blocks with per-128 activation groups, and GPTQ-solved NVFP4: decode (GEMV,
+    split-K) and prefill (dequantize + matmul; the fp8 prefill tiles) on a trained model."""
+    cm = qc.compile(
+        tinylm.model, tinylm.example_inputs(), recipe=recipe, calibration=tinylm.calibration(8), progress=False
+    )
+    runner = prepare_triton(cm.graph_module)
+    assert len(runner.record.layers) == 28 and not runner.record.notes
+    for batch, seq in ((1, 1), (1, 8), (2, 16)):
+        _as_good_as_eager(cm, runner, tinylm.model, tinylm.example_inputs(batch=batch, seq=seq), "dynamic" in recipe)

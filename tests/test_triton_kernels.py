@@ -159,6 +159,7 @@ def test_kernel_benchmark_runs_and_checks_correctness(tmp_path):
     assert bench.main(["--smoke", "--out", str(out)]) == 0
     rows = json.loads(out.read_text())["rows"]
     labels = ["w4a16-g128", "w4a16-g128-stored-layout", "w4a16-g128-act", "w3a16-g128", "w8a8", "spqr-w3g16-1%"]
+    labels += ["fp8-w8a8", "fp8-block-w8a8", "nvfp4-w4a16", "mxfp4-w4a16"]
     assert [r["M"] for r in rows] == [1, 4, 16, 64]  # decode GEMV, split-K GEMM (2), dequant + matmul
     assert all(r[label]["max_rel_err_vs_reference"] < 1e-2 for r in rows for label in labels)  # fp16 activations
     assert [r["M"] for r in rows if "w4a16-g128-first-gemv" in r] == [1]  # the dispatch-deciding rows
