@@ -69,11 +69,15 @@ implement(
 implement("triton", "sparse_outlier_linear", load=_kernel("csr_linear"), kind="kernel", label="csr_spmm")
 implement("triton", "hadamard", load=_kernel("hadamard"), kind="kernel", label="hadamard")
 implement("triton", "fp8_linear", load=_kernel("fp8_linear"), kind="kernel", label="fp8_gemm")
-implement("triton", "nvfp4_linear", load=_kernel("nvfp4_linear"), kind="kernel", label="fp4_gemv/dequant")
-implement("triton", "mxfp4_linear", load=_kernel("mxfp4_linear"), kind="kernel", label="fp4_gemv/dequant")
-refuse(
-    "triton", "fp8_kv_quant", "no Triton kernel for the FP8 KV cache's rounding yet: it runs its plain-torch reference"
+implement(
+    "triton",
+    "nvfp4_linear",
+    load=_kernel("nvfp4_linear"),
+    kind="kernel",
+    label="fp4_gemv/dequant (W4A4: nvfp4_quant + fp32 matmul)",
 )
+implement("triton", "mxfp4_linear", load=_kernel("mxfp4_linear"), kind="kernel", label="fp4_gemv/dequant")
+implement("triton", "fp8_kv_quant", load=_kernel("fp8_kv_quant"), kind="kernel", label="fp8_kv_quant")
 refuse(
     "triton",
     "quant_embedding",
@@ -103,8 +107,6 @@ def _static_problem(node: Node) -> Optional[str]:
     bad = [getattr(a, w) for w in a.spec.code_widths if getattr(a, w) not in SUPPORTED_BITS]
     if bad:
         return f"{bad[0]}-bit codes are not supported (supported: {SUPPORTED_BITS})"
-    if a.spec.name == "nvfp4_linear" and a.input_global_scale is not None:
-        return "NVFP4 W4A4 needs FP4 tensor cores (Blackwell); no Triton kernel emulates them yet"
     return None
 
 

@@ -39,6 +39,7 @@ else:
     from qcompiler.kernels.csr_spmm import csr_linear
     from qcompiler.kernels.fp4_linear import mxfp4_linear, nvfp4_linear
     from qcompiler.kernels.fp8_gemm import fp8_linear
+    from qcompiler.kernels.fp8_kv import fp8_kv_quant
     from qcompiler.kernels.gptq_gemm import gptq_experts_linear, gptq_linear
     from qcompiler.kernels.hadamard import hadamard
     from qcompiler.kernels.int8_gemm import int8_linear
@@ -57,6 +58,7 @@ __all__ = [
     "fp8_linear",
     "nvfp4_linear",
     "mxfp4_linear",
+    "fp8_kv_quant",
     "layout_linear",
     "layout_experts_linear",
     "gptq_linear",

@@ -4,8 +4,9 @@ into a workspace in the activations' dtype and one cuBLAS matmul — at prefill 
 GEMM's throughput, not the weight's bytes, sets the time (what ``layout_dequant.py`` does for GPTQ).
 
 The workspace holds exactly the reference's dequantized weight (``e2m1 · scale`` in fp32, rounded
-to the activations' dtype). NVFP4 with FP4 activations (W4A4) needs FP4 tensor cores (Blackwell);
-it is refused here by name and runs the reference op.
+to the activations' dtype). NVFP4 with FP4 activations (W4A4) is emulated, as vLLM does on GPUs
+without FP4 tensor cores (before Blackwell): the inputs rounded to NVFP4 by a kernel, bit for bit
+the reference's, then an fp32 matmul with the dequantized weight — the reference's arithmetic.
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ import triton
 import triton.language as tl
 
 from qcompiler.kernels.fp4_gemv import e2m1_value, fp4_gemv, group_scale
-from qcompiler.kernels.tuning import Tunable, UnsupportedKernel, check_activation
+from qcompiler.kernels.nvfp4_quant import quantize_nvfp4_rows
+from qcompiler.kernels.tuning import Tunable, check_activation
 
 __all__ = ["nvfp4_linear", "mxfp4_linear", "dequantize_fp4", "FP4_GEMV_MAX_M"]
 
@@ -107,9 +109,14 @@ def nvfp4_linear(
     bias: Optional[torch.Tensor],
     input_global_scale: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
-    """``qc.nvfp4_linear`` weight-only (W4A16) as kernels: same arguments, same result within rounding."""
+    """``qc.nvfp4_linear`` as kernels: same arguments, same result within rounding. W4A4 is emulated:
+    the inputs rounded to NVFP4 (``nvfp4_quant``), the weight dequantized, the product in fp32."""
     if input_global_scale is not None:
-        raise UnsupportedKernel(W4A4_REFUSAL)
+        check_activation("nvfp4_w4a4", x)
+        xq = quantize_nvfp4_rows(x, input_global_scale)
+        w = dequantize_fp4(weight_packed, weight_scale, weight_global_scale.float(), torch.float32)
+        y = F.linear(xq, w, None if bias is None else bias.float()).to(x.dtype)
+        return y.reshape(*x.shape[:-1], weight_packed.shape[0])
     return _fp4_linear(x, weight_packed, weight_scale, weight_global_scale.float(), bias, "nvfp4_gemv")
 
 
@@ -118,9 +125,3 @@ def mxfp4_linear(
 ) -> torch.Tensor:
     """``qc.mxfp4_linear`` as kernels: same arguments, same result within rounding."""
     return _fp4_linear(x, weight_packed, weight_scale, None, bias, "mxfp4_gemv")
-
-
-W4A4_REFUSAL = (
-    "NVFP4 W4A4 (FP4 activations) needs FP4 tensor cores (Blackwell) and no Triton kernel emulates them "
-    "yet: such a node runs its plain-torch reference"
-)

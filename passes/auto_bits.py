@@ -80,7 +80,6 @@ class AutoBits(WeightQuantizer):
     samples: int = 8  # calibration samples each sensitivity is measured on
     # True: linears reading one input (q/k/v, gate/up) share a candidate, as vLLM needs (it fuses them)
     tie_siblings: bool = False
-    ignore: tuple[str, ...] = ()  # module paths kept in full precision: globs, or 're:' + a regex
     finish: str = "gptq"  # what quantizes the plan: "gptq" (each candidate's own method) or "signround"
     # how each candidate's damage is measured: "fisher" (second order from one backward pass per
     # sample) or "forward" (the whole graph run once per layer and candidate: depth x candidates forwards)
@@ -172,9 +171,9 @@ class AutoBits(WeightQuantizer):
                     )
                 ctx.record.layers[item.path].update(candidate=f"embeddings {setting}")
         if self.finish == "signround":
-            finisher = SignRound(plan=plan, ignore=self.ignore)
+            finisher = SignRound(plan=plan, ignore=self.ignore, true_sequential=self.true_sequential)
         else:
-            finisher = MixedPrecision(plan=plan)
+            finisher = MixedPrecision(plan=plan, true_sequential=self.true_sequential)
         changed = quantize_block_linears(gm, ctx, finisher)
         for p, n in plan:
             if p in ctx.record.layers:

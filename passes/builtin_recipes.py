@@ -235,7 +235,7 @@ def _register_families() -> None:
     """``auto:B`` and its kin: names that carry a budget."""
     for prefix in (AUTO_PREFIX, AUTO_SIGNROUND_PREFIX, AUTO_GGUF_PREFIX, AUTO_FLOAT_PREFIX):
         register_recipe_family(prefix, f"{prefix}B", _auto_recipe)
-    for prefix in (AUTO_PREFIX, AUTO_SIGNROUND_PREFIX):
+    for prefix in (AUTO_PREFIX, AUTO_SIGNROUND_PREFIX, AUTO_FLOAT_PREFIX):
         register_recipe_family(ROTATE_PREFIX + prefix, f"{ROTATE_PREFIX}{prefix}B", _rotated)
 
 

@@ -40,14 +40,11 @@ class GPTQ(WeightQuantizer):
     static_groups: bool = True  # with act_order: grids fixed up front, groups contiguous
     damp: float = 0.01  # λ = damp · mean(diag H), raised ×10 while H is not PD
     block_size: int = 128  # lazy-batch width
-    true_sequential: bool = False  # True: q/k/v, then o, then gate/up, then down, re-running inputs between
     # each group's range searched for the least 1/[H⁻¹]_jj-weighted error; "minmax": the paper's;
     # "q4_k", "q5_k", "q6_k", "q3_k", "q4_1", "q5_1": llama.cpp's block grids, stored as its bytes (qc.gguf_linear);
     # "fp8" (bits 8, group_size -1), "fp8-block" (8, 128), "nvfp4" (4, 16), "mxfp4" (4, 32): floating-point
     # grids, each cell's scale searched like "mse" (symmetric whatever ``sym`` says), each in its own layout
     grid: str = "mse"
-    lm_head: bool = False  # also the output head, by RTN on the same grid (it has no block Hessian)
-    ignore: tuple[str, ...] = ()  # module paths kept in full precision: globs, or 're:' + a regex
 
     needs_calibration: ClassVar = True
     needs_hessian: ClassVar = True

@@ -79,7 +79,6 @@ class MixedPrecision(WeightQuantizer):
 
     plan: tuple[tuple[str, str], ...] = ()  # (module path, candidate name)
     default: str = ""  # candidate for layers the plan does not name; "" = a layer it misses is an error
-    true_sequential: bool = False  # True: q/k/v, o, gate/up, down calibrated in turn (measured: no gain)
 
     needs_calibration: ClassVar = True
     needs_hessian: ClassVar = True

@@ -59,8 +59,6 @@ class RTN(WeightQuantizer):
     # "q4_k", "q5_k", "q6_k", "q3_k", "q4_1", "q5_1": llama.cpp's block grids, stored as its bytes (qc.gguf_linear);
     # "fp8" (bits 8, group_size -1), "fp8-block" (8, 128), "nvfp4" (4, 16), "mxfp4" (4, 32): floating-point
     # grids with min-max scales, each in its own layout (symmetric whatever ``sym`` says)
-    lm_head: bool = False  # also the output head (RTN), as onnxruntime-genai's int4 builder does
-    ignore: tuple[str, ...] = ()  # module paths kept in full precision: globs, or 're:' + a regex
 
     def __post_init__(self):
         check_spec(self.bits, self.group_size, self.grid, float_grids=True)

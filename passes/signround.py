@@ -45,8 +45,6 @@ class SignRound(WeightQuantizer):
     # (AutoRound's: a block also makes up for the earlier blocks' error); "sequential" the block's
     # full-precision weights on the quantized model's inputs (GPTQ's objective)
     target: str = "fp"
-    lm_head: bool = False  # also the output head, by RTN on the starting grid (it is not in a block)
-    ignore: tuple[str, ...] = ()  # module paths kept in full precision: globs, or 're:' + a regex
     # (module path, candidate such as "gptq-w3g64"): the layers whose bits / group size differ from
     # ``bits`` / ``group_size`` (a mixed-precision plan: ``AutoBits(finish="signround")``)
     plan: tuple[tuple[str, str], ...] = ()

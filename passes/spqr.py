@@ -11,7 +11,7 @@ relative threshold is bisected per layer (log scale) to the smallest τ whose ou
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar, Optional
 
 import torch
@@ -41,8 +41,7 @@ class SpQR(WeightQuantizer):
     act_order: bool = True
     damp: float = 0.01
     block_size: int = 128
-    true_sequential: bool = True
-    ignore: tuple[str, ...] = ()  # module paths kept in full precision: globs, or 're:' + a regex
+    true_sequential: bool = field(default=True, kw_only=True)  # SpQR's default: groups calibrated in turn
 
     provides = frozenset({GraphProperty.QUANTIZED_WEIGHTS, GraphProperty.OUTLIERS_SPLIT})
     needs_calibration: ClassVar = True

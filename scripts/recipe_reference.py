@@ -17,6 +17,14 @@ def _type_name(t) -> str:
     return getattr(t, "__name__", None) or str(t).replace("typing.", "")
 
 
+def _call(p) -> str:
+    """``p`` as the call that builds it: its own fields first, the keyword-only base fields last."""
+    if not dataclasses.is_dataclass(p):
+        return repr(p)
+    fields = sorted(dataclasses.fields(p), key=lambda f: f.kw_only)
+    return f"{type(p).__name__}({', '.join(f'{f.name}={getattr(p, f.name)!r}' for f in fields if f.repr)})"
+
+
 def page() -> str:
     lines = [
         "# Recipe reference",
@@ -30,7 +38,7 @@ def page() -> str:
         "|---|---|---|",
     ]
     for r in qc.list_recipes():
-        passes = ", ".join(f"`{p!r}`" for p in r.passes) or "-"
+        passes = ", ".join(f"`{_call(p)}`" for p in r.passes) or "-"
         lines.append(f"| `{r.name}` | {r.description} | {passes} |")
     auto = qc.get_recipe("auto:3.25")
     lines += [
@@ -38,7 +46,7 @@ def page() -> str:
         "## Automatic mixed precision: `auto:B`",
         "",
         '`recipe="auto:3.25"` (`--recipe auto:3.25`) runs '
-        + ", ".join(f"`{p!r}`" for p in auto.passes)
+        + ", ".join(f"`{_call(p)}`" for p in auto.passes)
         + ": every candidate is tried on every block linear alone (on `score_rows` sampled rows of it, the "
         "estimate scaled to the layer) and its effect on the model's final output "
         "measured on calibration samples; one candidate per layer is then chosen to fit B bits per parameter "
@@ -46,8 +54,8 @@ def page() -> str:
         "plan is quantized as `MixedPrecision`. B is in (0, 16]; a B below the cheapest allocation of the "
         'candidates is an error naming both. `auto-signround:B` (`AutoBits(finish="signround")`, GPTQ '
         "candidates only) makes the same allocation and quantizes it with SignRound: every block's rounding "
-        "tuned jointly, each layer at its planned bits and group size. `rotate-auto:B` and "
-        "`rotate-auto-signround:B` run the Rotate pass first. `auto-gguf:B` chooses among llama.cpp's block "
+        "tuned jointly, each layer at its planned bits and group size. `rotate-auto:B`, "
+        "`rotate-auto-signround:B` and `rotate-auto-float:B` run the Rotate pass first. `auto-gguf:B` chooses among llama.cpp's block "
         "types (`GGUF_CANDIDATES`), `auto-float:B` among the floating-point formats GPUs serve (`FLOAT_CANDIDATES`: "
         "GPTQ on MXFP4, NVFP4 and FP8, one compressed-tensors config group per format); any `gptq-FORMAT` "
         "name (`gptq-nvfp4`, `gptq-fp8-block`, ...) is also a candidate beside the integer ones. "
@@ -97,7 +105,7 @@ def page() -> str:
         ]
         lines += [
             f"| `{f.name}` | {_type_name(hints.get(f.name, f.type))} | `{f.default!r}` |"
-            for f in dataclasses.fields(cls)
+            for f in sorted(dataclasses.fields(cls), key=lambda f: f.kw_only)  # the keyword-only base fields last
         ]
         lines.append("")
     lines.append("This page is generated from the code: `python scripts/recipe_reference.py > docs/recipes.md`.")

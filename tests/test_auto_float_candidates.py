@@ -31,6 +31,11 @@ def test_float_candidate_names_are_gptq_on_that_grid():
         candidate_quantizer("gptq-fp16")
 
 
+def test_rotate_auto_float_is_the_rotation_then_the_float_allocator():
+    rotated, plain = qc.get_recipe("rotate-auto-float:4.25"), qc.get_recipe("auto-float:4.25")
+    assert rotated.passes == (qc.passes.Rotate(), *plain.passes) and plain.passes[0].candidates == MIX
+
+
 def test_auto_mixes_float_layouts_within_its_budget_and_transformers_runs_the_checkpoint(tmp_path):
     """``auto-float:4.5``: the tiny LLaMA gets layers in each of the three formats; bits per quantized weight
     within 0.02 below the budget; transformers' logits from the bfloat16 model within two bfloat16

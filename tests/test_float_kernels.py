@@ -4,6 +4,8 @@ FP8: the activations' rounding to e4m3 is bit-exact (codes × scales equal ``qua
 and the GEMM equals ``qc.fp8_linear`` within fp32 rounding for every weight scale layout × activation
 mode, decode (split-K) and prefill. FP4 (NVFP4 W4A16, MXFP4): the dequantized workspace is the
 reference's weight bit for bit, and the GEMV / dequant+matmul paths equal the op within rounding.
+NVFP4 W4A4 (emulated): the activations' rounding bit for bit, the product within rounding. The FP8
+KV cache's rounding: bit for bit.
 Shapes are small and not multiples of the tiles.
 """
 
@@ -20,11 +22,13 @@ from qcompiler.algorithms.float_grid import (
     per_element,
     quantize_elements,
 )
+from qcompiler.ir.ops import fp8_kv_quant
 from qcompiler.kernels.fp4_linear import FP4_GEMV_MAX_M, dequantize_fp4
 from qcompiler.kernels.fp8_quant import quantize_fp8_rows
+from qcompiler.kernels.nvfp4_quant import quantize_nvfp4_rows
 from qcompiler.layouts.fp8 import fp8_linear, quantize_fp8_activations
 from qcompiler.layouts.mxfp4 import dequantize_mxfp4, mxfp4_linear
-from qcompiler.layouts.nvfp4 import dequantize_nvfp4, nvfp4_linear
+from qcompiler.layouts.nvfp4 import dequantize_nvfp4, nvfp4_linear, quantize_nvfp4_activations
 
 # max |kernel − reference| / max |reference|: fp32 differs in summation order only; bf16 by an
 # output rounding (one bf16 step is 2^-8 of a value)
@@ -129,8 +133,39 @@ def test_fp4_linear_equals_the_op(name, rows, dtype, kernel_device):
     assert _gap(got, want) < TOLERANCE[dtype]
 
 
-def test_nvfp4_w4a4_is_refused_by_name(kernel_device):
-    elements, stored, g = _float_weight("nvfp4", 16, 64)
-    x = torch.randn(2, 64, device=kernel_device)
-    with pytest.raises(kernels.UnsupportedKernel, match="NVFP4 W4A4 .* FP4 tensor cores"):
-        kernels.nvfp4_linear(x, *_on(kernel_device, pack_e2m1(elements), stored, g), None, g.to(kernel_device))
+def test_nvfp4_activation_rounding_is_bit_exact(kernel_device):
+    """Groups of 16 at every magnitude, an all-zero group, a group whose e4m3 scale saturates at 448
+    (inputs beyond the calibrated range: e2m1 saturates at 6) and one whose scale rounds to 0."""
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(5, 320, generator=gen) * torch.logspace(-4, 2, 320)
+    x[1, :16] = 0.0
+    x[2, 16:32] *= 1e4
+    x[3, 32:48] = 1e-12
+    g = torch.tensor([448.0 * 6 / 50.0])
+    got = quantize_nvfp4_rows(*_on(kernel_device, x, g))
+    assert got.dtype == torch.float32 and torch.equal(got.cpu(), quantize_nvfp4_activations(x, g))
+
+
+@pytest.mark.parametrize("rows,dtype", [(2, torch.float32), (9, torch.bfloat16)])
+def test_nvfp4_w4a4_equals_the_op(rows, dtype, kernel_device):
+    elements, stored, g = _float_weight("nvfp4", 40, 96)
+    gen = torch.Generator().manual_seed(rows)
+    x, bias = torch.randn(rows, 96, generator=gen).to(dtype), torch.randn(40, generator=gen)
+    args = (pack_e2m1(elements), stored, g, bias, torch.tensor([448.0 * 6 / 3.0]))
+    want = nvfp4_linear(x, *args)
+    got = kernels.nvfp4_linear(*_on(kernel_device, x, *args))
+    assert got.dtype == dtype and _gap(got, want) < TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize(
+    "dtype", [torch.float32, torch.float16] + ([torch.bfloat16] if torch.cuda.is_available() else [])
+)
+def test_fp8_kv_rounding_is_bit_exact(dtype, kernel_device):
+    """Keys at every magnitude, beyond the calibrated range (saturating) and exact zeros (bf16 on a
+    GPU only: the interpreter truncates fp32 -> bf16 where a GPU rounds to nearest)."""
+    gen = torch.Generator().manual_seed(4)
+    k = (torch.randn(2, 3, 37, 16, generator=gen) * torch.logspace(-3, 2, 16)).to(dtype)
+    k[0, 0, 0] = 0.0
+    scale = torch.tensor([0.05])
+    got = kernels.fp8_kv_quant(*_on(kernel_device, k, scale))
+    assert got.dtype == dtype and torch.equal(got.cpu(), fp8_kv_quant(k, scale))

@@ -229,3 +229,34 @@ def test_artifacts_never_import_and_recipe_files_name_what_failed(tmp_path, monk
         and "not imported in this process: evil_module_never_imported:Pass" in loaded.recipe.description
     )
     assert "evil_module_never_imported" not in sys.modules
+
+
+def test_weight_quantizers_take_the_base_fields_by_keyword_and_keep_their_own_positions():
+    """``ignore``, ``true_sequential`` and ``lm_head`` are the base's keyword-only fields: every weight
+    quantizer has them (no duck typing), positional construction still means the subclass's own
+    fields, a pass that cannot quantize the head refuses ``lm_head=True``, and a subclass that
+    redeclares a base field positionally is refused by name when built."""
+    import dataclasses
+
+    from qcompiler.errors import QuantizationError
+    from qcompiler.passes import GPTQ, RTN, AutoBits, MixedPrecision, SignRound, SpQR
+    from qcompiler.pipeline.weight_quantizer import WeightQuantizer
+
+    for cls in (GPTQ, RTN, SpQR, SignRound, AutoBits, MixedPrecision):
+        base = {f.name: f for f in dataclasses.fields(cls) if f.name in ("ignore", "true_sequential", "lm_head")}
+        assert set(base) == {"ignore", "true_sequential", "lm_head"} and all(f.kw_only for f in base.values()), cls
+    gptq = GPTQ(3, 64, ignore=("*.down_proj",), true_sequential=True)
+    assert (gptq.bits, gptq.group_size, gptq.ignore, gptq.true_sequential) == (3, 64, ("*.down_proj",), True)
+    assert SpQR().true_sequential and not GPTQ().true_sequential  # SpQR keeps its own default
+    for cls in (SpQR, AutoBits, MixedPrecision):
+        with pytest.raises(QuantizationError, match=f"{cls.__name__} does not quantize the output head"):
+            cls(lm_head=True)
+    assert GPTQ(lm_head=True).head_quantizer() is not None
+
+    @dataclasses.dataclass(frozen=True)
+    class Redeclared(WeightQuantizer):
+        bits: int = 4
+        ignore: tuple = ()
+
+    with pytest.raises(TypeError, match="Redeclared redeclares 'ignore' as a positional field"):
+        Redeclared()

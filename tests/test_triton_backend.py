@@ -197,12 +197,19 @@ def test_triton_backend_runs_the_float_formats(recipe, label):
     _as_good_as_eager(cm, runner, model, example_inputs("llama"), recipe == "fp8-dynamic")
 
 
-def test_nvfp4_w4a4_plan_says_why_it_runs_the_reference():
-    inputs = example_inputs("llama")
-    cm = qc.compile(make_model("llama"), inputs, recipe="nvfp4-w4a4", calibration=[inputs], progress=False)
-    with pytest.warns(UserWarning, match="NVFP4 W4A4 needs FP4 tensor cores"):
+def test_nvfp4_w4a4_and_the_fp8_kv_cache_run_kernels_too():
+    """W4A4 emulated (the inputs rounded to NVFP4 by a kernel, an fp32 matmul) and the KV cache's
+    e4m3 rounding: every qc node of both recipes is a kernel, and the outputs are eager's."""
+    model, inputs = make_model("llama"), example_inputs("llama")
+    for recipe, labels in (
+        ("nvfp4-w4a4", {"fp4_gemv/dequant (W4A4"}),
+        ("fp8-dynamic-kv", {"fp8_gemm", "fp8_kv_quant"}),
+    ):
+        cm = qc.compile(model, inputs, recipe=recipe, calibration=[inputs], progress=False)
         runner = prepare_triton(cm.graph_module)
-    assert all(f["kernel"].startswith("reference (NVFP4 W4A4") for f in runner.record.layers.values())
+        assert {f["kernel"][:22] for f in runner.record.layers.values()} == labels and not runner.record.notes
+        with torch.no_grad():
+            assert _gap(main_output(_on_triton(cm, runner)(**inputs)), main_output(cm(**inputs))) < TOLERANCE
 
 
 @pytest.mark.slow

@@ -424,7 +424,7 @@ def quantize_block_linears(gm: GraphModule, ctx: PassContext, quantizer) -> bool
 
     Layers are solved on ``ctx.device`` (one at a time: only that layer's weight, Hessian and result
     are there); what is stored goes back to where the graph's weights live."""
-    ignore, head = quantizer.ignored, quantizer.head_quantizer()
+    ignore, head = quantizer.ignore, quantizer.head_quantizer()
     walk = _BlockQuantizer(gm, ctx, quantizer.quantize_layer, quantizer.experts_format(), ignore, quantizer)
     if ctx.calibration is None:
         if quantizer.needs_hessian:
@@ -466,7 +466,7 @@ def quantize_block_linears(gm: GraphModule, ctx: PassContext, quantizer) -> bool
 def _solve_block(walk: _BlockQuantizer, engine: CalibrationEngine, quantizer, seg) -> None:
     """One block: the quantizer's ``before_block``, collect each group's statistics, solve, ``after_block``."""
     quantizer.before_block(walk.gm, seg, engine, walk.ctx)
-    for group in seg.sibling_groups() if quantizer.sequential_groups else [seg.linears]:
+    for group in seg.sibling_groups() if quantizer.true_sequential else [seg.linears]:
         if not group:
             continue
         plan = walk.plan(group)

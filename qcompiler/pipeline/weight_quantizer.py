@@ -7,17 +7,21 @@ block-sequential walk over calibration data (``block_walk.py``), the ``ignore`` 
 head (:meth:`head_quantizer`), mixture-of-experts weights (:meth:`experts_format`), per-block
 hooks (:meth:`before_block` / :meth:`after_block`: where a scaling search such as AWQ's runs, with
 the block's inputs at hand), the report, and the contract (it provides ``QUANTIZED_WEIGHTS``).
-Fields a subclass may declare and the base reads: ``ignore``, ``true_sequential``, ``lm_head``.
+Every weight quantizer takes the base's keyword-only fields — ``ignore``, ``true_sequential``,
+``lm_head`` — which the walk reads; keyword-only, so a subclass's own fields keep their positions
+(``GPTQ(3, 64)`` is bits and group size). A subclass may redeclare one with another default (SpQR
+calibrates sequentially by default), as ``field(default=..., kw_only=True)``.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, ClassVar, Optional
 
 import torch
 from torch.fx import GraphModule
 
+from qcompiler.errors import QuantizationError
 from qcompiler.ir.graph import LinearLayer
 from qcompiler.layouts import ExpertsFormat, LayerQuant, QuantizeFn
 from qcompiler.pipeline.block_walk import quantize_block_linears
@@ -29,6 +33,8 @@ if TYPE_CHECKING:
 
 __all__ = ["WeightQuantizer"]
 
+_BASE_FIELDS = ("ignore", "true_sequential", "lm_head")  # keyword-only: a subclass's own fields keep their positions
+
 
 @dataclass(frozen=True)
 class WeightQuantizer(Pass):
@@ -38,9 +44,28 @@ class WeightQuantizer(Pass):
     noop_after: ClassVar = frozenset({GraphProperty.QUANTIZED_WEIGHTS, GraphProperty.INT8_LOWERED})
     needs_hessian: ClassVar[bool] = False  # True: quantize_layer needs H (calibration required)
 
+    ignore: tuple[str, ...] = field(
+        default=(), kw_only=True
+    )  # module paths kept in full precision: globs, or 're:' + a regex
+    true_sequential: bool = field(
+        default=False, kw_only=True
+    )  # q/k/v, o, gate/up, down calibrated in turn, inputs re-run between
+    lm_head: bool = field(
+        default=False, kw_only=True
+    )  # also the output head (it has no block Hessian: head_quantizer says how)
+
     def __post_init__(self):
-        if hasattr(self, "ignore"):
-            object.__setattr__(self, "ignore", check_patterns(self.name, self.ignore))
+        plain = [f.name for f in fields(self) if f.name in _BASE_FIELDS and not f.kw_only]
+        if plain:
+            raise TypeError(
+                f"{self.name} redeclares {plain[0]!r} as a positional field (it would come first): "
+                f"drop it or declare it as field(default=..., kw_only=True)"
+            )
+        object.__setattr__(self, "ignore", check_patterns(self.name, self.ignore))
+        if self.lm_head and type(self).head_quantizer is WeightQuantizer.head_quantizer:
+            raise QuantizationError(
+                f"{self.name} does not quantize the output head: lm_head=True is not supported here"
+            )
 
     def quantize_layer(self, layer: LinearLayer, W: torch.Tensor, H: Optional[torch.Tensor]) -> LayerQuant:
         """The method itself: ``W`` [out, in] fp32 on the compute device, ``H`` [in, in] or None."""
@@ -87,16 +112,6 @@ class WeightQuantizer(Pass):
         """Whether a block's recorded results are all a resumed run needs (no per-block hooks of its own)."""
         cls = type(self)
         return cls.before_block is WeightQuantizer.before_block and cls.after_block is WeightQuantizer.after_block
-
-    @property
-    def ignored(self) -> tuple[str, ...]:
-        """Module-path patterns kept in full precision (the ``ignore`` field, if the pass has one)."""
-        return getattr(self, "ignore", ())
-
-    @property
-    def sequential_groups(self) -> bool:
-        """Calibrate q/k/v, o, gate/up, down one group at a time (the ``true_sequential`` field)."""
-        return bool(getattr(self, "true_sequential", False))
 
     def run(self, gm: GraphModule, ctx: PassContext) -> bool:
         """The block-by-block walk (``block_walk.quantize_block_linears``) with this quantizer."""
