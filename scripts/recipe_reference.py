@@ -17,14 +17,6 @@ def _type_name(t) -> str:
     return getattr(t, "__name__", None) or str(t).replace("typing.", "")
 
 
-def _call(p) -> str:
-    """``p`` as the call that builds it: its own fields first, the keyword-only base fields last."""
-    if not dataclasses.is_dataclass(p):
-        return repr(p)
-    fields = sorted(dataclasses.fields(p), key=lambda f: f.kw_only)
-    return f"{type(p).__name__}({', '.join(f'{f.name}={getattr(p, f.name)!r}' for f in fields if f.repr)})"
-
-
 def page() -> str:
     lines = [
         "# Recipe reference",
@@ -38,7 +30,7 @@ def page() -> str:
         "|---|---|---|",
     ]
     for r in qc.list_recipes():
-        passes = ", ".join(f"`{_call(p)}`" for p in r.passes) or "-"
+        passes = ", ".join(f"`{p!r}`" for p in r.passes) or "-"
         lines.append(f"| `{r.name}` | {r.description} | {passes} |")
     auto = qc.get_recipe("auto:3.25")
     lines += [
@@ -46,7 +38,7 @@ def page() -> str:
         "## Automatic mixed precision: `auto:B`",
         "",
         '`recipe="auto:3.25"` (`--recipe auto:3.25`) runs '
-        + ", ".join(f"`{_call(p)}`" for p in auto.passes)
+        + ", ".join(f"`{p!r}`" for p in auto.passes)
         + ": every candidate is tried on every block linear alone (on `score_rows` sampled rows of it, the "
         "estimate scaled to the layer) and its effect on the model's final output "
         "measured on calibration samples; one candidate per layer is then chosen to fit B bits per parameter "

@@ -144,6 +144,7 @@ def test_unsupported_combination_is_named(kernel_device):
         )
 
 
+@pytest.mark.slow  # 15 s of interpreter; each kernel it times has its own default-tier twin test above
 def test_kernel_benchmark_runs_and_checks_correctness(tmp_path):
     """benchmarks/kernel_speed.py --smoke: the GPU benchmark's code path on tiny shapes (timings meaningless)."""
     import importlib.util

@@ -100,6 +100,20 @@ class PassContext:
             progress_line(message)
 
 
+def _own_fields_first(p) -> list:
+    """A dataclass pass's fields with the keyword-only ones last (stable otherwise)."""
+    return sorted(dataclasses.fields(p), key=lambda f: f.kw_only)
+
+
+def _call_repr(p) -> str:
+    """A pass as the call that builds it: the dataclass repr, with keyword-only fields (the base's
+    ``ignore`` / ``true_sequential`` / ``lm_head`` of a weight quantizer) after the pass's own."""
+    if not dataclasses.is_dataclass(p):
+        return object.__repr__(p)
+    shown = [f for f in _own_fields_first(p) if f.repr]
+    return f"{type(p).__qualname__}({', '.join(f'{f.name}={getattr(p, f.name)!r}' for f in shown)})"
+
+
 class Pass:
     """Base class of all passes. Subclass it, set ``requires``/``provides``, implement ``run``."""
 
@@ -115,6 +129,8 @@ class Pass:
         super().__init_subclass__(**kwargs)
         if "run" in cls.__dict__:
             cls.run = torch.no_grad()(cls.__dict__["run"])
+        if "__repr__" not in cls.__dict__:  # set before @dataclass runs, which then keeps it
+            cls.__repr__ = _call_repr
         from qcompiler.pipeline.pass_registry import add_pass_class
 
         add_pass_class(cls)
@@ -127,7 +143,7 @@ class Pass:
     def config(self) -> dict:
         """The pass's settings (its dataclass fields), as recorded in the report and the artifact."""
         if dataclasses.is_dataclass(self):
-            return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+            return {f.name: getattr(self, f.name) for f in _own_fields_first(self)}
         return {}
 
     @classmethod
