@@ -20,7 +20,7 @@ import triton.language as tl
 from qcompiler.kernels.gemm_parts import split_k_range
 from qcompiler.kernels.tuning import Tunable
 
-__all__ = ["fp4_gemv", "e2m1_value", "group_scale"]
+__all__ = ["fp4_gemv", "e2m1_value", "e4m3_value", "group_scale"]
 
 
 @triton.jit
@@ -35,11 +35,23 @@ def e2m1_value(code):
 
 
 @triton.jit
+def e4m3_value(byte):
+    """The fp32 value of e4m3 bytes (int32), decoded in arithmetic — no fp8 type, so any GPU runs it:
+    ``(8 + m) · 2^(e − 10)``, subnormals ``m · 2^-9``."""
+    exponent = (byte >> 3) & 15
+    mantissa = (byte & 7).to(tl.float32)
+    power = ((tl.maximum(exponent, 1) + 117) << 23).to(tl.float32, bitcast=True)  # 2^(e − 10)
+    value = tl.where(exponent == 0, mantissa * 0.001953125, (8.0 + mantissa) * power)
+    return tl.where((byte & 128) != 0, -value, value)
+
+
+@triton.jit
 def group_scale(stored, global_scale, NVFP4: tl.constexpr):
     """A group's fp32 scale: NVFP4's e4m3 over the global scale (correctly rounded, as the reference
-    divides); MXFP4's e8m0 exponent as ``2^(e − 127)`` built from its bits."""
-    if NVFP4:  # the scales' bytes are loaded as uint8 (one dtype for both formats)
-        return tl.math.div_rn(stored.to(tl.float8e4nv, bitcast=True).to(tl.float32), global_scale)
+    divides); MXFP4's e8m0 exponent as ``2^(e − 127)`` built from its bits. The scales' bytes are
+    loaded as uint8 for both formats."""
+    if NVFP4:
+        return tl.math.div_rn(e4m3_value(stored.to(tl.int32)), global_scale)
     e = stored.to(tl.int32)
     return tl.where(e > 0, (e << 23).to(tl.float32, bitcast=True), 5.877471754111438e-39)  # 2^-127: subnormal
 

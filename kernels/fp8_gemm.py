@@ -6,9 +6,9 @@ W8A8 multiplies the e4m3 tiles on the tensor cores (``tl.dot`` on fp8, fp32 accu
 Hopper) — the products of two e4m3 values are exact, so the sum differs from the plain-torch
 reference (dequantize, then an fp32 matmul) only in fp32 rounding. The scales go where they are
 constant: per channel and per token in the epilogue; per 128-block (either side) on each K step's
-partial product, with ``BLOCK_K`` dividing 128 (DeepSeek-V3's block-scaled GEMM). On GPUs before
-Ada the e4m3 tiles are widened to fp16 first (exact), so the same kernel runs there at fp16 speed.
-W8A16 widens the weight tile to the activations' dtype. Up to ``DECODE_MAX_M`` rows the K dimension
+partial product, with ``BLOCK_K`` dividing 128 (DeepSeek-V3's block-scaled GEMM). Triton's e4m3
+type needs Ada or later (sm_89+): on older GPUs the host refuses by name and the node runs its
+reference. W8A16 widens the weight tile to the activations' dtype. Up to ``DECODE_MAX_M`` rows the K dimension
 is split across programs (partial sums added into an fp32 buffer), so a decode step fills the GPU.
 """
 
@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from qcompiler.kernels.fp8_quant import ACTIVATION_GROUP, quantize_fp8_rows
+from qcompiler.kernels.fp8_quant import quantize_fp8_rows
 from qcompiler.kernels.gemm_parts import dot_accumulate, split_k_range, store_output
 from qcompiler.kernels.gptq_gemm import DECODE_MAX_M
 from qcompiler.kernels.tuning import INTERPRET, Tunable, UnsupportedKernel, check_activation, dot_upcast
@@ -46,7 +46,6 @@ def _fp8_gemm_kernel(
     stride_xm,
     W_BLOCKED: tl.constexpr,
     X_SCALES: tl.constexpr,
-    FP8_DOT: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     IEEE: tl.constexpr,
     UPCAST: tl.constexpr,
@@ -69,8 +68,6 @@ def _fp8_gemm_kernel(
         w = tl.load(w_ptr + rn[None, :] * K + rk[:, None], mask=mask_k[:, None] & mask_n[None, :], other=0.0)
         if X_SCALES == 0:  # W8A16: the weight tile in the activations' dtype
             w = w.to(x.dtype)
-        elif not FP8_DOT:  # no fp8 tensor cores: e4m3 is exact in fp16, and so is each product
-            x, w = x.to(tl.float16), w.to(tl.float16)
         if W_BLOCKED or X_SCALES == 2:  # scales change along K: each step's partial product scaled
             part = dot_accumulate(tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), x, w, IEEE, UPCAST)
             if W_BLOCKED:  # BLOCK_K divides 128: the tile lies in one block column
@@ -118,9 +115,14 @@ _PREFILL = Tunable(
 )
 
 
-def _fp8_tensor_cores(device: torch.device) -> bool:
-    """Whether ``tl.dot`` takes e4m3 tiles here: Ada/Hopper/Blackwell (sm 8.9+), and the interpreter."""
-    return INTERPRET or (device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9))
+def _e4m3_problem(device: torch.device) -> Optional[str]:
+    """Why Triton cannot hold e4m3 tensors on ``device`` (None: sm_89+, or the interpreter)."""
+    if INTERPRET or device.type != "cuda":
+        return None
+    major, minor = torch.cuda.get_device_capability(device)
+    if (major, minor) >= (8, 9):
+        return None
+    return f"fp8_gemm: e4m3 tensors need an Ada or Hopper GPU (sm_89+); this one is sm_{major}{minor}"
 
 
 def fp8_gemm(
@@ -153,7 +155,6 @@ def fp8_gemm(
         x.stride(0),
         W_BLOCKED=w_blocked,
         X_SCALES=x_layout,
-        FP8_DOT=_fp8_tensor_cores(x.device),
         HAS_BIAS=bias is not None,
         IEEE=x_layout == X_NONE and x.dtype == torch.float32,
         UPCAST=x_layout == X_NONE and dot_upcast(x.dtype),
@@ -173,6 +174,9 @@ def fp8_linear(
     """``qc.fp8_linear`` as kernels (same arguments, same result within fp32 rounding): the
     activations' rounding (``fp8_quant``), then the FP8 GEMM."""
     check_activation("fp8_gemm", x)
+    problem = _e4m3_problem(x.device)
+    if problem:
+        raise UnsupportedKernel(problem)
     if block not in (0, WEIGHT_BLOCK):
         raise UnsupportedKernel(f"fp8_gemm: weight blocks of {block} are not supported (0 or 128)")
     K, N = x.shape[-1], weight_fp8.shape[0]
@@ -183,7 +187,5 @@ def fp8_linear(
     else:
         codes, scales = quantize_fp8_rows(rows, activations, input_scale)
         layout = {"token": X_ROW, "group": X_GROUP, "static": X_STATIC}[activations]
-    if layout == X_GROUP:
-        assert K % ACTIVATION_GROUP == 0  # quantize_fp8_rows refused otherwise
     y = fp8_gemm(codes, scales, layout, weight_fp8.contiguous(), w_scale, bool(block), bias, x.dtype)
     return y.reshape(*x.shape[:-1], N)

@@ -113,6 +113,18 @@ def test_fp4_dequantization_is_the_references_weight_bit_for_bit(name, dtype, ke
     assert torch.equal(got.cpu(), want.to(dtype))
 
 
+def test_every_e4m3_scale_byte_decodes_as_the_reference(kernel_device):
+    """NVFP4's scales are decoded from their bytes in arithmetic (no fp8 type: any GPU): all 254
+    finite e4m3 values — subnormals, zero, negatives — against the reference's dequantization."""
+    codes = torch.arange(256, dtype=torch.uint8)
+    codes[(codes & 0x7F) == 0x7F] = 0  # the two NaNs
+    stored = codes.view(torch.float8_e4m3fn).reshape(16, 16)
+    packed = torch.randint(0, 256, (16, 128), generator=torch.Generator().manual_seed(5), dtype=torch.uint8)
+    g = torch.tensor([3.0])
+    got = dequantize_fp4(*_on(kernel_device, packed, stored, g), torch.float32)
+    assert torch.equal(got.cpu(), dequantize_nvfp4(packed, stored, g))
+
+
 @pytest.mark.parametrize("name", ["nvfp4", "mxfp4"])
 @pytest.mark.parametrize("rows,dtype", [(1, torch.float32), (3, torch.bfloat16), (18, torch.float32)])
 def test_fp4_linear_equals_the_op(name, rows, dtype, kernel_device):

@@ -44,15 +44,12 @@ class WeightQuantizer(Pass):
     noop_after: ClassVar = frozenset({GraphProperty.QUANTIZED_WEIGHTS, GraphProperty.INT8_LOWERED})
     needs_hessian: ClassVar[bool] = False  # True: quantize_layer needs H (calibration required)
 
-    ignore: tuple[str, ...] = field(
-        default=(), kw_only=True
-    )  # module paths kept in full precision: globs, or 're:' + a regex
-    true_sequential: bool = field(
-        default=False, kw_only=True
-    )  # q/k/v, o, gate/up, down calibrated in turn, inputs re-run between
-    lm_head: bool = field(
-        default=False, kw_only=True
-    )  # also the output head (it has no block Hessian: head_quantizer says how)
+    # module paths kept in full precision: globs, or 're:' + a regex
+    ignore: tuple[str, ...] = field(default=(), kw_only=True)
+    # q/k/v, o, gate/up, down calibrated in turn, their inputs re-run between
+    true_sequential: bool = field(default=False, kw_only=True)
+    # also the output head (it has no block Hessian: head_quantizer says how)
+    lm_head: bool = field(default=False, kw_only=True)
 
     def __post_init__(self):
         plain = [f.name for f in fields(self) if f.name in _BASE_FIELDS and not f.kw_only]
