@@ -6,7 +6,8 @@ error at ``bits`` / ``group_size``; ``diag(s)`` is folded into the consumers' we
 ``diag(s)⁻¹`` into the producer — the same places SmoothQuant uses (a norm, a previous linear, or an
 explicit per-channel multiply: ``qcompiler/pipeline/smoothing_plan.py``). The FP model's output is
 unchanged; a weight pass after it (RTN, GPTQ, ...) quantizes the scaled weights: recipes
-``awq-w4g128`` (AWQ + RTN) and ``awq-gptq-w4g128`` (AWQ + GPTQ).
+``awq-w4g128`` (AWQ + RTN) and ``awq-gptq-w4g128`` (AWQ + GPTQ); on the floating-point formats
+(``grid="nvfp4"`` / ``"mxfp4"``) ``awq-nvfp4``, ``awq-gptq-nvfp4``, ``awq-mxfp4``, ``awq-gptq-mxfp4``.
 """
 
 from __future__ import annotations
@@ -37,6 +38,8 @@ class AWQ(Pass):
     group_size: int = 128
     explicit: bool = True  # allow an explicit x·(1/s) node where no producer can absorb it (post-LN models)
     ignore: tuple[str, ...] = ()  # module paths left unscaled: globs, or 're:' + a regex
+    # the grid the scales are searched for: an integer one ("minmax", ...) or a float format ("nvfp4", ...)
+    grid: str = "minmax"
 
     requires: ClassVar = frozenset()
     provides: ClassVar = frozenset({GraphProperty.SMOOTHED})
@@ -45,7 +48,7 @@ class AWQ(Pass):
 
     def __post_init__(self):
         object.__setattr__(self, "ignore", check_patterns(self.name, self.ignore))
-        check_spec(self.bits, self.group_size)
+        check_spec(self.bits, self.group_size, self.grid, float_grids=True)
 
     def run(self, gm: GraphModule, ctx: PassContext) -> bool:
         """Search and fold each producer group's scales, block by block on calibration data."""
@@ -82,7 +85,7 @@ class AWQ(Pass):
         stored = [layer.weight(gm) for layer in group]
         home = stored[0].device
         weights = [w.detach().float().to(H.device) for w in stored]
-        s, alpha, err, plain = search_awq_scales(weights, H, self.bits, self.group_size, AWQ_ALPHAS)
+        s, alpha, err, plain = search_awq_scales(weights, H, self.bits, self.group_size, AWQ_ALPHAS, self.grid)
         label = plan.label or group[0].path
         ctx.record.layers[label] = {
             "form": plan.form,

@@ -107,6 +107,14 @@ def _register_weight_only() -> None:
             f"AWQ activation-aware scales (searched for {bits}-bit g128), then GPTQ W{bits}A16 g128 (its defaults)",
             (lambda bits=bits: [AWQ(bits=bits, group_size=128), GPTQ(bits=bits, group_size=128)]),
         )
+    for grid, group in (("nvfp4", 16), ("mxfp4", 32)):
+        kw = dict(bits=4, group_size=group, grid=grid)
+        for method, cls in (("", RTN), ("gptq-", GPTQ)):
+            register_recipe(
+                f"awq-{method}{grid}",
+                f"AWQ activation-aware scales (searched on the {grid.upper()} grid), then {_describe(cls, kw)}",
+                (lambda cls=cls, kw=kw: [AWQ(**kw), cls(**kw)]),
+            )
 
 
 def _register_rotated_and_signround() -> None:
