@@ -14,12 +14,12 @@ import triton.language as tl
 
 from qcompiler.kernels.tuning import Tunable, check_activation
 
-__all__ = ["quantize_rows"]
+__all__ = ["quantize_rows", "round_half_even"]
 
 
 @triton.jit
-def _round_half_even(v):
-    # Adding and subtracting 1.5·2^23 rounds an fp32 |v| < 2^22 to the nearest integer, ties to even.
+def round_half_even(v):
+    """fp32 ``v`` (|v| < 2^22) to the nearest integer, ties to even: adding and subtracting 1.5·2^23."""
     return (v + 12582912.0) - 12582912.0
 
 
@@ -32,7 +32,7 @@ def row_scale(amax):
 @triton.jit
 def int8_codes(v, scale):
     """``clamp(round_half_even(v / scale), ±127)`` with a correctly rounded division, as ``torch.round`` does."""
-    return tl.minimum(tl.maximum(_round_half_even(tl.math.div_rn(v, scale)), -127.0), 127.0).to(tl.int8)
+    return tl.minimum(tl.maximum(round_half_even(tl.math.div_rn(v, scale)), -127.0), 127.0).to(tl.int8)
 
 
 # one program per row, a K tile per step; shared by every row quantizer

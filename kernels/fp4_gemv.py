@@ -20,7 +20,7 @@ import triton.language as tl
 from qcompiler.kernels.gemm_parts import split_k_range
 from qcompiler.kernels.tuning import Tunable
 
-__all__ = ["fp4_gemv", "e2m1_value", "e4m3_value", "group_scale"]
+__all__ = ["fp4_gemv", "fp4_tile", "load_global_scale", "e2m1_value", "e4m3_value", "group_scale"]
 
 
 @triton.jit
@@ -57,6 +57,25 @@ def group_scale(stored, global_scale, NVFP4: tl.constexpr):
 
 
 @triton.jit
+def load_global_scale(global_ptr, NVFP4: tl.constexpr):
+    """NVFP4's fp32 global scale (1 for MXFP4, which has none)."""
+    global_scale = 1.0
+    if NVFP4:
+        global_scale = tl.load(global_ptr).to(tl.float32)
+    return global_scale
+
+
+@triton.jit
+def fp4_tile(packed_ptr, scale_ptr, global_scale, rn, rb, tile, K, NVFP4: tl.constexpr, GROUP: tl.constexpr):
+    """fp32 weights of output rows ``rn`` × stored bytes ``rb`` (masked by ``tile``): the even inputs
+    ``2·rb`` (low nibbles) and the odd ones ``2·rb + 1``, each code times its group's scale."""
+    byte = tl.load(packed_ptr + rn[:, None] * (K // 2) + rb[None, :], mask=tile, other=0).to(tl.int32)
+    stored = tl.load(scale_ptr + rn[:, None] * (K // GROUP) + (2 * rb // GROUP)[None, :], mask=tile, other=0)
+    scale = group_scale(stored, global_scale, NVFP4)
+    return e2m1_value(byte & 15) * scale, e2m1_value(byte >> 4) * scale
+
+
+@triton.jit
 def _fp4_gemv_kernel(
     x_ptr,
     packed_ptr,
@@ -77,25 +96,20 @@ def _fp4_gemv_kernel(
     pid_n, row, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = rn < N
-    row_bytes = K // 2
-    groups = K // GROUP
-    global_scale = 1.0
-    if NVFP4:
-        global_scale = tl.load(global_ptr).to(tl.float32)
-    b_lo, b_hi = split_k_range(pid_k, row_bytes, BLOCK_B, SPLIT_K)
+    global_scale = load_global_scale(global_ptr, NVFP4)
+    b_lo, b_hi = split_k_range(pid_k, K // 2, BLOCK_B, SPLIT_K)
     acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
     x_row = x_ptr + row * stride_xm
     for b0 in range(b_lo, b_hi, BLOCK_B):
         rb = b0 + tl.arange(0, BLOCK_B)
         mask_b = rb < b_hi
-        tile = mask_n[:, None] & mask_b[None, :]
-        byte = tl.load(packed_ptr + rn[:, None] * row_bytes + rb[None, :], mask=tile, other=0).to(tl.int32)
-        stored = tl.load(scale_ptr + rn[:, None] * groups + (2 * rb // GROUP)[None, :], mask=tile, other=0)
-        scale = group_scale(stored, global_scale, NVFP4)
+        w_even, w_odd = fp4_tile(
+            packed_ptr, scale_ptr, global_scale, rn, rb, mask_n[:, None] & mask_b[None, :], K, NVFP4, GROUP
+        )
         x_even = tl.load(x_row + 2 * rb, mask=mask_b, other=0.0)
         x_odd = tl.load(x_row + 2 * rb + 1, mask=mask_b, other=0.0)
-        w_even = (e2m1_value(byte & 15) * scale).to(x_even.dtype).to(tl.float32)
-        w_odd = (e2m1_value(byte >> 4) * scale).to(x_even.dtype).to(tl.float32)
+        w_even = w_even.to(x_even.dtype).to(tl.float32)  # the reference's weight, in the activations' dtype
+        w_odd = w_odd.to(x_even.dtype).to(tl.float32)
         acc += tl.sum(w_even * x_even.to(tl.float32)[None, :] + w_odd * x_odd.to(tl.float32)[None, :], axis=1)
     if HAS_BIAS:
         if pid_k == 0:

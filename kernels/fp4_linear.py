@@ -18,7 +18,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from qcompiler.kernels.fp4_gemv import e2m1_value, fp4_gemv, group_scale
+from qcompiler.kernels.fp4_gemv import fp4_gemv, fp4_tile, load_global_scale
 from qcompiler.kernels.nvfp4_quant import quantize_nvfp4_rows
 from qcompiler.kernels.tuning import Tunable, check_activation
 
@@ -45,17 +45,12 @@ def _dequantize_fp4_kernel(
     pid_n, pid_b = tl.program_id(0), tl.program_id(1)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rb = pid_b * BLOCK_B + tl.arange(0, BLOCK_B)
-    row_bytes = K // 2
-    tile = (rn < N)[:, None] & (rb < row_bytes)[None, :]
-    global_scale = 1.0
-    if NVFP4:
-        global_scale = tl.load(global_ptr).to(tl.float32)
-    byte = tl.load(packed_ptr + rn[:, None] * row_bytes + rb[None, :], mask=tile, other=0).to(tl.int32)
-    stored = tl.load(scale_ptr + rn[:, None] * (K // GROUP) + (2 * rb // GROUP)[None, :], mask=tile, other=0)
-    scale = group_scale(stored, global_scale, NVFP4)
+    tile = (rn < N)[:, None] & (rb < K // 2)[None, :]
+    global_scale = load_global_scale(global_ptr, NVFP4)
+    w_even, w_odd = fp4_tile(packed_ptr, scale_ptr, global_scale, rn, rb, tile, K, NVFP4, GROUP)
     at = out_ptr + rn[:, None] * K + 2 * rb[None, :]
-    tl.store(at, (e2m1_value(byte & 15) * scale).to(out_ptr.dtype.element_ty), mask=tile)
-    tl.store(at + 1, (e2m1_value(byte >> 4) * scale).to(out_ptr.dtype.element_ty), mask=tile)
+    tl.store(at, w_even.to(out_ptr.dtype.element_ty), mask=tile)
+    tl.store(at + 1, w_odd.to(out_ptr.dtype.element_ty), mask=tile)
 
 
 _DEQUANTIZE = Tunable(
@@ -112,7 +107,6 @@ def nvfp4_linear(
     """``qc.nvfp4_linear`` as kernels: same arguments, same result within rounding. W4A4 is emulated:
     the inputs rounded to NVFP4 (``nvfp4_quant``), the weight dequantized, the product in fp32."""
     if input_global_scale is not None:
-        check_activation("nvfp4_w4a4", x)
         xq = quantize_nvfp4_rows(x, input_global_scale)
         w = dequantize_fp4(weight_packed, weight_scale, weight_global_scale.float(), torch.float32)
         y = F.linear(xq, w, None if bias is None else bias.float()).to(x.dtype)

@@ -17,8 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
-from qcompiler.kernels.act_quant import ROW_CONFIGS
-from qcompiler.kernels.tuning import Tunable, check_activation
+from qcompiler.kernels.act_quant import ROW_CONFIGS, round_half_even
+from qcompiler.kernels.tuning import Tunable, UnsupportedKernel, check_activation
 
 __all__ = ["quantize_fp8_rows", "round_e4m3", "ACTIVATION_GROUP"]
 
@@ -31,7 +31,7 @@ def round_e4m3(v):
     a = tl.minimum(tl.abs(v), 448.0)
     exponent = tl.maximum(((a.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, -6)  # subnormals below 2^-6
     step = ((exponent + 124) << 23).to(tl.float32, bitcast=True)  # 2^(exponent − 3): the mantissa's step
-    q = ((a / step + 12582912.0) - 12582912.0) * step  # |a / step| < 16: round half to even
+    q = round_half_even(a / step) * step  # |a / step| < 16
     return tl.where(v < 0, -q, q)
 
 
@@ -93,8 +93,6 @@ def quantize_fp8_rows(
     check_activation("quantize_fp8_rows", x)
     K = x.shape[-1]
     if activations == "group" and K % ACTIVATION_GROUP:
-        from qcompiler.kernels.tuning import UnsupportedKernel
-
         raise UnsupportedKernel(f"quantize_fp8_rows: group activations need inputs in multiples of 128, got {K}")
     x2 = x.reshape(-1, K).contiguous()
     M = x2.shape[0]

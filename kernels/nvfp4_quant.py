@@ -15,6 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
+from qcompiler.kernels.act_quant import round_half_even
 from qcompiler.kernels.fp8_quant import round_e4m3
 from qcompiler.kernels.tuning import Tunable, check_activation
 
@@ -28,7 +29,7 @@ def round_e2m1(v):
     """fp32 ``v`` rounded to the nearest e2m1 value, ties to even, saturating at ±6 (still fp32)."""
     a = tl.minimum(tl.abs(v), 6.0)  # everything above 6 rounds to 6 either way
     step = tl.where(a < 2.0, 0.5, tl.where(a < 4.0, 1.0, 2.0))
-    q = ((a / step + 12582912.0) - 12582912.0) * step  # a / step < 4: round half to even
+    q = round_half_even(a / step) * step  # a / step < 4
     return tl.where(v < 0, -q, q)
 
 
