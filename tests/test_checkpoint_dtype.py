@@ -1,6 +1,8 @@
 """A bf16 checkpoint loaded in float32 is saved no wider than it came: every untouched float32
 parameter whose values bf16 holds exactly is stored as bf16 and widened again on load, so the
-artifact is smaller than its source (weight-only recipe) and the reloaded graph is bit-identical."""
+artifact is smaller than its source (weight-only recipe) and the reloaded graph is bit-identical.
+The client checkpoints (compressed-tensors, GPTQ) likewise store those tensors in bf16 and say
+``dtype: bfloat16``, as the source did, so clients run the model in the dtype it was published in."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ from safetensors import safe_open
 from tiny_models import example_inputs, make_model
 
 import qcompiler as qc
+from qcompiler.interop import export_compressed_tensors, export_gptq
 from qcompiler.ir.tensors import get_raw_tensor
 from qcompiler.models import load
 from qcompiler.store.checkpoint_dtype import WIDEN_KEY, widen
@@ -23,9 +26,9 @@ def bf16_folder(tmp_path_factory):
     return folder
 
 
-def _stored_dtypes(artifact) -> dict[str, torch.dtype]:
+def _stored_dtypes(folder) -> dict[str, torch.dtype]:
     out = {}
-    for file in artifact.glob("tensors*.safetensors"):
+    for file in folder.glob("*.safetensors"):
         with safe_open(str(file), framework="pt") as f:
             out.update({k: f.get_tensor(k).dtype for k in f.keys()})
     return out
@@ -56,6 +59,24 @@ def test_untouched_tensors_are_stored_in_the_checkpoints_dtype_and_reload_bit_id
     else:  # SmoothQuant divided the norms by its scales: values bf16 does not hold stay float32
         norms = [k for k in stored if k.endswith("input_layernorm.weight")]
         assert norms and all(stored[k] == torch.float32 for k in norms)
+
+
+@pytest.mark.parametrize("export", [export_compressed_tensors, export_gptq])
+def test_client_checkpoints_store_untouched_tensors_in_the_sources_dtype(bf16_folder, tmp_path, export):
+    import json
+
+    loaded = load(bf16_folder)
+    cm = qc.compile(loaded.model, example_inputs("llama"), recipe="rtn-w4g128-sym", progress=False)
+    export(cm, tmp_path / "out", progress=lambda _m: None)
+    stored = _stored_dtypes(tmp_path / "out")
+    with safe_open(str(tmp_path / "out" / "model.safetensors"), framework="pt") as f:
+        embedding = f.get_tensor("model.embed_tokens.weight")
+    assert embedding.dtype == torch.bfloat16
+    assert torch.equal(embedding.float(), get_raw_tensor(cm.graph_module, "model.embed_tokens.weight"))
+    assert not [k for k, d in stored.items() if d == torch.float32]  # nothing wider than the source
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["dtype"] == "bfloat16"
+    out = sum(f.stat().st_size for f in (tmp_path / "out").glob("*.safetensors"))
+    assert out < sum(f.stat().st_size for f in bf16_folder.glob("*.safetensors"))
 
 
 def test_a_tampered_widen_list_is_refused_naming_the_tensor():

@@ -56,3 +56,18 @@ def test_a_compressed_tensors_export_names_the_client_that_cannot_read_it(cm, tm
     asym = qc.compile(make_model("llama"), example_inputs("llama"), recipe="rtn-w4g128", progress=False)
     asym.export("compressed-tensors", tmp_path / "asym", progress=said.append)
     assert ASYMMETRIC_NOTE in said and "\n" not in ASYMMETRIC_NOTE
+
+
+def test_an_asymmetric_v1_gptq_export_names_the_client_that_refuses_it(cm, tmp_path):
+    """GPTQModel refuses asymmetric v1 files it did not write: ``zero_format="auto"`` writing v1 for
+    asymmetric groups says so in one line; v2, and a symmetric grid in v1, say nothing of it."""
+    from qcompiler.interop.gptq_checkpoint import V1_ASYMMETRIC_NOTE
+
+    said = []
+    cm.export("gptq", tmp_path / "sym", progress=said.append)
+    assert said and V1_ASYMMETRIC_NOTE not in said
+    asym = qc.compile(make_model("llama"), example_inputs("llama"), recipe="rtn-w4g128", progress=False)
+    asym.export("gptq", tmp_path / "v2", zero_format="v2", progress=said.append)
+    assert V1_ASYMMETRIC_NOTE not in said and any(s.endswith("v2 zero points (as asked)") for s in said)
+    asym.export("gptq", tmp_path / "v1", progress=said.append)
+    assert V1_ASYMMETRIC_NOTE in said and "\n" not in V1_ASYMMETRIC_NOTE

@@ -18,6 +18,7 @@ from qcompiler.files.sharding import DEFAULT_SHARD_BYTES, plan_shards, shard_nam
 from qcompiler.ir.op_registry import OpArgs, args_of, implementation, quantized_layer_path, spec_of
 from qcompiler.ir.tensors import get_tensor
 from qcompiler.layouts.gptq import GPTQ_TENSORS
+from qcompiler.store.checkpoint_dtype import checkpoint_float_dtype, narrowing
 from qcompiler.store.model_files import model_files
 
 __all__ = [
@@ -29,6 +30,7 @@ __all__ = [
     "layer_writers",
     "gptq_layer",
     "fp_tensors",
+    "in_source_dtype",
     "write_checkpoint",
     "model_config_of",
     "source_folder",
@@ -111,6 +113,21 @@ def fp_tensors(gm: GraphModule, consumed: set[str]) -> dict[str, torch.Tensor]:
         and not any(part.startswith("_") for part in node.target.split("."))
     }
     return _under_client_names(stored, getattr(info, "tied", None) or {}, getattr(info, "model_config", None) or {})
+
+
+def in_source_dtype(tensors: dict[str, torch.Tensor], config: dict, gm: GraphModule) -> dict[str, torch.Tensor]:
+    """The FP tensors in the 16-bit dtype of the checkpoint the model came from, where that holds
+    their values exactly, and ``config``'s dtype set to it (in place): a bf16 model loaded in float32
+    otherwise came back wider than it was loaded (Gemma-3 270M at 4 bits: 723 MB against the
+    536 MB bf16 source) and clients ran it in float32. Tensors a pass changed keep float32."""
+    dtype = checkpoint_float_dtype(getattr(gm.meta.get("qcompiler"), "source_path", None))
+    if dtype is None:
+        return tensors
+    narrow = narrowing(tensors, dict.fromkeys(tensors, "parameter"), dtype)
+    for key in ("dtype", "torch_dtype"):
+        if key in config or key == "dtype":
+            config[key] = str(dtype).removeprefix("torch.")
+    return {name: t.to(narrow[name]) if name in narrow else t for name, t in tensors.items()}
 
 
 def _under_client_names(stored: dict, tied: dict, config: dict) -> dict:

@@ -25,6 +25,7 @@ from qcompiler.interop.checkpoint import (
     QuantLayer,
     fp_tensors,
     gptq_layer,
+    in_source_dtype,
     layer_writers,
     model_config_of,
     write_checkpoint,
@@ -207,7 +208,8 @@ def export_compressed_tensors(
             key = repr(sorted(scheme.items(), key=str))
             groups.setdefault(key, (scheme, []))[1].append(module)
         consumed.update(n.target for n in a.stored() if not n.target.endswith(".bias"))
-    tensors.update(moe_checkpoint_names(fp_tensors(gm, consumed), gm, config.get("model_type")))
+    fp = in_source_dtype(fp_tensors(gm, consumed), config, gm)
+    tensors.update(moe_checkpoint_names(fp, gm, config.get("model_type")))
     formats = {scheme["format"] for scheme, _ in groups.values()}
     config_groups = {
         f"group_{i}": {"targets": sorted(paths), **{k: v for k, v in scheme.items()}}

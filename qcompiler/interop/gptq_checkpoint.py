@@ -35,6 +35,7 @@ from qcompiler.interop.checkpoint import (
     QuantLayer,
     fp_tensors,
     gptq_layer,
+    in_source_dtype,
     layer_writers,
     model_config_of,
     write_checkpoint,
@@ -44,7 +45,13 @@ from qcompiler.ir.op_registry import args_of, implement, refuse, register_target
 from qcompiler.layouts.gptq import GPTQ_TENSORS
 from qcompiler.layouts.gptq_format import SPLIT_PROJECTIONS, zeros_from_v1, zeros_to_v1
 
-__all__ = ["export_gptq", "zeros_to_v1", "zeros_from_v1"]
+__all__ = ["export_gptq", "zeros_to_v1", "zeros_from_v1", "V1_ASYMMETRIC_NOTE"]
+
+V1_ASYMMETRIC_NOTE = (
+    "note: asymmetric groups in v1 zero points: AutoGPTQ-era loaders read them, but GPTQModel (and "
+    "transformers' GPTQ support through it) refuses asymmetric v1 files from other quantizers; for "
+    "GPTQModel export with zero_format='v2' (--zero-format v2)"
+)
 
 register_target("gptq", "exporter: GPTQ checkpoint folders (transformers, GPTQModel, vLLM)")
 implement("gptq", "quant_linear", gptq_layer, kind="writer", label="qweight/qzeros/scales/g_idx")
@@ -131,7 +138,8 @@ def export_gptq(
         )
     v1 = zero_format == "v1" or (zero_format == "auto" and not zero_layers)
     consumed = {getattr(args_of(layer.node), name).target for layer in layers for name in GPTQ_TENSORS}
-    tensors = moe_checkpoint_names(fp_tensors(gm, consumed), gm, config.get("model_type"), UNFUSED_NAMES)
+    fp = in_source_dtype(fp_tensors(gm, consumed), config, gm)
+    tensors = moe_checkpoint_names(fp, gm, config.get("model_type"), UNFUSED_NAMES)
     for layer in layers:
         t = dict(layer.tensors)
         if v1:
@@ -157,8 +165,10 @@ def export_gptq(
         f"GPTQ checkpoint: {len(layers)} layers, {bits}-bit, group {group_size}"
         + (f" ({len(dynamic)} with their own settings)" if dynamic else "")
         + ", "
-        f"{'v1' if v1 else 'v2'} zero points{'' if v1 else ' (some zeros are 0: v1 cannot hold them)'}"
+        f"{'v1' if v1 else 'v2'} zero points{_why_v2(v1, zero_layers)}"
     )
+    if v1 and not sym:
+        progress(V1_ASYMMETRIC_NOTE)
     return write_checkpoint(
         out_dir,
         tensors,
@@ -171,3 +181,10 @@ def export_gptq(
         max_shard_bytes=max_shard_bytes,
         progress=progress,
     )
+
+
+def _why_v2(v1: bool, zero_layers: list[str]) -> str:
+    """Why the file holds real (v2) zero points: only say v1 cannot hold them when some are 0."""
+    if v1:
+        return ""
+    return " (some zeros are 0: v1 cannot hold them)" if zero_layers else " (as asked)"
