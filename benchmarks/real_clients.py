@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import textwrap
 import time
@@ -52,14 +53,31 @@ CLIENTS = {  # format -> the clients that read it
     "onnx-genai": ("genai",),
     "gguf": ("llama.cpp",),
 }
-MARGIN = {
-    "transformers": 1e-3,
-    "genai": 1e-3,
-    "transformers-bf16": 0.1,
-    "vllm": 0.1,
-    "vllm-w4a16": 0.1,
-    "gptqmodel": 0.1,
-    "llama.cpp": 0.1,
+MARGIN = {  # (worst gap in logit std, least share of tokens that are exactly ours)
+    "transformers": (1e-3, 1.0),
+    "genai": (1e-3, 1.0),
+    "transformers-bf16": (0.1, 0.75),
+    "vllm": (0.1, 0.75),
+    "vllm-w4a16": (0.1, 0.75),
+    "gptqmodel": (0.1, 0.75),
+    "llama.cpp": (0.1, 0.75),
+}
+# W8A8 on a real model: a last-bit difference before a per-token rounding moves a code, and over 18
+# layers the moves compound (onnxruntime-genai, whose graph is our quantizer exactly: 0.117 std,
+# 242/256; transformers' own quantizer divides by 127.5: 0.158, 241/256); the random-weight
+# conformance models (2 layers) stay within 0.05
+W8A8_MARGIN = (0.2, 0.9)
+# (recipe, format, client) -> what is not judged against the margins, and why (regex on the error,
+# or None: the cell's tokens are reported, not judged)
+EXPECTED = {
+    # compressed-tensors 0.20.1 refuses every asymmetric pack-quantized checkpoint (our export says so)
+    ("gptq-w4g128", "compressed-tensors", "transformers"): r"ignore_mismatched_sizes",
+    ("gptq-w4g128", "compressed-tensors", "transformers-bf16"): r"ignore_mismatched_sizes",
+    # GPTQModel refuses asymmetric v1 files other quantizers write (our export says so)
+    ("gptq-w4g128", "gptq", "gptqmodel"): r"only supported if produced by gptqmodel",
+    # vLLM's CPU defaults round a 4-bit layer's activations to int8 on AMX CPUs (W4A8, not the file's
+    # W4A16): reported, judged in the vllm-w4a16 column
+    **{(r, "compressed-tensors", "vllm"): None for r in ("gptq-w4g128-sym", "gptq-w4g128", "gptq-q4_0")},
 }
 
 _VLLM = textwrap.dedent("""
@@ -230,6 +248,9 @@ def main() -> None:
     parser.add_argument("--gptqmodel-python", default=os.environ.get("QC_GPTQMODEL_PYTHON"))
     parser.add_argument("--out", type=Path, default=Path("/tmp/real_clients"))
     parser.add_argument("--update", action="store_true", help="merge these rows into the committed file")
+    parser.add_argument(
+        "--check", action="store_true", help="exit 1 naming every cell that fails (JSON to results/quick/)"
+    )
     args = parser.parse_args()
     m = load_model(REAL)
     asks = prompts(m, args.prompts, args.prompt_tokens)
@@ -251,24 +272,48 @@ def main() -> None:
                 outcome = run_client(client, target, asks, args.new_tokens, args)
                 row = {"recipe": recipe, "format": fmt, "client": client, "file_mb": size_mb(target)}
                 if "tokens" in outcome:
-                    row.update(judge(cm, asks, outcome["tokens"]), margin=MARGIN[client])
+                    margin = W8A8_MARGIN if recipe.startswith("w8a8") else MARGIN[client]
+                    row.update(judge(cm, asks, outcome["tokens"]), margin=margin[0], least_ours=margin[1])
                 else:
                     row.update(outcome)
                 row["client_s"] = time.perf_counter() - start
+                row["verdict"] = verdict(row)
                 rows.append(row)
-                print(f"  {fmt:<19} {client:<13} {_cell(row)}", flush=True)
+                print(f"  {fmt:<19} {client:<17} {_cell(row)} — {row['verdict']}", flush=True)
     if args.update:
         rows = merged_rows("real_clients", rows, key=("recipe", "format", "client"))
-    print("wrote", write_rows("real_clients", rows, model=REAL, prompts=args.prompts, new_tokens=args.new_tokens))
+    meta = {"model": REAL, "prompts": args.prompts, "new_tokens": args.new_tokens}
+    print("wrote", write_rows("real_clients", rows, quick=args.check, **meta))
+    failed = [r for r in rows if r.get("verdict", "").startswith("FAILS")]
+    for r in failed:
+        print(f"FAILED {r['recipe']} / {r['format']} / {r['client']}: {r['verdict']}")
+    if args.check and failed:
+        raise SystemExit(1)
+
+
+def verdict(row: dict) -> str:
+    """ "holds", "expected: ...", "reported", "skipped", or "FAILS: why" for one cell."""
+    key = (row["recipe"], row["format"], row["client"])
+    if key in EXPECTED and EXPECTED[key] is None:
+        return "reported (its own arithmetic, not judged)"
+    if "skipped" in row:
+        return "skipped"
+    if "ours" not in row:
+        said = row.get("error") or row.get("refused", "")
+        limit = EXPECTED.get(key)
+        if limit is not None and re.search(limit, said):
+            return "expected: the client's known limit"
+        return f"FAILS: {said[-300:]}"
+    if key in EXPECTED:
+        return f"FAILS: the known limit {EXPECTED[key]!r} no longer holds: it ran"
+    if row["worst_gap_std"] > row["margin"] or row["ours"] < row["least_ours"] * row["tokens"]:
+        return f"FAILS: outside the margin ({row['margin']} std, {row['least_ours']:.0%} ours)"
+    return "holds"
 
 
 def _cell(row: dict) -> str:
     if "ours" in row:
-        held = "holds" if row["worst_gap_std"] <= row["margin"] else "OUTSIDE the margin"
-        return (
-            f"{row['ours']}/{row['tokens']} ours, worst gap {row['worst_gap_std']:.3g} std "
-            f"(margin {row['margin']}: {held}), {row['file_mb']:.0f} MB"
-        )
+        return f"{row['ours']}/{row['tokens']} ours, worst gap {row['worst_gap_std']:.3g} std, {row['file_mb']:.0f} MB"
     return next(f"{k}: {v}" for k, v in row.items() if k in ("refused", "error", "skipped"))
 
 
