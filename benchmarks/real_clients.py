@@ -267,10 +267,11 @@ def main() -> None:
                 rows += [{"recipe": recipe, "format": fmt, "client": c, "refused": str(e)} for c in CLIENTS[fmt]]
                 print(f"  {fmt:<19} refused: {e}", flush=True)
                 continue
+            mb = size_mb(target)
             for client in [c for c in CLIENTS[fmt] if not args.clients or c in args.clients]:
                 start = time.perf_counter()
                 outcome = run_client(client, target, asks, args.new_tokens, args)
-                row = {"recipe": recipe, "format": fmt, "client": client, "file_mb": size_mb(target)}
+                row = {"recipe": recipe, "format": fmt, "client": client, "file_mb": mb}
                 if "tokens" in outcome:
                     margin = W8A8_MARGIN if recipe.startswith("w8a8") else MARGIN[client]
                     row.update(judge(cm, asks, outcome["tokens"]), margin=margin[0], least_ours=margin[1])

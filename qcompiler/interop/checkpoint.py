@@ -124,9 +124,10 @@ def in_source_dtype(tensors: dict[str, torch.Tensor], config: dict, gm: GraphMod
     if dtype is None:
         return tensors
     narrow = narrowing(tensors, dict.fromkeys(tensors, "parameter"), dtype)
-    for key in ("dtype", "torch_dtype"):
-        if key in config or key == "dtype":
-            config[key] = str(dtype).removeprefix("torch.")
+    name = str(dtype).removeprefix("torch.")
+    config["dtype"] = name
+    if "torch_dtype" in config:  # transformers before 5 wrote this key
+        config["torch_dtype"] = name
     return {name: t.to(narrow[name]) if name in narrow else t for name, t in tensors.items()}
 
 
